@@ -1,0 +1,319 @@
+//! The f32 CPU backend: rayon threads over (sequence, head block) for the conv and over (sequence, value head)
+//! for the recurrence; each q/k channel is convolved and normalized once per token, and each head's state is
+//! read from the pool once per window and written once at the commit.
+
+pub mod kernels;
+
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use crate::backend::check_slot_io;
+use crate::{Backend, Error, Layer, LayerPool, OutputLayout, Result, StepArgs};
+use kernels::{HeadInputs, HeadRows};
+
+/// The CPU backend. By default it uses rayon's global thread pool.
+#[derive(Clone, Default)]
+pub struct Cpu {
+    threads: Option<Arc<rayon::ThreadPool>>,
+}
+
+impl Cpu {
+    pub fn new() -> Self {
+        Cpu::default()
+    }
+
+    /// A backend with its own pool of `n` threads.
+    pub fn with_threads(n: usize) -> Result<Self> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build()
+            .map_err(|e| Error::Backend(e.to_string()))?;
+        Ok(Cpu {
+            threads: Some(Arc::new(pool)),
+        })
+    }
+
+    fn thread_count(&self) -> usize {
+        self.threads
+            .as_ref()
+            .map_or_else(rayon::current_num_threads, |p| p.current_num_threads())
+    }
+
+    /// The instruction set the kernels dispatch to on this machine.
+    pub fn isa() -> &'static str {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return "avx512+fma";
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return "avx2+fma";
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            if std::arch::is_aarch64_feature_detected!("neon") {
+                return "neon";
+            }
+        }
+        "generic"
+    }
+}
+
+impl Backend for Cpu {
+    fn name(&self) -> String {
+        format!("cpu ({}, {} threads)", Cpu::isa(), self.thread_count())
+    }
+
+    fn create_pool(&self, layer: &Layer, slots: usize) -> Result<Box<dyn LayerPool>> {
+        layer.validate()?;
+        let sh = layer.shape();
+        Ok(Box::new(CpuPool {
+            layer: layer.clone(),
+            slots,
+            state: vec![0.0; slots * sh.state_len()],
+            hist: vec![0.0; slots * sh.hist_len()],
+            conv: Vec::new(),
+            heads_y: Vec::new(),
+            threads: self.threads.clone(),
+        }))
+    }
+}
+
+/// A layer's state pool in host memory. The history is updated in place: on the CPU every q/k channel is
+/// convolved once, before any head reads it, so no double buffer is needed.
+pub struct CpuPool {
+    layer: Layer,
+    slots: usize,
+    state: Vec<f32>,
+    hist: Vec<f32>,
+    /// Conv outputs [b][block][t][d] (q/k blocks normalized); grown on demand, reused across steps.
+    conv: Vec<f32>,
+    /// Head outputs [b][h][t][d] before they are laid out as rows.
+    heads_y: Vec<f32>,
+    threads: Option<Arc<rayon::ThreadPool>>,
+}
+
+/// The pool state as a raw pointer, for the head tasks that each own a disjoint set of its rows.
+#[derive(Clone, Copy)]
+struct StatePtr(*mut f32);
+// SAFETY: only used to build HeadRows for disjoint (slot, head) pairs, see `CpuPool::run_step`.
+unsafe impl Send for StatePtr {}
+unsafe impl Sync for StatePtr {}
+
+impl StatePtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+impl CpuPool {
+    fn run_step(
+        &mut self,
+        args: &StepArgs<'_>,
+        layout: OutputLayout,
+        commit_at: usize,
+        out: &mut [f32],
+    ) {
+        let layer = &self.layer;
+        let sh = *layer.shape();
+        let (d, h_k, h_v, c_n, n) = (sh.d, sh.h_k, sh.h_v, sh.channels(), sh.n());
+        let batch = &args.batch;
+        let (b_n, t) = (batch.b, batch.t);
+        let blocks = 2 * h_k + h_v;
+        let eps = layer.config.eps;
+        let p = &layer.params;
+        self.conv.resize(b_n * blocks * t * d, 0.0);
+        self.heads_y.resize(b_n * h_v * t * d, 0.0);
+
+        // Phase 1: conv + SiLU (+ L2 norm for q/k) per (sequence, head block); history committed in place.
+        let hist_len = sh.hist_len();
+        let mut hist_of_slot: Vec<Option<&mut [f32]>> =
+            self.hist.chunks_mut(hist_len).map(Some).collect();
+        let mut conv_tasks = Vec::with_capacity(b_n * blocks);
+        for (b, (conv_b, &slot)) in self
+            .conv
+            .chunks_mut(blocks * t * d)
+            .zip(args.slots)
+            .enumerate()
+        {
+            if slot < 0 {
+                continue;
+            }
+            // validated: in range and named once
+            let hist = hist_of_slot[slot as usize].take().expect("slot named once");
+            for (blk, (out_blk, hist_blk)) in conv_b
+                .chunks_mut(t * d)
+                .zip(hist.chunks_mut(3 * d))
+                .enumerate()
+            {
+                conv_tasks.push((b, blk, out_blk, hist_blk));
+            }
+        }
+        let conv_stage = |(b, blk, out_blk, hist_blk): (usize, usize, &mut [f32], &mut [f32])| {
+            let c0 = blk * d;
+            let qkv = &batch.qkv[b * t * c_n + c0..];
+            let w = &p.conv_w[c0 * 4..(c0 + d) * 4];
+            let normalize = (blk < 2 * h_k).then_some(eps);
+            kernels::conv_block(d, t, qkv, c_n, w, hist_blk, out_blk, normalize);
+            if commit_at > 0 {
+                kernels::shifted_hist(d, commit_at, qkv, c_n, hist_blk);
+            }
+        };
+
+        in_pool(&self.threads, || {
+            conv_tasks.into_par_iter().for_each(conv_stage)
+        });
+
+        // Phase 2: the recurrence per (sequence, value head).
+        let state_len = sh.state_len();
+        let state = StatePtr(self.state.as_mut_ptr());
+        let conv = &self.conv;
+        let head_stage = |(bh, y): (usize, &mut [f32]), work: &mut Vec<f32>| {
+            let (b, h) = (bh / h_v, bh % h_v);
+            let slot = args.slots[b];
+            if slot < 0 {
+                return;
+            }
+            let g = layer.config.head_map.qk_head(&sh, h);
+            let blk = |x: usize| &conv[((b * blocks) + x) * t * d..((b * blocks) + x + 1) * t * d];
+            let (alpha, beta): (Vec<f32>, Vec<f32>) = (0..t)
+                .map(|tok| {
+                    let i = (b * t + tok) * h_v + h;
+                    (batch.alpha[i], batch.beta[i])
+                })
+                .unzip();
+            let inp = HeadInputs {
+                d,
+                t,
+                q: blk(g),
+                k: blk(h_k + g),
+                v: blk(2 * h_k + h),
+                alpha: &alpha,
+                beta: &beta,
+                z: &batch.z[b * t * n + h * d..],
+                z_stride: n,
+                dt: p.dt[h],
+                a: p.a[h],
+                gamma: &p.gamma,
+                gate: layer.config.gate,
+                eps,
+                commit_at,
+            };
+            // SAFETY: rows (i * h_v + h) * d .. + d of slot `slot` lie inside the pool's state (slot < slots,
+            // checked by validate), and each (slot, h) pair belongs to exactly one task of this parallel loop
+            // (slots are distinct within a batch, also checked), so no two HeadRows overlap; nothing else
+            // touches `self.state` while the loop runs.
+            let mut rows = unsafe {
+                HeadRows::new(
+                    state.get().add(slot as usize * state_len + h * d),
+                    h_v * d,
+                    d,
+                )
+            };
+            kernels::head_window(&inp, &mut rows, work, y);
+        };
+        let scratch = kernels::head_scratch_len(d);
+        let heads_y = &mut self.heads_y;
+        in_pool(&self.threads, || {
+            heads_y.par_chunks_mut(t * d).enumerate().for_each_init(
+                || vec![0.0f32; scratch],
+                |work, task| head_stage(task, work),
+            )
+        });
+
+        // Phase 3: rows of y, and the planes.
+        let heads_y = &self.heads_y;
+        let fill_row = |row: usize, y: &mut [f32]| {
+            let (b, tok) = (row / t, row % t);
+            for h in 0..h_v {
+                let src = &heads_y[((b * h_v + h) * t + tok) * d..][..d];
+                y[h * d..(h + 1) * d].copy_from_slice(src);
+            }
+        };
+        let live = |row: usize| args.slots[row / t] >= 0;
+        in_pool(&self.threads, || match layout.plane_stride {
+            None => out
+                .par_chunks_mut(n)
+                .enumerate()
+                .filter(|(r, _)| live(*r))
+                .for_each(|(r, y)| fill_row(r, y)),
+            Some(ps) => {
+                let (y_all, rest) = out.split_at_mut(ps);
+                let (p1, rest) = rest.split_at_mut(ps);
+                let (p2, rest) = rest.split_at_mut(ps);
+                let (p3, sums) = rest.split_at_mut(ps);
+                y_all[..layout.rows * n]
+                    .par_chunks_mut(n)
+                    .zip(p1.par_chunks_mut(n))
+                    .zip(p2.par_chunks_mut(n))
+                    .zip(p3.par_chunks_mut(n))
+                    .zip(sums.par_chunks_mut(n / 16))
+                    .enumerate()
+                    .filter(|(r, _)| live(*r))
+                    .for_each(|(r, ((((y, p1), p2), p3), gs))| {
+                        fill_row(r, y);
+                        for m in 0..n {
+                            p1[m] = y[m] * crate::plane_scale(1, m);
+                            p2[m] = y[m] * crate::plane_scale(2, m);
+                            p3[m] = y[m] * crate::plane_scale(3, m);
+                        }
+                        for (q, g) in y.chunks_exact(16).enumerate() {
+                            let (mut even, mut odd) = (0.0f32, 0.0f32);
+                            for e in (0..16).step_by(2) {
+                                even += g[e];
+                                odd += g[e + 1];
+                            }
+                            gs[q] = even + odd;
+                        }
+                    });
+            }
+        });
+    }
+}
+
+/// Runs `f` in the backend's own thread pool if it has one, else in rayon's global pool.
+fn in_pool<R: Send>(threads: &Option<Arc<rayon::ThreadPool>>, f: impl FnOnce() -> R + Send) -> R {
+    match threads {
+        Some(pool) => pool.install(f),
+        None => f(),
+    }
+}
+
+impl LayerPool for CpuPool {
+    fn layer(&self) -> &Layer {
+        &self.layer
+    }
+
+    fn slots(&self) -> usize {
+        self.slots
+    }
+
+    fn write_slot(&mut self, slot: usize, state: &[f32], hist: &[f32]) -> Result<()> {
+        check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
+        let (sl, hl) = (state.len(), hist.len());
+        self.state[slot * sl..(slot + 1) * sl].copy_from_slice(state);
+        self.hist[slot * hl..(slot + 1) * hl].copy_from_slice(hist);
+        Ok(())
+    }
+
+    fn read_slot(&mut self, slot: usize, state: &mut [f32], hist: &mut [f32]) -> Result<()> {
+        check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
+        let (sl, hl) = (state.len(), hist.len());
+        state.copy_from_slice(&self.state[slot * sl..(slot + 1) * sl]);
+        hist.copy_from_slice(&self.hist[slot * hl..(slot + 1) * hl]);
+        Ok(())
+    }
+
+    fn step(&mut self, args: &StepArgs<'_>, out: &mut [f32]) -> Result<()> {
+        let (layout, commit_at) = args.validate(&self.layer, self.slots, out.len())?;
+        self.run_step(args, layout, commit_at, out);
+        Ok(())
+    }
+}

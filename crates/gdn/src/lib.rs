@@ -1,0 +1,45 @@
+//! gdn: the fused Gated DeltaNet window step (SPEC.md), exact and fast.
+//!
+//! - [`config`]: shape, head map, gate, commit mode, layer parameters.
+//! - [`batch`]: windows of inputs, the output layout, the checks every backend runs first.
+//! - [`backend`]: the [`Backend`] and [`LayerPool`] traits every backend implements.
+//! - [`oracle`]: the float64 reference, SPEC.md as plain code.
+//! - [`cpu`]: the fast f32 CPU backend.
+//! - [`stepfile`]: the safetensors file format of `gdn step`.
+//! - [`synth`]: random layers and windows for tests, demos and benchmarks.
+
+pub mod backend;
+pub mod batch;
+pub mod config;
+pub mod cpu;
+pub mod error;
+pub mod oracle;
+pub mod stepfile;
+pub mod synth;
+
+pub use backend::{Backend, LayerPool};
+pub use batch::{plane_scale, Batch, BatchData, OutputLayout, StepArgs};
+pub use config::{Commit, Config, Gate, HeadMap, Layer, Params, Shape};
+pub use cpu::Cpu;
+pub use error::{Error, Result};
+
+/// `||out - ref|| / ||ref||` over whole buffers (0 when both are zero; infinite on any NaN).
+pub fn relative_error(out: &[f32], reference: &[f64]) -> f64 {
+    assert_eq!(out.len(), reference.len(), "relative_error: lengths differ");
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&o, &r) in out.iter().zip(reference) {
+        if o.is_nan() != r.is_nan() {
+            return f64::INFINITY;
+        }
+        if o.is_nan() {
+            continue;
+        }
+        num += (o as f64 - r) * (o as f64 - r);
+        den += r * r;
+    }
+    if num == 0.0 {
+        0.0
+    } else {
+        (num / den).sqrt()
+    }
+}
