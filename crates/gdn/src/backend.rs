@@ -1,6 +1,40 @@
 //! The one interface every backend implements, the way the conformance suite and the command line see it.
 
+use std::time::{Duration, Instant};
+
 use crate::{Layer, Result, StepArgs};
+
+/// How long one step call takes, measured the backend's own way.
+#[derive(Clone, Debug)]
+pub struct StepTiming {
+    /// Median time of one call over the timed repetitions.
+    pub per_call: Duration,
+    /// Host time spent issuing one call, where the backend can tell it apart from the device work.
+    pub host_per_call: Option<Duration>,
+    /// How it was measured, e.g. `host clock` or `CUDA graph replay, events`.
+    pub method: String,
+}
+
+/// Median of host-clock timings of `f`, `rounds` rounds of `iters` calls each, after one warm-up round.
+pub fn time_host(
+    rounds: usize,
+    iters: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<Duration> {
+    for _ in 0..iters.max(1) {
+        f()?;
+    }
+    let mut times = Vec::with_capacity(rounds);
+    for _ in 0..rounds.max(1) {
+        let t0 = Instant::now();
+        for _ in 0..iters.max(1) {
+            f()?;
+        }
+        times.push(t0.elapsed() / iters.max(1) as u32);
+    }
+    times.sort();
+    Ok(times[times.len() / 2])
+}
 
 /// A place the step can run: the CPU, a CUDA device, a wgpu adapter.
 pub trait Backend {
@@ -8,6 +42,18 @@ pub trait Backend {
     fn name(&self) -> String;
     /// Loads a layer's parameters and makes a state pool of `slots` zeroed slots for it.
     fn create_pool(&self, layer: &Layer, slots: usize) -> Result<Box<dyn LayerPool>>;
+    /// The memory-copy ceiling of this backend's memory, bytes read plus bytes written per second, measured now
+    /// on a buffer of `bytes` bytes: what a memory-bound step is compared with.
+    fn copy_ceiling(&self, bytes: usize) -> Result<f64> {
+        let src = vec![1.0f32; bytes / 4];
+        let mut dst = vec![0.0f32; bytes / 4];
+        let t = time_host(7, 8, || {
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&mut dst);
+            Ok(())
+        })?;
+        Ok(2.0 * bytes as f64 / t.as_secs_f64())
+    }
 }
 
 /// One layer on one backend: its parameters and its pool of per-sequence states (S and the conv history),
@@ -22,6 +68,23 @@ pub trait LayerPool {
     /// Advances the named slots by their windows and writes `out` (see [`crate::OutputLayout`]). Every check
     /// runs before any state is touched: on error, the pool and `out` are as they were.
     fn step(&mut self, args: &StepArgs<'_>, out: &mut [f32]) -> Result<()>;
+    /// Times repeated steps with these arguments (the pool's slots evolve as the steps commit). Device backends
+    /// override this to keep inputs resident and time the device work alone.
+    fn time_step(&mut self, args: &StepArgs<'_>, iters: usize) -> Result<StepTiming> {
+        let layout = crate::OutputLayout::new(
+            self.layer().shape(),
+            args.batch.b,
+            args.batch.t,
+            args.plane_stride,
+        )?;
+        let mut out = vec![0.0f32; layout.len()];
+        let per_call = time_host(7, iters, || self.step(args, &mut out))?;
+        Ok(StepTiming {
+            per_call,
+            host_per_call: None,
+            method: "host clock".into(),
+        })
+    }
 }
 
 /// Checks a slot index and the lengths of a slot's S and H, for `write_slot` and `read_slot`.

@@ -17,7 +17,7 @@ pub mod oracle;
 pub mod stepfile;
 pub mod synth;
 
-pub use backend::{Backend, LayerPool};
+pub use backend::{Backend, LayerPool, StepTiming};
 pub use batch::{plane_scale, Batch, BatchData, OutputLayout, StepArgs};
 pub use config::{Commit, Config, Gate, HeadMap, Layer, Params, Shape};
 pub use cpu::Cpu;
