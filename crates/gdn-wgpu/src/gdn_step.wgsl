@@ -1,0 +1,417 @@
+// The fused GDN window step (SPEC.md), one workgroup per (sequence, value head).
+//
+// This file is a template: `kernel.rs` prepends the shape constants (D, H_K, H_V, IB, ...) and expands the
+// directives below before handing the text to wgpu, so every loop over state rows has constant bounds and
+// constant indices and the state array lives in registers.
+//   //#if NAME / //#else / //#endif       kept or dropped by a host flag (SUBGROUPS, PLANES, SILU, GROUPED)
+//   //#for v COUNT ... //#endfor         the block repeated COUNT times with `$v` replaced by 0, 1, ...
+//                                        (or a real loop when COUNT is large); each copy gets its own braces
+//
+// Thread layout: thread `tid = ib * D + j` owns column j of the head's state and the RPT rows
+// `ib * RPT .. + RPT`. The first 3 D threads (or all of them, several channels each when the workgroup is
+// smaller) run the conv of one channel: q and k of the value head's q/k head, then its own v.
+//
+// The q/k conv history is private to each value head (layout [slot][h_v][3][D][3], see pool.rs), so the
+// workgroup owns everything it reads and writes its committed history in place: no double buffer and no
+// dependency between workgroups.
+//
+// A token takes four barriers (five without subgroups). The readout's RMS norm and the planes of token t run
+// inside token t + 1 (after its first and second barriers), and after the last token in a short tail.
+
+struct Params {
+    // tokens in the window
+    t: u32,
+    // 0: verify, else the state and history after token commit_at - 1 are written back
+    commit_at: u32,
+    // plane stride P in floats (planes on) or 0
+    plane: u32,
+    // offsets of qkv, alpha, beta and z inside `inp`
+    qkv_off: u32,
+    alpha_off: u32,
+    beta_off: u32,
+    z_off: u32,
+    pad: u32,
+}
+
+// [slot][D][H_V][D]: SPEC.md's S per slot
+@group(0) @binding(0) var<storage, read_write> state: array<f32>;
+// [slot][H_V][3][D][3]: each value head's own copy of the q, k and v history it reads
+@group(0) @binding(1) var<storage, read_write> hist: array<f32>;
+// qkv [B][T][C] | alpha [B][T][H_V] | beta [B][T][H_V] | z [B][T][N]
+@group(0) @binding(2) var<storage, read> inp: array<f32>;
+// conv_w [C][4] | dt [H_V] | a [H_V] | gamma [D]
+@group(0) @binding(3) var<storage, read> lw: array<f32>;
+// gdn::OutputLayout: y at 0, planes at P, 2P, 3P, group sums at 4P
+@group(0) @binding(4) var<storage, read_write> out: array<f32>;
+// (sequence index b, pool slot) of each live sequence: workgroup_id.y indexes it
+@group(0) @binding(5) var<storage, read> jobs: array<vec2<u32>>;
+@group(0) @binding(6) var<uniform> prm: Params;
+
+// raw conv outputs of the token: q [0, D), k [D, 2D), v [2D, 3D); the readout o of the previous token at [3D, 4D)
+var<workgroup> vals: array<f32, 4 * D>;
+// normalized q and k, four rows a vector
+var<workgroup> qh: array<vec4<f32>, D / 4>;
+var<workgroup> kh: array<vec4<f32>, D / 4>;
+// per row block partials of kv and of the readout
+var<workgroup> red: array<f32, IB * D>;
+var<workgroup> red2: array<f32, IB * D>;
+// gate and write strength of the token
+var<workgroup> gb: array<f32, 2>;
+//#if PLANES
+// y of the previous token, for the group sums
+var<workgroup> ys: array<f32, D>;
+//#endif
+//#if !SUBGROUPS
+// 16-element partial sums of squares: q [0, D/16), k [D/16, 2D/16), o [2D/16, 3D/16)
+var<workgroup> parts: array<f32, 3 * D / 16>;
+//#endif
+
+fn sigmoid(x: f32) -> f32 {
+    return 1.0 / (1.0 + exp(-x));
+}
+
+// log(1 + e) for e = exp(u) >= 0, accurate to a few ulps also where log's absolute error bound would not be:
+// for e < 1 an odd series in s = e / (2 + e) (s <= 1/3), else log(1 + e) (>= log 2, where log is accurate).
+// NaN stays NaN.
+fn log1p_exp(e: f32) -> f32 {
+    let w = 1.0 + e;
+    if (w == 1.0) {
+        return e;
+    }
+    if (e < 1.0) {
+        let s = e / (2.0 + e);
+        let s2 = s * s;
+        var p = 1.0 / 17.0;
+        p = fma(p, s2, 1.0 / 15.0);
+        p = fma(p, s2, 1.0 / 13.0);
+        p = fma(p, s2, 1.0 / 11.0);
+        p = fma(p, s2, 1.0 / 9.0);
+        p = fma(p, s2, 1.0 / 7.0);
+        p = fma(p, s2, 1.0 / 5.0);
+        p = fma(p, s2, 1.0 / 3.0);
+        return 2.0 * fma(s * s2, p, s);
+    }
+    return log(w);
+}
+
+// SPEC.md step 3: exp(softplus(alpha + dt) * a)
+fn decay(alpha: f32, dt: f32, a: f32) -> f32 {
+    let u = alpha + dt;
+    var sp = u;
+    if (!(u > 20.0)) {
+        sp = log1p_exp(exp(u));
+    }
+    return exp(sp * a);
+}
+
+// 2^-k for 0 <= k < 127, exactly
+fn pow2_neg(k: u32) -> f32 {
+    return bitcast<f32>((127u - k) << 23u);
+}
+
+//#if SUBGROUPS
+// sum of vals[base + c]^2 over c < D, the same in every subgroup: lanes stride the vector, then subgroupAdd
+fn sumsq(base: u32, lane: u32, sg: u32) -> f32 {
+    var acc = 0.0;
+    for (var c = lane; c < D; c += sg) {
+        let x = vals[base + c];
+        acc = fma(x, x, acc);
+    }
+    return subgroupAdd(acc);
+}
+//#else
+// thread p < 3 D / 16 sums the squares of 16 consecutive values of q, k or o
+fn partial_sumsq(p: u32) {
+    if (p < 3u * D / 16u) {
+        var base = 16u * p;
+        if (p >= 2u * D / 16u) {
+            base = D + 16u * p;
+        }
+        var acc = 0.0;
+        for (var e = 0u; e < 16u; e++) {
+            let x = vals[base + e];
+            acc = fma(x, x, acc);
+        }
+        parts[p] = acc;
+    }
+}
+
+// the sum of the D / 16 partials from `first`, in order
+fn sum_parts(first: u32) -> f32 {
+    var acc = 0.0;
+    for (var p = 0u; p < D / 16u; p++) {
+        acc += parts[first + p];
+    }
+    return acc;
+}
+//#endif
+
+@compute @workgroup_size(W)
+fn gdn_step(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(local_invocation_index) tid: u32,
+//#if SUBGROUPS
+    @builtin(subgroup_size) sg_size: u32,
+    @builtin(subgroup_invocation_id) lane: u32,
+//#endif
+) {
+    let h = wg.x;
+    let job = jobs[wg.y];
+    let b = job.x;
+    let slot = job.y;
+    let nt = prm.t;
+    let commit_at = prm.commit_at;
+    let plane = prm.plane;
+//#if GROUPED
+    let g = h / (H_V / H_K);
+//#else
+    let g = h % H_K;
+//#endif
+    let ib = tid / D;
+    let j = tid % D;
+    let i0 = ib * RPT;
+    let row0 = b * nt;
+
+    // conv channels of this thread: local index cl = tid + m W < 3 D
+    var cw: array<vec4<f32>, CPT>;
+    var h0: array<f32, CPT>;
+    var h1: array<f32, CPT>;
+    var h2: array<f32, CPT>;
+    var xin: array<f32, CPT>;
+    var chan: array<u32, CPT>;
+    let hist_base = (slot * H_V + h) * (9u * D);
+    //#for m CPT
+    {
+        let cl = tid + $m * W;
+        if (cl < 3u * D) {
+            let role = cl / D;
+            let e = cl % D;
+            var ch = 2u * H_K * D + h * D + e;
+            if (role == 0u) {
+                ch = g * D + e;
+            } else if (role == 1u) {
+                ch = H_K * D + g * D + e;
+            }
+            chan[$m] = ch;
+            cw[$m] = vec4<f32>(lw[4u * ch], lw[4u * ch + 1u], lw[4u * ch + 2u], lw[4u * ch + 3u]);
+            let hb = hist_base + 3u * cl;
+            h0[$m] = hist[hb];
+            h1[$m] = hist[hb + 1u];
+            h2[$m] = hist[hb + 2u];
+            xin[$m] = inp[prm.qkv_off + row0 * C + ch];
+        }
+    }
+    //#endfor
+
+    let dt_h = lw[4u * C + h];
+    let a_h = lw[4u * C + H_V + h];
+    let gam = lw[4u * C + 2u * H_V + j];
+    var ab = 0.0;
+    if (tid == W - 1u) {
+        ab = inp[prm.alpha_off + row0 * H_V + h];
+    } else if (tid == W - 2u) {
+        ab = inp[prm.beta_off + row0 * H_V + h];
+    }
+
+    // the state rows, once
+    var st: array<f32, RPT>;
+    let s_base = slot * (D * H_V * D) + h * D + j;
+    //#for r RPT
+    {
+        st[$r] = state[s_base + (i0 + $r) * (H_V * D)];
+    }
+    //#endfor
+
+    var zz = 0.0;
+
+    for (var t = 0u; t < nt; t++) {
+        let commit = t + 1u == commit_at;
+        // conv + SiLU of token t; the history shifted, and written back at the commit point
+        //#for m CPT
+        {
+            let cl = tid + $m * W;
+            if (cl < 3u * D) {
+                let w = cw[$m];
+                var s = fma(h0[$m], w.x, 0.0);
+                s = fma(h1[$m], w.y, s);
+                s = fma(h2[$m], w.z, s);
+                s = fma(xin[$m], w.w, s);
+                vals[cl] = s / (1.0 + exp(-s));
+                h0[$m] = h1[$m];
+                h1[$m] = h2[$m];
+                h2[$m] = xin[$m];
+                if (commit) {
+                    let hb = hist_base + 3u * cl;
+                    hist[hb] = h0[$m];
+                    hist[hb + 1u] = h1[$m];
+                    hist[hb + 2u] = h2[$m];
+                }
+                if (t + 1u < nt) {
+                    xin[$m] = inp[prm.qkv_off + (row0 + t + 1u) * C + chan[$m]];
+                }
+            }
+        }
+        //#endfor
+        if (tid == W - 1u) {
+            gb[0] = decay(ab, dt_h, a_h);
+        } else if (tid == W - 2u) {
+            gb[1] = sigmoid(ab);
+        }
+        if (t + 1u < nt) {
+            if (tid == W - 1u) {
+                ab = inp[prm.alpha_off + (row0 + t + 1u) * H_V + h];
+            } else if (tid == W - 2u) {
+                ab = inp[prm.beta_off + (row0 + t + 1u) * H_V + h];
+            }
+        }
+        workgroupBarrier();
+
+        // L2 norms of q and k; the readout norm of the previous token
+//#if SUBGROUPS
+        let ssq = sumsq(0u, lane, sg_size);
+        let ssk = sumsq(D, lane, sg_size);
+        let sso = sumsq(3u * D, lane, sg_size);
+//#else
+        partial_sumsq(tid);
+        workgroupBarrier();
+        let ssq = sum_parts(0u);
+        let ssk = sum_parts(D / 16u);
+        let sso = sum_parts(2u * D / 16u);
+//#endif
+        if (tid < 2u * D) {
+            var r = inverseSqrt(ssq / f32(D) + EPS / f32(D));
+            if (tid >= D) {
+                r = inverseSqrt(ssk / f32(D) + EPS / f32(D));
+            }
+            let xh = (r * vals[tid]) * SCALE;
+            if (tid < D) {
+                qh[tid / 4u][tid % 4u] = xh;
+            } else {
+                kh[(tid - D) / 4u][tid % 4u] = xh;
+            }
+        }
+        if (t > 0u) {
+            emit_y(sso, ib, j, h, row0 + t - 1u, plane, zz, gam);
+        }
+        workgroupBarrier();
+
+        // kv_j over this thread's rows
+        var kv = 0.0;
+        //#for q RPT4
+        {
+            let k4 = kh[i0 / 4u + $q];
+            kv = fma(st[4 * $q], k4.x, kv);
+            kv = fma(st[4 * $q + 1], k4.y, kv);
+            kv = fma(st[4 * $q + 2], k4.z, kv);
+            kv = fma(st[4 * $q + 3], k4.w, kv);
+        }
+        //#endfor
+        red[tid] = kv;
+//#if PLANES
+        if (t > 0u) {
+            emit_group_sums(tid, h, row0 + t - 1u, plane);
+        }
+//#endif
+        workgroupBarrier();
+
+        // the delta rule and this thread's part of the readout
+        var kvs = 0.0;
+        //#for k IB
+        {
+            kvs += red[$k * D + j];
+        }
+        //#endfor
+        let gate = gb[0];
+        let delta = (vals[2u * D + j] - gate * kvs) * gb[1];
+        var o = 0.0;
+        //#for q RPT4
+        {
+            let k4 = kh[i0 / 4u + $q];
+            let q4 = qh[i0 / 4u + $q];
+            st[4 * $q] = fma(gate, st[4 * $q], k4.x * delta);
+            o = fma(st[4 * $q], q4.x, o);
+            st[4 * $q + 1] = fma(gate, st[4 * $q + 1], k4.y * delta);
+            o = fma(st[4 * $q + 1], q4.y, o);
+            st[4 * $q + 2] = fma(gate, st[4 * $q + 2], k4.z * delta);
+            o = fma(st[4 * $q + 2], q4.z, o);
+            st[4 * $q + 3] = fma(gate, st[4 * $q + 3], k4.w * delta);
+            o = fma(st[4 * $q + 3], q4.w, o);
+        }
+        //#endfor
+        red2[tid] = o;
+        if (ib == 0u) {
+            zz = inp[prm.z_off + (row0 + t) * N + h * D + j];
+        }
+        if (commit) {
+            //#for r RPT
+            {
+                state[s_base + (i0 + $r) * (H_V * D)] = st[$r];
+            }
+            //#endfor
+        }
+        workgroupBarrier();
+
+        // the readout of token t, for the norm inside the next token
+        if (ib == 0u) {
+            var os = 0.0;
+            //#for k IB
+            {
+                os += red2[$k * D + j];
+            }
+            //#endfor
+            vals[3u * D + j] = os * SCALE;
+        }
+    }
+
+    // the tail: the last token's output norm, y and planes
+    workgroupBarrier();
+//#if SUBGROUPS
+    let sso = sumsq(3u * D, lane, sg_size);
+//#else
+    partial_sumsq(tid);
+    workgroupBarrier();
+    let sso = sum_parts(2u * D / 16u);
+//#endif
+    emit_y(sso, ib, j, h, row0 + nt - 1u, plane, zz, gam);
+//#if PLANES
+    workgroupBarrier();
+    emit_group_sums(tid, h, row0 + nt - 1u, plane);
+//#endif
+}
+
+// SPEC.md step 7 for the token whose readout sits in vals[3D..4D), row `row` of the output; the planes
+fn emit_y(sso: f32, ib: u32, j: u32, h: u32, row: u32, plane: u32, zz: f32, gam: f32) {
+    if (ib == 0u) {
+        let rs = inverseSqrt(sso / f32(D) + EPS);
+//#if SILU
+        let act = zz * sigmoid(zz);
+//#else
+        let act = sigmoid(zz);
+//#endif
+        let y = ((rs * vals[3u * D + j]) * gam) * act;
+        let m = h * D + j;
+        let at = row * N + m;
+        out[at] = y;
+//#if PLANES
+        out[plane + at] = y * pow2_neg(2u * (j % 8u));
+        out[2u * plane + at] = y * pow2_neg(8u * (j % 4u));
+        out[3u * plane + at] = y * pow2_neg(8u * (j % 2u));
+        ys[j] = y;
+//#endif
+    }
+}
+
+//#if PLANES
+// the group sums of the token whose y sits in ys: even and odd partials in increasing order, then added
+fn emit_group_sums(tid: u32, h: u32, row: u32, plane: u32) {
+    if (tid < D / 16u) {
+        var s0 = 0.0;
+        var s1 = 0.0;
+        for (var e = 0u; e < 16u; e += 2u) {
+            s0 += ys[16u * tid + e];
+            s1 += ys[16u * tid + e + 1u];
+        }
+        out[4u * plane + row * (N / 16u) + (h * D) / 16u + tid] = s0 + s1;
+    }
+}
+//#endif

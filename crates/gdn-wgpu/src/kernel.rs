@@ -1,0 +1,315 @@
+//! The kernel's specialisation: the launch geometry chosen for a shape and an adapter, the checks against the
+//! adapter's limits, and the expansion of `gdn_step.wgsl` into plain WGSL.
+
+use gdn::{Config, Error, Gate, HeadMap, Result};
+
+/// The template (see the comment at its top for the directives).
+pub const TEMPLATE: &str = include_str!("gdn_step.wgsl");
+
+/// Loops over at most this many iterations are written out; longer ones stay loops.
+const UNROLL_MAX: usize = 64;
+
+/// Bindings of the kernel: six storage buffers and one uniform buffer.
+pub const STORAGE_BUFFERS: u32 = 6;
+
+/// What a pipeline is specialised on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KernelKey {
+    pub d: usize,
+    pub h_k: usize,
+    pub h_v: usize,
+    pub head_map: HeadMap,
+    pub gate: Gate,
+    pub eps_bits: u32,
+    pub planes: bool,
+    pub subgroups: bool,
+    /// Row blocks: the workgroup has `d * row_blocks` threads, each holding `d / row_blocks` state rows.
+    pub row_blocks: usize,
+}
+
+impl KernelKey {
+    pub fn new(config: &Config, planes: bool, subgroups: bool, row_blocks: usize) -> Self {
+        let s = config.shape;
+        KernelKey {
+            d: s.d,
+            h_k: s.h_k,
+            h_v: s.h_v,
+            head_map: config.head_map,
+            gate: config.gate,
+            eps_bits: config.eps.to_bits(),
+            planes,
+            subgroups,
+            row_blocks,
+        }
+    }
+
+    /// Threads of a workgroup.
+    pub fn workgroup_size(&self) -> usize {
+        self.d * self.row_blocks
+    }
+
+    /// State rows a thread holds in registers.
+    pub fn rows_per_thread(&self) -> usize {
+        self.d / self.row_blocks
+    }
+
+    /// Bytes of workgroup memory the kernel declares.
+    pub fn workgroup_bytes(&self) -> usize {
+        let d = self.d;
+        let floats = 4 * d // vals
+            + 2 * d // qh, kh
+            + 2 * self.row_blocks * d // red, red2
+            + 2 // gb
+            + if self.planes { d } else { 0 }
+            + if self.subgroups { 0 } else { 3 * d / 16 };
+        4 * floats
+    }
+
+    /// Checks the launch against the device's limits: a workgroup the device cannot run is an error here,
+    /// never a dispatch that is silently skipped.
+    pub fn check_limits(&self, limits: &wgpu::Limits) -> Result<()> {
+        let w = self.workgroup_size();
+        let fail = |what: String| {
+            Err(Error::Backend(format!(
+                "the GDN kernel for d = {} needs {what}; this adapter cannot run it",
+                self.d
+            )))
+        };
+        if w > limits.max_compute_invocations_per_workgroup as usize {
+            return fail(format!(
+                "{w} invocations per workgroup, the adapter allows {}",
+                limits.max_compute_invocations_per_workgroup
+            ));
+        }
+        if w > limits.max_compute_workgroup_size_x as usize {
+            return fail(format!(
+                "a workgroup size of {w} in x, the adapter allows {}",
+                limits.max_compute_workgroup_size_x
+            ));
+        }
+        let bytes = self.workgroup_bytes();
+        if bytes > limits.max_compute_workgroup_storage_size as usize {
+            return fail(format!(
+                "{bytes} bytes of workgroup memory, the adapter allows {}",
+                limits.max_compute_workgroup_storage_size
+            ));
+        }
+        if STORAGE_BUFFERS > limits.max_storage_buffers_per_shader_stage {
+            return fail(format!(
+                "{STORAGE_BUFFERS} storage buffers per stage, the adapter allows {}",
+                limits.max_storage_buffers_per_shader_stage
+            ));
+        }
+        if self.h_v > limits.max_compute_workgroups_per_dimension as usize {
+            return fail(format!(
+                "{} workgroups in x, the adapter allows {}",
+                self.h_v, limits.max_compute_workgroups_per_dimension
+            ));
+        }
+        Ok(())
+    }
+
+    /// The WGSL source of this specialisation.
+    pub fn source(&self) -> String {
+        let d = self.d;
+        let ib = self.row_blocks;
+        let w = self.workgroup_size();
+        let rpt = self.rows_per_thread();
+        let cpt = (3 * d).div_ceil(w);
+        let scale = 1.0f32 / (d as f32).sqrt();
+        let eps = f32::from_bits(self.eps_bits);
+        let consts: [(&str, usize); 9] = [
+            ("D", d),
+            ("H_K", self.h_k),
+            ("H_V", self.h_v),
+            ("C", (2 * self.h_k + self.h_v) * d),
+            ("N", self.h_v * d),
+            ("IB", ib),
+            ("RPT", rpt),
+            ("W", w),
+            ("CPT", cpt),
+        ];
+        let mut header = String::new();
+        for (name, v) in consts {
+            header.push_str(&format!("const {name}: u32 = {v}u;\n"));
+        }
+        header.push_str(&format!("const SCALE: f32 = {};\n", wgsl_f32(scale)));
+        header.push_str(&format!("const EPS: f32 = {};\n", wgsl_f32(eps)));
+        let flags = [
+            ("SUBGROUPS", self.subgroups),
+            ("PLANES", self.planes),
+            ("SILU", self.gate == Gate::Silu),
+            ("GROUPED", self.head_map == HeadMap::Grouped),
+        ];
+        let counts = [("RPT", rpt), ("RPT4", rpt / 4), ("IB", ib), ("CPT", cpt)];
+        header + &expand(TEMPLATE, &flags, &counts)
+    }
+}
+
+/// An f32 as a WGSL literal that parses back to the same value.
+fn wgsl_f32(x: f32) -> String {
+    // `{:e}` always writes an exponent, so WGSL reads the literal as a float
+    format!("{x:e}")
+}
+
+/// Chooses the row blocks for a shape: four (the seed's 4 x 128 threads at d = 128) where the adapter allows
+/// the workgroup, fewer otherwise, always with a multiple of four rows per thread.
+pub fn choose_row_blocks(d: usize, limits: &wgpu::Limits, preferred: usize) -> usize {
+    let max_w = (limits.max_compute_invocations_per_workgroup)
+        .min(limits.max_compute_workgroup_size_x) as usize;
+    let mut ib = preferred.max(1);
+    while ib > 1 && (d * ib > max_w || d % (4 * ib) != 0) {
+        ib /= 2;
+    }
+    ib
+}
+
+/// Expands the template's directives. Flags not named are false; counts not named are an internal error, so
+/// they are checked by a unit test rather than at run time.
+pub fn expand(src: &str, flags: &[(&str, bool)], counts: &[(&str, usize)]) -> String {
+    let flag = |name: &str| -> bool {
+        let (neg, name) = match name.strip_prefix('!') {
+            Some(n) => (true, n),
+            None => (false, name),
+        };
+        flags.iter().any(|&(n, v)| n == name && v) != neg
+    };
+    let mut out = String::with_capacity(src.len() * 2);
+    // (this level is kept, some branch of it was kept)
+    let mut conds: Vec<(bool, bool)> = Vec::new();
+    // `//#for` blocks are collected and expanded recursively
+    let mut for_stack: Vec<(String, usize, String)> = Vec::new();
+    let keeping = |conds: &Vec<(bool, bool)>| conds.iter().all(|c| c.0);
+    for line in src.lines() {
+        let t = line.trim();
+        if let Some(rest) = t.strip_prefix("//#if ") {
+            let parent = keeping(&conds);
+            let v = flag(rest.trim());
+            conds.push((parent && v, v));
+            continue;
+        }
+        if t == "//#else" {
+            let parent = conds[..conds.len().saturating_sub(1)].iter().all(|c| c.0);
+            if let Some(top) = conds.last_mut() {
+                *top = (parent && !top.1, true);
+            }
+            continue;
+        }
+        if t == "//#endif" {
+            conds.pop();
+            continue;
+        }
+        if !keeping(&conds) {
+            continue;
+        }
+        if let Some(rest) = t.strip_prefix("//#for ") {
+            let mut it = rest.split_whitespace();
+            let var = it.next().unwrap_or("i").to_string();
+            let count_name = it.next().unwrap_or("");
+            let count = counts
+                .iter()
+                .find(|(n, _)| *n == count_name)
+                .map_or(0, |c| c.1);
+            for_stack.push((var, count, String::new()));
+            continue;
+        }
+        if t == "//#endfor" {
+            if let Some((var, count, body)) = for_stack.pop() {
+                let body = expand(&body, flags, counts);
+                let text = unroll(&var, count, &body);
+                match for_stack.last_mut() {
+                    Some(parent) => parent.2.push_str(&text),
+                    None => out.push_str(&text),
+                }
+            }
+            continue;
+        }
+        match for_stack.last_mut() {
+            Some(block) => {
+                block.2.push_str(line);
+                block.2.push('\n');
+            }
+            None => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    out
+}
+
+/// `count` copies of `body` with `$var` replaced by 0, 1, ..., or one loop when `count` is large.
+fn unroll(var: &str, count: usize, body: &str) -> String {
+    let pat = format!("${var}");
+    let mut s = String::new();
+    if count <= UNROLL_MAX {
+        for i in 0..count {
+            s.push_str(&body.replace(&pat, &i.to_string()));
+        }
+    } else {
+        let v = format!("{var}_i");
+        s.push_str(&format!(
+            "for (var {v}: u32 = 0u; {v} < {count}u; {v}++) {{\n"
+        ));
+        s.push_str(&body.replace(&pat, &v));
+        s.push_str("}\n");
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn directives_expand() {
+        let src = "a\n//#if X\nb\n//#else\nc\n//#endif\n//#if !X\nd\n//#endif\n//#for r N\n{ s[$r]; }\n//#endfor\n";
+        let out = expand(src, &[("X", true)], &[("N", 3)]);
+        assert_eq!(out, "a\nb\n{ s[0]; }\n{ s[1]; }\n{ s[2]; }\n");
+        let out = expand(src, &[], &[("N", 100)]);
+        assert!(out.starts_with("a\nc\nd\nfor (var r_i: u32 = 0u; r_i < 100u; r_i++) {"));
+        assert!(out.contains("{ s[r_i]; }"));
+    }
+
+    #[test]
+    fn every_variant_is_valid_wgsl() {
+        use gdn::Shape;
+        for (d, h_k, h_v) in [(16, 1, 2), (48, 2, 6), (128, 16, 48), (1024, 1, 1)] {
+            for ib in [1, 2, 4, 8] {
+                if d % (4 * ib) != 0 {
+                    continue;
+                }
+                for planes in [false, true] {
+                    for subgroups in [false, true] {
+                        let mut c = Config::new(Shape::new(d, h_k, h_v).unwrap());
+                        c.head_map = if planes {
+                            HeadMap::Grouped
+                        } else {
+                            HeadMap::Tiled
+                        };
+                        c.gate = if subgroups { Gate::Silu } else { Gate::Sigmoid };
+                        let key = KernelKey::new(&c, planes, subgroups, ib);
+                        let src = key.source();
+                        let module = naga::front::wgsl::parse_str(&src)
+                            .unwrap_or_else(|e| panic!("{key:?}: {}", e.emit_to_string(&src)));
+                        let caps = if subgroups {
+                            naga::valid::Capabilities::SUBGROUP
+                        } else {
+                            naga::valid::Capabilities::empty()
+                        };
+                        let stages = if subgroups {
+                            naga::valid::SubgroupOperationSet::all()
+                        } else {
+                            naga::valid::SubgroupOperationSet::empty()
+                        };
+                        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), caps)
+                            .subgroup_stages(naga::valid::ShaderStages::COMPUTE)
+                            .subgroup_operations(stages)
+                            .validate(&module)
+                            .unwrap_or_else(|e| panic!("{key:?}: {}", e.emit_to_string(&src)));
+                    }
+                }
+            }
+        }
+    }
+}

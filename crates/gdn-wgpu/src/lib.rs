@@ -1,0 +1,523 @@
+//! gdn-wgpu: the GDN window step (SPEC.md) on wgpu, for Vulkan, Metal and DX12 adapters (and WebGPU's
+//! limits where a browser runs it).
+//!
+//! One WGSL kernel (`gdn_step.wgsl`), specialised per layer shape and convention when its pipeline is built:
+//! one workgroup per (sequence, value head), the head's state in registers for the whole window, the conv,
+//! norms, delta rule, readout, gated RMS norm, planes and group sums fused. Two reduction paths: subgroup
+//! operations where the adapter has them (any subgroup size), workgroup memory where it has none.
+//!
+//! ```no_run
+//! use gdn::Backend;
+//! let backend = gdn_wgpu::Wgpu::new()?; // gdn::Error::Unavailable without an adapter
+//! println!("{}", backend.name());
+//! # Ok::<(), gdn::Error>(())
+//! ```
+
+mod kernel;
+mod pool;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use gdn::{Backend, Error, Layer, LayerPool, Result};
+
+pub use kernel::KernelKey;
+pub use pool::WgpuPool;
+
+/// Whether the kernel uses subgroup operations.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Subgroups {
+    /// Where the adapter supports them.
+    #[default]
+    Auto,
+    /// Never: the workgroup-memory path, as on a browser's WebGPU without the subgroups extension. The device
+    /// is created without the feature.
+    Off,
+    /// Always: an adapter without them is `gdn::Error::Unavailable`.
+    Require,
+}
+
+/// How to set the backend up. `Default` reads two environment variables: `GDN_WGPU_ADAPTER` (a part of the
+/// adapter's name, case-insensitive, e.g. `nvidia` or `llvmpipe`) and `GDN_WGPU_ROW_BLOCKS` (1, 2, 4 or 8).
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub subgroups: Subgroups,
+    /// Part of the adapter's name to pick; `None`: the high-performance adapter wgpu chooses.
+    pub adapter: Option<String>,
+    /// Row blocks per value head: the workgroup has `d * row_blocks` threads, each holding `d / row_blocks`
+    /// state rows in registers (4 by default: 512 threads at d = 128). Lowered where the adapter's limits or the
+    /// shape need it.
+    pub row_blocks: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            subgroups: Subgroups::Auto,
+            adapter: std::env::var("GDN_WGPU_ADAPTER")
+                .ok()
+                .filter(|s| !s.is_empty()),
+            row_blocks: std::env::var("GDN_WGPU_ROW_BLOCKS")
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .filter(|&n: &usize| [1, 2, 4, 8].contains(&n))
+                .unwrap_or(4),
+        }
+    }
+}
+
+/// The wgpu backend: one adapter's device and queue, and the pipelines built so far.
+#[derive(Clone)]
+pub struct Wgpu {
+    gpu: Arc<Gpu>,
+}
+
+/// What every pool of a backend shares.
+pub(crate) struct Gpu {
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    pub info: wgpu::AdapterInfo,
+    pub limits: wgpu::Limits,
+    pub subgroups: bool,
+    pub timestamps: bool,
+    pub timestamps_in_encoders: bool,
+    pub row_blocks: usize,
+    pub bind_layout: wgpu::BindGroupLayout,
+    pub pipeline_layout: wgpu::PipelineLayout,
+    pipelines: Mutex<HashMap<KernelKey, Arc<wgpu::ComputePipeline>>>,
+    /// Errors wgpu reported outside an error scope (the device's uncaptured-error handler).
+    uncaptured: Arc<Mutex<Vec<String>>>,
+}
+
+impl Wgpu {
+    /// The default adapter, with subgroups where it has them.
+    pub fn new() -> Result<Self> {
+        Self::with_options(Options::default())
+    }
+
+    /// The default adapter, on the workgroup-memory path (no subgroup operations).
+    pub fn without_subgroups() -> Result<Self> {
+        Self::with_options(Options {
+            subgroups: Subgroups::Off,
+            ..Options::default()
+        })
+    }
+
+    pub fn with_options(options: Options) -> Result<Self> {
+        pollster::block_on(Gpu::open(options)).map(|gpu| Wgpu { gpu: Arc::new(gpu) })
+    }
+
+    /// Whether the kernels of this backend use subgroup operations.
+    pub fn uses_subgroups(&self) -> bool {
+        self.gpu.subgroups
+    }
+
+    /// The adapter's description.
+    pub fn adapter_info(&self) -> &wgpu::AdapterInfo {
+        &self.gpu.info
+    }
+}
+
+impl Gpu {
+    async fn open(options: Options) -> Result<Gpu> {
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+        desc.flags = wgpu::InstanceFlags::empty().with_env();
+        desc.backends = wgpu::Backends::PRIMARY.with_env();
+        let instance = wgpu::Instance::new(desc);
+        let adapter = match &options.adapter {
+            Some(name) => {
+                let want = name.to_lowercase();
+                let all = instance.enumerate_adapters(wgpu::Backends::all()).await;
+                let names: Vec<String> = all.iter().map(|a| a.get_info().name).collect();
+                all.into_iter()
+                    .find(|a| a.get_info().name.to_lowercase().contains(&want))
+                    .ok_or_else(|| {
+                        Error::Unavailable(format!(
+                            "no wgpu adapter named like '{name}' (GDN_WGPU_ADAPTER); found {names:?}"
+                        ))
+                    })?
+            }
+            None => instance
+                .request_adapter(&wgpu::RequestAdapterOptions {
+                    power_preference: wgpu::PowerPreference::HighPerformance,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| {
+                    Error::Unavailable(format!(
+                        "no wgpu adapter (Vulkan, Metal or DX12): {e}; on Linux, Mesa's lavapipe \
+                         (apt-get install mesa-vulkan-drivers libvulkan1) provides one on the CPU"
+                    ))
+                })?,
+        };
+        let info = adapter.get_info();
+        let has_subgroups = adapter.features().contains(wgpu::Features::SUBGROUP);
+        let subgroups = match options.subgroups {
+            Subgroups::Off => false,
+            Subgroups::Auto => has_subgroups,
+            Subgroups::Require if has_subgroups => true,
+            Subgroups::Require => {
+                return Err(Error::Unavailable(format!(
+                    "adapter '{}' ({:?}) has no subgroup operations",
+                    info.name, info.backend
+                )))
+            }
+        };
+        let mut features = wgpu::Features::empty();
+        if subgroups {
+            features |= wgpu::Features::SUBGROUP;
+        }
+        let timestamps = adapter.features().contains(wgpu::Features::TIMESTAMP_QUERY);
+        let timestamps_in_encoders = timestamps
+            && adapter
+                .features()
+                .contains(wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS);
+        if timestamps {
+            features |= wgpu::Features::TIMESTAMP_QUERY;
+        }
+        if timestamps_in_encoders {
+            features |= wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS;
+        }
+        let limits = adapter.limits();
+        let (device, queue) = adapter
+            .request_device(&wgpu::DeviceDescriptor {
+                label: Some("gdn"),
+                required_features: features,
+                required_limits: limits.clone(),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| {
+                Error::Unavailable(format!("adapter '{}' gave no device: {e}", info.name))
+            })?;
+        let uncaptured = Arc::new(Mutex::new(Vec::new()));
+        let sink = uncaptured.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            if let Ok(mut v) = sink.lock() {
+                v.push(e.to_string());
+            }
+        }));
+        let storage = |binding: u32, read_only: bool| wgpu::BindGroupLayoutEntry {
+            binding,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty: wgpu::BufferBindingType::Storage { read_only },
+                has_dynamic_offset: false,
+                min_binding_size: None,
+            },
+            count: None,
+        };
+        let bind_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some("gdn step"),
+            entries: &[
+                storage(0, false),
+                storage(1, false),
+                storage(2, true),
+                storage(3, true),
+                storage(4, false),
+                storage(5, true),
+                wgpu::BindGroupLayoutEntry {
+                    binding: 6,
+                    visibility: wgpu::ShaderStages::COMPUTE,
+                    ty: wgpu::BindingType::Buffer {
+                        ty: wgpu::BufferBindingType::Uniform,
+                        has_dynamic_offset: false,
+                        min_binding_size: None,
+                    },
+                    count: None,
+                },
+            ],
+        });
+        let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: Some("gdn step"),
+            bind_group_layouts: &[Some(&bind_layout)],
+            immediate_size: 0,
+        });
+        let gpu = Gpu {
+            device,
+            queue,
+            info,
+            limits,
+            subgroups,
+            timestamps,
+            timestamps_in_encoders,
+            row_blocks: options.row_blocks,
+            bind_layout,
+            pipeline_layout,
+            pipelines: Mutex::new(HashMap::new()),
+            uncaptured,
+        };
+        gpu.take_errors()?;
+        Ok(gpu)
+    }
+
+    /// Runs `f` inside error scopes: a validation, out-of-memory or internal error becomes `Err`.
+    pub fn scoped<T>(&self, what: &str, f: impl FnOnce() -> T) -> Result<T> {
+        let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let internal = self.device.push_error_scope(wgpu::ErrorFilter::Internal);
+        let validation = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let value = f();
+        let mut errors = Vec::new();
+        for scope in [validation, internal, oom] {
+            if let Some(e) = pollster::block_on(scope.pop()) {
+                errors.push(e.to_string());
+            }
+        }
+        if errors.is_empty() {
+            Ok(value)
+        } else {
+            Err(Error::Backend(format!("{what}: {}", errors.join("; "))))
+        }
+    }
+
+    /// Errors the device reported outside any scope since the last call.
+    pub fn take_errors(&self) -> Result<()> {
+        let errors = match self.uncaptured.lock() {
+            Ok(mut v) => std::mem::take(&mut *v),
+            Err(_) => return Err(Error::Backend("wgpu error log poisoned".into())),
+        };
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Backend(errors.join("; ")))
+        }
+    }
+
+    /// Blocks until the queue's work is done.
+    pub fn wait(&self) -> Result<()> {
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map(|_| ())
+            .map_err(|e| Error::Backend(format!("waiting for the GPU: {e}")))
+    }
+
+    /// The pipeline for a specialisation, built (and checked against the limits) on first use.
+    pub fn pipeline(&self, key: KernelKey) -> Result<Arc<wgpu::ComputePipeline>> {
+        let mut cache = self
+            .pipelines
+            .lock()
+            .map_err(|_| Error::Backend("pipeline cache poisoned".into()))?;
+        if let Some(p) = cache.get(&key) {
+            return Ok(p.clone());
+        }
+        key.check_limits(&self.limits)?;
+        let source = key.source();
+        let pipeline = self.scoped("building the GDN pipeline", || {
+            let module = self
+                .device
+                .create_shader_module(wgpu::ShaderModuleDescriptor {
+                    label: Some("gdn_step.wgsl"),
+                    source: wgpu::ShaderSource::Wgsl(source.into()),
+                });
+            self.device
+                .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some("gdn step"),
+                    layout: Some(&self.pipeline_layout),
+                    module: &module,
+                    entry_point: Some("gdn_step"),
+                    compilation_options: wgpu::PipelineCompilationOptions {
+                        constants: &[],
+                        // every workgroup variable is written before it is read
+                        zero_initialize_workgroup_memory: false,
+                    },
+                    cache: None,
+                })
+        })?;
+        let pipeline = Arc::new(pipeline);
+        cache.insert(key, pipeline.clone());
+        Ok(pipeline)
+    }
+
+    /// Seconds per call of `record` (which records `n` repetitions of the work), measured with GPU timestamps
+    /// around the whole sequence where the adapter has them, else with the host clock around submit and wait:
+    /// the median of `rounds` rounds after one warm-up round. Returns (seconds per call, host seconds per call
+    /// spent recording and submitting, method).
+    pub fn time_gpu(
+        &self,
+        rounds: usize,
+        n: usize,
+        in_pass: bool,
+        mut record: impl FnMut(&mut wgpu::CommandEncoder, Option<wgpu::ComputePassTimestampWrites<'_>>),
+    ) -> Result<(f64, f64, String)> {
+        let n = n.max(1);
+        let use_ts = if in_pass {
+            self.timestamps
+        } else {
+            self.timestamps_in_encoders
+        };
+        let ts = if use_ts {
+            Some(self.scoped("timestamp queries", || {
+                let set = self.device.create_query_set(&wgpu::QuerySetDescriptor {
+                    label: Some("gdn timing"),
+                    ty: wgpu::QueryType::Timestamp,
+                    count: 2,
+                });
+                let resolve = self.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("gdn timing resolve"),
+                    size: 16,
+                    usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+                    mapped_at_creation: false,
+                });
+                let read = self.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("gdn timing read"),
+                    size: 16,
+                    usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
+                });
+                (set, resolve, read)
+            })?)
+        } else {
+            None
+        };
+        let period = self.queue.get_timestamp_period() as f64 * 1e-9;
+        let mut per_call = Vec::new();
+        let mut host = Vec::new();
+        for round in 0..=rounds.max(1) {
+            let t0 = Instant::now();
+            let mut enc = self
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+            match &ts {
+                Some((set, resolve, read)) => {
+                    if in_pass {
+                        record(
+                            &mut enc,
+                            Some(wgpu::ComputePassTimestampWrites {
+                                query_set: set,
+                                beginning_of_pass_write_index: Some(0),
+                                end_of_pass_write_index: Some(1),
+                            }),
+                        );
+                    } else {
+                        enc.write_timestamp(set, 0);
+                        record(&mut enc, None);
+                        enc.write_timestamp(set, 1);
+                    }
+                    enc.resolve_query_set(set, 0..2, resolve, 0);
+                    enc.copy_buffer_to_buffer(resolve, 0, read, 0, 16);
+                }
+                None => record(&mut enc, None),
+            }
+            self.queue.submit([enc.finish()]);
+            let t_host = t0.elapsed().as_secs_f64();
+            self.wait()?;
+            let t_wall = t0.elapsed().as_secs_f64();
+            let secs = match &ts {
+                Some((_, _, read)) => {
+                    let bytes = self.read_mapped(read, 16)?;
+                    let v: [u64; 2] = bytemuck::pod_read_unaligned(&bytes[..16]);
+                    v[1].wrapping_sub(v[0]) as f64 * period
+                }
+                None => t_wall,
+            };
+            self.take_errors()?;
+            if round > 0 {
+                per_call.push(secs / n as f64);
+                host.push(t_host / n as f64);
+            }
+        }
+        per_call.sort_by(f64::total_cmp);
+        host.sort_by(f64::total_cmp);
+        let method = if ts.is_some() {
+            format!(
+                "wgpu timestamps around {n} back-to-back calls, median of {} rounds",
+                per_call.len()
+            )
+        } else {
+            format!(
+                "host clock around {n} back-to-back calls (submit and wait), median of {} rounds",
+                per_call.len()
+            )
+        };
+        Ok((per_call[per_call.len() / 2], host[host.len() / 2], method))
+    }
+
+    /// Maps `buf` (MAP_READ) after the queue is idle and copies its first `len` bytes out.
+    pub fn read_mapped(&self, buf: &wgpu::Buffer, len: u64) -> Result<Vec<u8>> {
+        let mut v = vec![0u8; len as usize];
+        self.read_mapped_with(buf, len, |bytes| v.copy_from_slice(bytes))?;
+        Ok(v)
+    }
+
+    /// Maps the first `len` bytes of `buf` and hands them to `f`.
+    pub fn read_mapped_with(
+        &self,
+        buf: &wgpu::Buffer,
+        len: u64,
+        f: impl FnOnce(&[u8]),
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        buf.map_async(wgpu::MapMode::Read, 0..len, move |r| {
+            let _ = tx.send(r);
+        });
+        self.wait()?;
+        match rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(Error::Backend(format!("mapping a buffer: {e}"))),
+            Err(_) => return Err(Error::Backend("mapping a buffer: no answer".into())),
+        }
+        {
+            let view = buf
+                .get_mapped_range(0..len)
+                .map_err(|e| Error::Backend(format!("mapped range: {e}")))?;
+            f(&view);
+        }
+        buf.unmap();
+        Ok(())
+    }
+}
+
+impl Backend for Wgpu {
+    fn name(&self) -> String {
+        let i = &self.gpu.info;
+        format!(
+            "wgpu ({}, {:?}, {})",
+            i.name,
+            i.backend,
+            if self.gpu.subgroups {
+                format!("subgroups {}..{}", i.subgroup_min_size, i.subgroup_max_size)
+            } else {
+                "workgroup-memory reductions".to_string()
+            }
+        )
+    }
+
+    fn create_pool(&self, layer: &Layer, slots: usize) -> Result<Box<dyn LayerPool>> {
+        Ok(Box::new(WgpuPool::new(self.gpu.clone(), layer, slots)?))
+    }
+
+    /// A buffer-to-buffer copy of `bytes` bytes, timed like the step (GPU timestamps where the adapter has
+    /// them inside encoders, else the host clock around submit and wait).
+    fn copy_ceiling(&self, bytes: usize) -> Result<f64> {
+        let gpu = &self.gpu;
+        let size = (bytes as u64).div_ceil(4).max(1) * 4;
+        if size > gpu.limits.max_buffer_size {
+            return Err(Error::Backend(format!(
+                "a copy of {size} bytes is above the adapter's buffer size limit {}",
+                gpu.limits.max_buffer_size
+            )));
+        }
+        let (src, dst) = gpu.scoped("copy ceiling buffers", || {
+            let mk = |label| {
+                gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some(label),
+                    size,
+                    usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
+                })
+            };
+            (mk("copy src"), mk("copy dst"))
+        })?;
+        let iters = 8;
+        let (secs, _, _) = gpu.time_gpu(7, iters, false, |enc, _| {
+            for _ in 0..iters {
+                enc.copy_buffer_to_buffer(&src, 0, &dst, 0, size);
+            }
+        })?;
+        Ok(2.0 * size as f64 / secs)
+    }
+}
