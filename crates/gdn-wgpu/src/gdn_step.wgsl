@@ -1,9 +1,10 @@
 // The fused GDN window step (SPEC.md), one workgroup per (sequence, value head).
 //
-// This file is a template: `kernel.rs` prepends the shape constants (D, H_K, H_V, IB, ...) and expands the
+// This file is a template: `kernel.rs` prepends the launch constants (D, IB, RPT, W, CPT) and expands the
 // directives below before handing the text to wgpu, so every loop over state rows has constant bounds and
-// constant indices and the state array lives in registers.
-//   //#if NAME / //#else / //#endif       kept or dropped by a host flag (SUBGROUPS, PLANES, SILU, GROUPED)
+// constant indices and the state array lives in registers. The head counts, conventions and planes are
+// uniforms: one pipeline serves every layer of a head dim.
+//   //#if NAME / //#else / //#endif       kept or dropped by a host flag (SUBGROUPS)
 //   //#for v COUNT ... //#endfor         the block repeated COUNT times with `$v` replaced by 0, 1, ...
 //                                        (or a real loop when COUNT is large); each copy gets its own braces
 //
@@ -30,16 +31,25 @@ struct Params {
     alpha_off: u32,
     beta_off: u32,
     z_off: u32,
+    // q/k heads, value heads, conv channels (2 h_k + h_v) D, output width h_v D
+    h_k: u32,
+    h_v: u32,
+    c: u32,
+    n: u32,
+    // head map grouped (1) or tiled (0); gate silu (1) or sigmoid (0)
+    grouped: u32,
+    silu: u32,
+    eps: f32,
     pad: u32,
 }
 
-// [slot][D][H_V][D]: SPEC.md's S per slot
+// [slot][D][h_v][D]: SPEC.md's S per slot
 @group(0) @binding(0) var<storage, read_write> state: array<f32>;
-// [slot][H_V][3][D][3]: each value head's own copy of the q, k and v history it reads
+// [slot][h_v][3][D][3]: each value head's own copy of the q, k and v history it reads
 @group(0) @binding(1) var<storage, read_write> hist: array<f32>;
-// qkv [B][T][C] | alpha [B][T][H_V] | beta [B][T][H_V] | z [B][T][N]
+// qkv [B][T][C] | alpha [B][T][h_v] | beta [B][T][h_v] | z [B][T][n]
 @group(0) @binding(2) var<storage, read> inp: array<f32>;
-// conv_w [C][4] | dt [H_V] | a [H_V] | gamma [D]
+// conv_w [C][4] | dt [h_v] | a [h_v] | gamma [D]
 @group(0) @binding(3) var<storage, read> lw: array<f32>;
 // gdn::OutputLayout: y at 0, planes at P, 2P, 3P, group sums at 4P
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
@@ -57,10 +67,8 @@ var<workgroup> red: array<f32, IB * D>;
 var<workgroup> red2: array<f32, IB * D>;
 // gate and write strength of the token
 var<workgroup> gb: array<f32, 2>;
-//#if PLANES
 // y of the previous token, for the group sums
 var<workgroup> ys: array<f32, D>;
-//#endif
 //#if !SUBGROUPS
 // 16-element partial sums of squares: q [0, D/16), k [D/16, 2D/16), o [2D/16, 3D/16)
 var<workgroup> parts: array<f32, 3 * D / 16>;
@@ -162,11 +170,13 @@ fn gdn_step(
     let nt = prm.t;
     let commit_at = prm.commit_at;
     let plane = prm.plane;
-//#if GROUPED
-    let g = h / (H_V / H_K);
-//#else
-    let g = h % H_K;
-//#endif
+    let h_k = prm.h_k;
+    let h_v = prm.h_v;
+    let cc = prm.c;
+    var g = h % h_k;
+    if (prm.grouped != 0u) {
+        g = h / (h_v / h_k);
+    }
     let ib = tid / D;
     let j = tid % D;
     let i0 = ib * RPT;
@@ -179,18 +189,18 @@ fn gdn_step(
     var h2: array<f32, CPT>;
     var xin: array<f32, CPT>;
     var chan: array<u32, CPT>;
-    let hist_base = (slot * H_V + h) * (9u * D);
+    let hist_base = (slot * h_v + h) * (9u * D);
     //#for m CPT
     {
         let cl = tid + $m * W;
         if (cl < 3u * D) {
             let role = cl / D;
             let e = cl % D;
-            var ch = 2u * H_K * D + h * D + e;
+            var ch = 2u * h_k * D + h * D + e;
             if (role == 0u) {
                 ch = g * D + e;
             } else if (role == 1u) {
-                ch = H_K * D + g * D + e;
+                ch = h_k * D + g * D + e;
             }
             chan[$m] = ch;
             cw[$m] = vec4<f32>(lw[4u * ch], lw[4u * ch + 1u], lw[4u * ch + 2u], lw[4u * ch + 3u]);
@@ -198,27 +208,28 @@ fn gdn_step(
             h0[$m] = hist[hb];
             h1[$m] = hist[hb + 1u];
             h2[$m] = hist[hb + 2u];
-            xin[$m] = inp[prm.qkv_off + row0 * C + ch];
+            xin[$m] = inp[prm.qkv_off + row0 * cc + ch];
         }
     }
     //#endfor
 
-    let dt_h = lw[4u * C + h];
-    let a_h = lw[4u * C + H_V + h];
-    let gam = lw[4u * C + 2u * H_V + j];
+    let dt_h = lw[4u * cc + h];
+    let a_h = lw[4u * cc + h_v + h];
+    let gam = lw[4u * cc + 2u * h_v + j];
     var ab = 0.0;
     if (tid == W - 1u) {
-        ab = inp[prm.alpha_off + row0 * H_V + h];
+        ab = inp[prm.alpha_off + row0 * h_v + h];
     } else if (tid == W - 2u) {
-        ab = inp[prm.beta_off + row0 * H_V + h];
+        ab = inp[prm.beta_off + row0 * h_v + h];
     }
 
     // the state rows, once
     var st: array<f32, RPT>;
-    let s_base = slot * (D * H_V * D) + h * D + j;
+    let s_stride = h_v * D;
+    let s_base = slot * (D * s_stride) + h * D + j;
     //#for r RPT
     {
-        st[$r] = state[s_base + (i0 + $r) * (H_V * D)];
+        st[$r] = state[s_base + (i0 + $r) * s_stride];
     }
     //#endfor
 
@@ -247,7 +258,7 @@ fn gdn_step(
                     hist[hb + 2u] = h2[$m];
                 }
                 if (t + 1u < nt) {
-                    xin[$m] = inp[prm.qkv_off + (row0 + t + 1u) * C + chan[$m]];
+                    xin[$m] = inp[prm.qkv_off + (row0 + t + 1u) * cc + chan[$m]];
                 }
             }
         }
@@ -259,9 +270,9 @@ fn gdn_step(
         }
         if (t + 1u < nt) {
             if (tid == W - 1u) {
-                ab = inp[prm.alpha_off + (row0 + t + 1u) * H_V + h];
+                ab = inp[prm.alpha_off + (row0 + t + 1u) * h_v + h];
             } else if (tid == W - 2u) {
-                ab = inp[prm.beta_off + (row0 + t + 1u) * H_V + h];
+                ab = inp[prm.beta_off + (row0 + t + 1u) * h_v + h];
             }
         }
         workgroupBarrier();
@@ -279,9 +290,9 @@ fn gdn_step(
         let sso = sum_parts(2u * D / 16u);
 //#endif
         if (tid < 2u * D) {
-            var r = inverseSqrt(ssq / f32(D) + EPS / f32(D));
+            var r = inverseSqrt(ssq / f32(D) + prm.eps / f32(D));
             if (tid >= D) {
-                r = inverseSqrt(ssk / f32(D) + EPS / f32(D));
+                r = inverseSqrt(ssk / f32(D) + prm.eps / f32(D));
             }
             let xh = (r * vals[tid]) * SCALE;
             if (tid < D) {
@@ -291,7 +302,7 @@ fn gdn_step(
             }
         }
         if (t > 0u) {
-            emit_y(sso, ib, j, h, row0 + t - 1u, plane, zz, gam);
+            emit_y(sso, ib, j, h, row0 + t - 1u, zz, gam);
         }
         workgroupBarrier();
 
@@ -307,11 +318,9 @@ fn gdn_step(
         }
         //#endfor
         red[tid] = kv;
-//#if PLANES
-        if (t > 0u) {
-            emit_group_sums(tid, h, row0 + t - 1u, plane);
+        if (t > 0u && plane != 0u) {
+            emit_group_sums(tid, h, row0 + t - 1u);
         }
-//#endif
         workgroupBarrier();
 
         // the delta rule and this thread's part of the readout
@@ -340,12 +349,12 @@ fn gdn_step(
         //#endfor
         red2[tid] = o;
         if (ib == 0u) {
-            zz = inp[prm.z_off + (row0 + t) * N + h * D + j];
+            zz = inp[prm.z_off + (row0 + t) * prm.n + h * D + j];
         }
         if (commit) {
             //#for r RPT
             {
-                state[s_base + (i0 + $r) * (H_V * D)] = st[$r];
+                state[s_base + (i0 + $r) * s_stride] = st[$r];
             }
             //#endfor
         }
@@ -372,38 +381,36 @@ fn gdn_step(
     workgroupBarrier();
     let sso = sum_parts(2u * D / 16u);
 //#endif
-    emit_y(sso, ib, j, h, row0 + nt - 1u, plane, zz, gam);
-//#if PLANES
-    workgroupBarrier();
-    emit_group_sums(tid, h, row0 + nt - 1u, plane);
-//#endif
-}
-
-// SPEC.md step 7 for the token whose readout sits in vals[3D..4D), row `row` of the output; the planes
-fn emit_y(sso: f32, ib: u32, j: u32, h: u32, row: u32, plane: u32, zz: f32, gam: f32) {
-    if (ib == 0u) {
-        let rs = inverseSqrt(sso / f32(D) + EPS);
-//#if SILU
-        let act = zz * sigmoid(zz);
-//#else
-        let act = sigmoid(zz);
-//#endif
-        let y = ((rs * vals[3u * D + j]) * gam) * act;
-        let m = h * D + j;
-        let at = row * N + m;
-        out[at] = y;
-//#if PLANES
-        out[plane + at] = y * pow2_neg(2u * (j % 8u));
-        out[2u * plane + at] = y * pow2_neg(8u * (j % 4u));
-        out[3u * plane + at] = y * pow2_neg(8u * (j % 2u));
-        ys[j] = y;
-//#endif
+    emit_y(sso, ib, j, h, row0 + nt - 1u, zz, gam);
+    if (plane != 0u) {
+        workgroupBarrier();
+        emit_group_sums(tid, h, row0 + nt - 1u);
     }
 }
 
-//#if PLANES
+// SPEC.md step 7 for the token whose readout sits in vals[3D..4D), row `row` of the output; the planes
+fn emit_y(sso: f32, ib: u32, j: u32, h: u32, row: u32, zz: f32, gam: f32) {
+    if (ib == 0u) {
+        let rs = inverseSqrt(sso / f32(D) + prm.eps);
+        var act = sigmoid(zz);
+        if (prm.silu != 0u) {
+            act = zz * act;
+        }
+        let y = ((rs * vals[3u * D + j]) * gam) * act;
+        let at = row * prm.n + h * D + j;
+        out[at] = y;
+        let plane = prm.plane;
+        if (plane != 0u) {
+            out[plane + at] = y * pow2_neg(2u * (j % 8u));
+            out[2u * plane + at] = y * pow2_neg(8u * (j % 4u));
+            out[3u * plane + at] = y * pow2_neg(8u * (j % 2u));
+            ys[j] = y;
+        }
+    }
+}
+
 // the group sums of the token whose y sits in ys: even and odd partials in increasing order, then added
-fn emit_group_sums(tid: u32, h: u32, row: u32, plane: u32) {
+fn emit_group_sums(tid: u32, h: u32, row: u32) {
     if (tid < D / 16u) {
         var s0 = 0.0;
         var s1 = 0.0;
@@ -411,7 +418,6 @@ fn emit_group_sums(tid: u32, h: u32, row: u32, plane: u32) {
             s0 += ys[16u * tid + e];
             s1 += ys[16u * tid + e + 1u];
         }
-        out[4u * plane + row * (N / 16u) + (h * D) / 16u + tid] = s0 + s1;
+        out[4u * prm.plane + row * (prm.n / 16u) + (h * D) / 16u + tid] = s0 + s1;
     }
 }
-//#endif

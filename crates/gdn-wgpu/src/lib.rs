@@ -17,7 +17,7 @@ mod kernel;
 mod pool;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use gdn::{Backend, Error, Layer, LayerPool, Result};
@@ -26,7 +26,7 @@ pub use kernel::KernelKey;
 pub use pool::WgpuPool;
 
 /// Whether the kernel uses subgroup operations.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Subgroups {
     /// Where the adapter supports them.
     #[default]
@@ -68,9 +68,20 @@ impl Default for Options {
 }
 
 /// The wgpu backend: one adapter's device and queue, and the pipelines built so far.
+///
+/// Devices are opened once per process for each (adapter, subgroup mode) and shared by every `Wgpu` made with
+/// those options, so pipelines are compiled once (Mesa's lavapipe compiles a pipeline in about half a second).
 #[derive(Clone)]
 pub struct Wgpu {
     gpu: Arc<Gpu>,
+    row_blocks: usize,
+}
+
+type DeviceKey = (Option<String>, Subgroups);
+
+fn devices() -> &'static Mutex<HashMap<DeviceKey, Arc<Gpu>>> {
+    static DEVICES: OnceLock<Mutex<HashMap<DeviceKey, Arc<Gpu>>>> = OnceLock::new();
+    DEVICES.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
 /// What every pool of a backend shares.
@@ -82,7 +93,6 @@ pub(crate) struct Gpu {
     pub subgroups: bool,
     pub timestamps: bool,
     pub timestamps_in_encoders: bool,
-    pub row_blocks: usize,
     pub bind_layout: wgpu::BindGroupLayout,
     pub pipeline_layout: wgpu::PipelineLayout,
     pipelines: Mutex<HashMap<KernelKey, Arc<wgpu::ComputePipeline>>>,
@@ -105,7 +115,22 @@ impl Wgpu {
     }
 
     pub fn with_options(options: Options) -> Result<Self> {
-        pollster::block_on(Gpu::open(options)).map(|gpu| Wgpu { gpu: Arc::new(gpu) })
+        let key = (options.adapter.clone(), options.subgroups);
+        let mut cache = devices()
+            .lock()
+            .map_err(|_| Error::Backend("device cache poisoned".into()))?;
+        let gpu = match cache.get(&key) {
+            Some(gpu) => gpu.clone(),
+            None => {
+                let gpu = Arc::new(pollster::block_on(Gpu::open(&options))?);
+                cache.insert(key, gpu.clone());
+                gpu
+            }
+        };
+        Ok(Wgpu {
+            gpu,
+            row_blocks: options.row_blocks,
+        })
     }
 
     /// Whether the kernels of this backend use subgroup operations.
@@ -120,7 +145,7 @@ impl Wgpu {
 }
 
 impl Gpu {
-    async fn open(options: Options) -> Result<Gpu> {
+    async fn open(options: &Options) -> Result<Gpu> {
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
         desc.flags = wgpu::InstanceFlags::empty().with_env();
         desc.backends = wgpu::Backends::PRIMARY.with_env();
@@ -242,7 +267,6 @@ impl Gpu {
             subgroups,
             timestamps,
             timestamps_in_encoders,
-            row_blocks: options.row_blocks,
             bind_layout,
             pipeline_layout,
             pipelines: Mutex::new(HashMap::new()),
@@ -487,7 +511,12 @@ impl Backend for Wgpu {
     }
 
     fn create_pool(&self, layer: &Layer, slots: usize) -> Result<Box<dyn LayerPool>> {
-        Ok(Box::new(WgpuPool::new(self.gpu.clone(), layer, slots)?))
+        Ok(Box::new(WgpuPool::new(
+            self.gpu.clone(),
+            layer,
+            slots,
+            self.row_blocks,
+        )?))
     }
 
     /// A buffer-to-buffer copy of `bytes` bytes, timed like the step (GPU timestamps where the adapter has

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gdn::backend::check_slot_io;
-use gdn::{Error, Layer, LayerPool, OutputLayout, Result, StepArgs, StepTiming};
+use gdn::{Error, Gate, HeadMap, Layer, LayerPool, OutputLayout, Result, StepArgs, StepTiming};
 
 use crate::kernel::{choose_row_blocks, KernelKey};
 use crate::Gpu;
@@ -25,6 +25,13 @@ struct Params {
     alpha_off: u32,
     beta_off: u32,
     z_off: u32,
+    h_k: u32,
+    h_v: u32,
+    c: u32,
+    n: u32,
+    grouped: u32,
+    silu: u32,
+    eps: f32,
     pad: u32,
 }
 
@@ -91,7 +98,7 @@ pub struct WgpuPool {
     gpu: Arc<Gpu>,
     layer: Layer,
     slots: usize,
-    row_blocks: usize,
+    key: KernelKey,
     state: wgpu::Buffer,
     hist: wgpu::Buffer,
     weights: wgpu::Buffer,
@@ -107,17 +114,28 @@ pub struct WgpuPool {
 }
 
 impl WgpuPool {
-    pub(crate) fn new(gpu: Arc<Gpu>, layer: &Layer, slots: usize) -> Result<Self> {
+    pub(crate) fn new(
+        gpu: Arc<Gpu>,
+        layer: &Layer,
+        slots: usize,
+        row_blocks: usize,
+    ) -> Result<Self> {
         layer.validate()?;
         let sh = *layer.shape();
-        let row_blocks = choose_row_blocks(sh.d, &gpu.limits, gpu.row_blocks);
-        // build the plain pipeline now, so that a shape the adapter cannot run fails here
-        gpu.pipeline(KernelKey::new(
-            &layer.config,
-            false,
-            gpu.subgroups,
+        let row_blocks = choose_row_blocks(sh.d, &gpu.limits, row_blocks);
+        let key = KernelKey {
+            d: sh.d,
+            subgroups: gpu.subgroups,
             row_blocks,
-        ))?;
+        };
+        // build the pipeline now, so that a shape the adapter cannot run fails here
+        gpu.pipeline(key)?;
+        if sh.h_v > gpu.limits.max_compute_workgroups_per_dimension as usize {
+            return Err(Error::Backend(format!(
+                "{} value heads: the adapter dispatches at most {} workgroups in x",
+                sh.h_v, gpu.limits.max_compute_workgroups_per_dimension
+            )));
+        }
         let state_bytes = (slots * sh.state_len() * 4) as u64;
         let hist_bytes = (slots * sh.h_v * 9 * sh.d * 4) as u64;
         check_size(&gpu, "the state pool", state_bytes)?;
@@ -157,7 +175,7 @@ impl WgpuPool {
         Ok(WgpuPool {
             layer: layer.clone(),
             slots,
-            row_blocks,
+            key,
             state,
             hist,
             weights: weights_buf,
@@ -202,6 +220,7 @@ impl WgpuPool {
         commit_at: usize,
     ) -> Result<(u32, Arc<wgpu::ComputePipeline>)> {
         let gpu = self.gpu.clone();
+        let sh = *self.layer.shape();
         self.job_list.clear();
         for (b, &s) in args.slots.iter().enumerate() {
             if s >= 0 {
@@ -280,17 +299,18 @@ impl WgpuPool {
             alpha_off: offs[1],
             beta_off: offs[2],
             z_off: offs[3],
+            h_k: sh.h_k as u32,
+            h_v: sh.h_v as u32,
+            c: sh.channels() as u32,
+            n: sh.n() as u32,
+            grouped: (self.layer.config.head_map == HeadMap::Grouped) as u32,
+            silu: (self.layer.config.gate == Gate::Silu) as u32,
+            eps: self.layer.config.eps,
             pad: 0,
         };
         gpu.queue
             .write_buffer(&self.params, 0, bytemuck::bytes_of(&params));
-        let key = KernelKey::new(
-            &self.layer.config,
-            layout.plane_stride.is_some(),
-            gpu.subgroups,
-            self.row_blocks,
-        );
-        let pipeline = gpu.pipeline(key)?;
+        let pipeline = gpu.pipeline(self.key)?;
         Ok((live, pipeline))
     }
 

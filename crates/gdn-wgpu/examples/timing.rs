@@ -1,0 +1,94 @@
+//! Times the wgpu step at the seed's shape (d 128, h_k 16, h_v 48) for B in {1, 256} x T in {1, 8}, commit
+//! all, through `LayerPool::time_step` (what `gdn bench --backend wgpu` uses), and the copy ceiling.
+//!
+//! `cargo run --release -p gdn-wgpu --example timing [-- --row-blocks 4,8] [--no-subgroups]`
+//! `GDN_WGPU_ADAPTER=nvidia` picks an adapter by name.
+
+use gdn::synth::Synth;
+use gdn::{Backend, Commit, Config, Shape, StepArgs};
+use gdn_wgpu::{Options, Subgroups, Wgpu};
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("timing: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> gdn::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let mut row_blocks = vec![Options::default().row_blocks];
+    let mut subgroups = Subgroups::Auto;
+    let mut i = 1;
+    while i < args.len() {
+        match args[i].as_str() {
+            "--row-blocks" => {
+                i += 1;
+                row_blocks = args
+                    .get(i)
+                    .map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect())
+                    .unwrap_or_default();
+            }
+            "--no-subgroups" => subgroups = Subgroups::Off,
+            "--both" => subgroups = Subgroups::Require,
+            other => {
+                return Err(gdn::Error::Param {
+                    name: "argument",
+                    why: other.into(),
+                })
+            }
+        }
+        i += 1;
+    }
+    let paths: Vec<Subgroups> = if subgroups == Subgroups::Require {
+        vec![Subgroups::Auto, Subgroups::Off]
+    } else {
+        vec![subgroups]
+    };
+    let shape = Shape::SEED;
+    let mut rng = Synth::new(1);
+    let layer = rng.layer(Config::new(shape))?;
+    for &sg in &paths {
+        for &ib in &row_blocks {
+            let backend = Wgpu::with_options(Options {
+                subgroups: sg,
+                row_blocks: ib,
+                ..Options::default()
+            })?;
+            println!("{} (row blocks {ib})", backend.name());
+            let ceiling = backend.copy_ceiling(256 << 20)?;
+            println!(
+                "  copy ceiling, 256 MiB buffer: {:.0} GB/s (read + write)",
+                ceiling / 1e9
+            );
+            for b in [1usize, 256] {
+                let mut pool = backend.create_pool(&layer, b)?;
+                for (s, _) in (0..b).enumerate() {
+                    let (st, h) = rng.seq_state(&layer);
+                    pool.write_slot(s, &st, &h)?;
+                }
+                for t in [1usize, 8] {
+                    let batch = rng.batch(&layer, b, t);
+                    let slots: Vec<i32> = (0..b as i32).collect();
+                    let args = StepArgs {
+                        batch: batch.view(),
+                        slots: &slots,
+                        commit: Commit::All,
+                        plane_stride: None,
+                    };
+                    let iters = if b == 1 { 200 } else { 20 };
+                    let timing = pool.time_step(&args, iters)?;
+                    let us = timing.per_call.as_secs_f64() * 1e6;
+                    let bytes = 2.0 * (b * shape.state_len() * 4) as f64;
+                    println!(
+                        "  B {b:3} T {t}: {us:9.1} us per call ({:.0} GB/s of state read + written; host {:.1} us per call) [{}]",
+                        bytes / (us * 1e-6) / 1e9,
+                        timing.host_per_call.map_or(0.0, |h| h.as_secs_f64() * 1e6),
+                        timing.method
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
