@@ -13,7 +13,7 @@ pub const LANES: usize = 16;
 #[inline(always)]
 pub fn sum_squares(x: &[f32]) -> f32 {
     let mut acc = [0.0f32; LANES];
-    for c in x.chunks_exact(LANES) {
+    for c in x.as_chunks::<LANES>().0 {
         for l in 0..LANES {
             acc[l] = c[l].mul_add(c[l], acc[l]);
         }
@@ -150,6 +150,91 @@ pub struct HeadInputs<'a> {
     pub commit_at: usize,
 }
 
+/// Column starts of a row of `d` floats cut in blocks of `W` while they fit, then in blocks of `LANES`.
+#[inline(always)]
+fn blocks<const W: usize>(d: usize) -> (impl Iterator<Item = usize>, impl Iterator<Item = usize>) {
+    let wide_end = d / W * W;
+    ((0..wide_end).step_by(W), (wide_end..d).step_by(LANES))
+}
+
+/// Where a pass reads the head's state and where it writes the updated rows.
+#[derive(Clone, Copy)]
+struct Flow {
+    /// Read from the pool (the window's first token) rather than from `work`.
+    from_pool: bool,
+    /// Write to `work`: a later pass reads it.
+    to_work: bool,
+    /// Write to the pool: this is the commit token.
+    to_pool: bool,
+}
+
+/// kv[c0..c0 + W] = sum_i S[i][c0..c0 + W] k_i with the accumulators in registers. Rows read from the pool are
+/// copied into `work` on the way when `flow.to_work`.
+#[inline(always)]
+fn kv_block<const W: usize>(
+    rows: &HeadRows,
+    flow: Flow,
+    work: &mut [f32],
+    k: &[f32],
+    kv: &mut [f32],
+    c0: usize,
+) {
+    let d = k.len();
+    let mut acc = [0.0f32; W];
+    for (i, &ki) in k.iter().enumerate() {
+        let s: [f32; W] = if flow.from_pool {
+            rows.row(i)[c0..c0 + W].try_into().expect("block")
+        } else {
+            work[i * d + c0..i * d + c0 + W].try_into().expect("block")
+        };
+        if flow.from_pool && flow.to_work {
+            work[i * d + c0..i * d + c0 + W].copy_from_slice(&s);
+        }
+        for l in 0..W {
+            acc[l] = s[l].mul_add(ki, acc[l]);
+        }
+    }
+    kv[c0..c0 + W].copy_from_slice(&acc);
+}
+
+/// The delta-rule update of columns c0..c0 + W and their readout: `S = g S + k delta^T`, `o = S^T q`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn update_block<const W: usize>(
+    rows: &mut HeadRows,
+    flow: Flow,
+    work: &mut [f32],
+    k: &[f32],
+    q: &[f32],
+    g: f32,
+    delta: &[f32],
+    o: &mut [f32],
+    c0: usize,
+) {
+    let d = k.len();
+    let dl: [f32; W] = delta[c0..c0 + W].try_into().expect("block");
+    let mut acc = [0.0f32; W];
+    for i in 0..d {
+        let (ki, qi) = (k[i], q[i]);
+        let mut x: [f32; W] = if flow.from_pool {
+            rows.row(i)[c0..c0 + W].try_into().expect("block")
+        } else {
+            work[i * d + c0..i * d + c0 + W].try_into().expect("block")
+        };
+        for l in 0..W {
+            x[l] = g.mul_add(x[l], ki * dl[l]);
+            acc[l] = x[l].mul_add(qi, acc[l]);
+        }
+        if flow.to_work {
+            work[i * d + c0..i * d + c0 + W].copy_from_slice(&x);
+        }
+        if flow.to_pool {
+            rows.row_mut(i)[c0..c0 + W].copy_from_slice(&x);
+        }
+    }
+    o[c0..c0 + W].copy_from_slice(&acc);
+}
+
 /// Floats of scratch `head_window` needs.
 pub fn head_scratch_len(d: usize) -> usize {
     d * d + 4 * d
@@ -163,8 +248,7 @@ pub fn head_window<'a>(inp: &HeadInputs<'a>, rows: &mut HeadRows, work: &mut [f3
     let (work, rest) = work.split_at_mut(d * d);
     let (kv, rest) = rest.split_at_mut(d);
     let (delta, rest) = rest.split_at_mut(d);
-    let (o, rest) = rest.split_at_mut(d);
-    let nrow = &mut rest[..d];
+    let o = &mut rest[..d];
     let inv_sqrt_d = 1.0 / (d as f32).sqrt();
     for tok in 0..inp.t {
         let q = &inp.q[tok * d..(tok + 1) * d];
@@ -172,54 +256,36 @@ pub fn head_window<'a>(inp: &HeadInputs<'a>, rows: &mut HeadRows, work: &mut [f3
         let v = &inp.v[tok * d..(tok + 1) * d];
         let g = decay(inp.alpha[tok], inp.dt, inp.a);
         let b = sigmoid(inp.beta[tok]);
-        // kv_j = sum_i S[i][j] k_i, rows in order
-        kv.fill(0.0);
-        for (i, &ki) in k.iter().enumerate() {
-            let src = if tok == 0 {
-                rows.row(i)
-            } else {
-                &work[i * d..(i + 1) * d]
-            };
-            for (acc, s) in kv.chunks_exact_mut(LANES).zip(src.chunks_exact(LANES)) {
-                for l in 0..LANES {
-                    acc[l] = s[l].mul_add(ki, acc[l]);
-                }
-            }
+        // kv_j = sum_i S[i][j] k_i, rows in order. The first token reads the pool; later ones read `work`,
+        // which the first pass fills only when later tokens need it.
+        let more = tok + 1 < inp.t;
+        let read = Flow {
+            from_pool: tok == 0,
+            to_work: tok == 0 && more,
+            to_pool: false,
+        };
+        let (wide, narrow) = blocks::<64>(d);
+        for c0 in wide {
+            kv_block::<64>(rows, read, work, k, kv, c0);
+        }
+        for c0 in narrow {
+            kv_block::<LANES>(rows, read, work, k, kv, c0);
         }
         for j in 0..d {
             delta[j] = (v[j] - g * kv[j]) * b;
         }
         // S = g S + k delta^T, then o_j = sum_i S[i][j] q_i with the updated rows
-        o.fill(0.0);
-        let keep = tok + 1 < inp.t;
-        let commit = tok + 1 == inp.commit_at;
-        for i in 0..d {
-            let (ki, qi) = (k[i], q[i]);
-            {
-                let src = if tok == 0 {
-                    rows.row(i)
-                } else {
-                    &work[i * d..(i + 1) * d]
-                };
-                for (((nr, s), dl), acc) in nrow
-                    .chunks_exact_mut(LANES)
-                    .zip(src.chunks_exact(LANES))
-                    .zip(delta.chunks_exact(LANES))
-                    .zip(o.chunks_exact_mut(LANES))
-                {
-                    for l in 0..LANES {
-                        let x = g.mul_add(s[l], ki * dl[l]);
-                        nr[l] = x;
-                        acc[l] = x.mul_add(qi, acc[l]);
-                    }
-                }
-            }
-            if keep {
-                work[i * d..(i + 1) * d].copy_from_slice(nrow);
-            }
-            if commit {
-                rows.row_mut(i).copy_from_slice(nrow);
-            }
+        let update = Flow {
+            from_pool: tok == 0 && !more,
+            to_work: more,
+            to_pool: tok + 1 == inp.commit_at,
+        };
+        let (wide, narrow) = blocks::<32>(d);
+        for c0 in wide {
+            update_block::<32>(rows, update, work, k, q, g, delta, o, c0);
+        }
+        for c0 in narrow {
+            update_block::<LANES>(rows, update, work, k, q, g, delta, o, c0);
         }
         // gated RMS norm
         for x in o.iter_mut() {

@@ -71,6 +71,23 @@ impl Backend for Cpu {
         format!("cpu ({}, {} threads)", Cpu::isa(), self.thread_count())
     }
 
+    /// A copy by all the backend's threads, each on its own contiguous part: the ceiling the step's threads face.
+    fn copy_ceiling(&self, bytes: usize) -> Result<f64> {
+        let src = vec![1.0f32; bytes / 4];
+        let mut dst = vec![0.0f32; bytes / 4];
+        let parts = self.thread_count().max(1);
+        let chunk = src.len().div_ceil(parts).max(1);
+        let t = crate::backend::time_host(7, 8, || {
+            in_pool(&self.threads, || {
+                dst.par_chunks_mut(chunk)
+                    .zip(src.par_chunks(chunk))
+                    .for_each(|(d, s)| d.copy_from_slice(std::hint::black_box(s)))
+            });
+            Ok(())
+        })?;
+        Ok(2.0 * bytes as f64 / t.as_secs_f64())
+    }
+
     fn create_pool(&self, layer: &Layer, slots: usize) -> Result<Box<dyn LayerPool>> {
         layer.validate()?;
         let sh = layer.shape();
