@@ -84,7 +84,21 @@ fn run(cli: Cli) -> gdn::Result<()> {
 }
 
 fn main() -> ExitCode {
-    match run(Cli::parse()) {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // usage errors in one line too; --help and --version print as clap prints them
+        Err(e) if e.use_stderr() => {
+            let msg = e.to_string();
+            let first = msg.lines().next().unwrap_or("bad arguments");
+            eprintln!(
+                "gdn: {} (see gdn --help)",
+                first.trim_start_matches("error: ")
+            );
+            return ExitCode::from(2);
+        }
+        Err(e) => e.exit(),
+    };
+    match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("gdn: error: {e}");
