@@ -97,38 +97,6 @@ pub fn shifted_hist(d: usize, k: usize, qkv: &[f32], qkv_stride: usize, hist: &m
     }
 }
 
-/// The rows of one value head's state inside a pool slot: row i at `base + i * stride`, `d` floats each.
-pub struct HeadRows {
-    base: *mut f32,
-    stride: usize,
-    d: usize,
-}
-
-// SAFETY: a HeadRows is only created (unsafely, below) for rows no other live reference or HeadRows reaches,
-// so moving it to another thread cannot create shared mutable access.
-unsafe impl Send for HeadRows {}
-
-impl HeadRows {
-    /// # Safety
-    /// For every i < d, `base + i * stride .. + d` must be valid for reads and writes for the life of the value,
-    /// and no other reference or `HeadRows` may reach those floats meanwhile.
-    pub unsafe fn new(base: *mut f32, stride: usize, d: usize) -> Self {
-        HeadRows { base, stride, d }
-    }
-    #[inline(always)]
-    fn row(&self, i: usize) -> &[f32] {
-        debug_assert!(i < self.d);
-        // SAFETY: row i lies in the region `new`'s contract makes valid and exclusive to self.
-        unsafe { std::slice::from_raw_parts(self.base.add(i * self.stride), self.d) }
-    }
-    #[inline(always)]
-    fn row_mut(&mut self, i: usize) -> &mut [f32] {
-        debug_assert!(i < self.d);
-        // SAFETY: as in `row`; `&mut self` makes this the only live borrow of the row.
-        unsafe { std::slice::from_raw_parts_mut(self.base.add(i * self.stride), self.d) }
-    }
-}
-
 /// What one value head reads for a window.
 pub struct HeadInputs<'a> {
     pub d: usize,
@@ -157,82 +125,102 @@ fn blocks<const W: usize>(d: usize) -> (impl Iterator<Item = usize>, impl Iterat
     ((0..wide_end).step_by(W), (wide_end..d).step_by(LANES))
 }
 
-/// Where a pass reads the head's state and where it writes the updated rows.
+/// Where an update pass reads the head's state and where it writes the updated rows.
 #[derive(Clone, Copy)]
 struct Flow {
     /// Read from the pool (the window's first token) rather than from `work`.
     from_pool: bool,
-    /// Write to `work`: a later pass reads it.
+    /// Write to `work`: a later token reads it.
     to_work: bool,
     /// Write to the pool: this is the commit token.
     to_pool: bool,
 }
 
-/// kv[c0..c0 + W] = sum_i S[i][c0..c0 + W] k_i with the accumulators in registers. Rows read from the pool are
-/// copied into `work` on the way when `flow.to_work`.
 #[inline(always)]
-fn kv_block<const W: usize>(
-    rows: &HeadRows,
-    flow: Flow,
-    work: &mut [f32],
-    k: &[f32],
-    kv: &mut [f32],
+fn load<const W: usize>(
+    pool: &[f32],
+    work: &[f32],
+    from_pool: bool,
+    d: usize,
+    i: usize,
     c0: usize,
-) {
-    let d = k.len();
-    let mut acc = [0.0f32; W];
-    for (i, &ki) in k.iter().enumerate() {
-        let s: [f32; W] = if flow.from_pool {
-            rows.row(i)[c0..c0 + W].try_into().expect("block")
-        } else {
-            work[i * d + c0..i * d + c0 + W].try_into().expect("block")
-        };
-        if flow.from_pool && flow.to_work {
-            work[i * d + c0..i * d + c0 + W].copy_from_slice(&s);
-        }
-        for l in 0..W {
-            acc[l] = s[l].mul_add(ki, acc[l]);
-        }
+) -> [f32; W] {
+    if from_pool {
+        pool[i * d + c0..i * d + c0 + W].try_into().expect("block")
+    } else {
+        work[i * d + c0..i * d + c0 + W].try_into().expect("block")
     }
-    kv[c0..c0 + W].copy_from_slice(&acc);
 }
 
-/// The delta-rule update of columns c0..c0 + W and their readout: `S = g S + k delta^T`, `o = S^T q`.
+/// `kv = S^T k` and `sq = S^T q` over columns c0..c0 + W, accumulators in registers, rows in order.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn read_block<const W: usize>(
+    pool: &[f32],
+    work: &[f32],
+    from_pool: bool,
+    k: &[f32],
+    q: &[f32],
+    kv: &mut [f32],
+    sq: &mut [f32],
+    c0: usize,
+) {
+    let (mut ak, mut aq) = ([0.0f32; W], [0.0f32; W]);
+    for i in 0..k.len() {
+        let (ki, qi) = (k[i], q[i]);
+        let s = load::<W>(pool, work, from_pool, k.len(), i, c0);
+        for l in 0..W {
+            ak[l] = s[l].mul_add(ki, ak[l]);
+            aq[l] = s[l].mul_add(qi, aq[l]);
+        }
+    }
+    kv[c0..c0 + W].copy_from_slice(&ak);
+    sq[c0..c0 + W].copy_from_slice(&aq);
+}
+
+/// The delta-rule update `S = g S + k delta^T` of columns c0..c0 + W, fused with the next token's read
+/// (`kv = S^T k'`, `sq = S^T q'` of the updated rows) when there is a next token.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn update_block<const W: usize>(
-    rows: &mut HeadRows,
-    flow: Flow,
+    pool: &mut [f32],
     work: &mut [f32],
-    k: &[f32],
-    q: &[f32],
+    flow: Flow,
     g: f32,
+    k: &[f32],
     delta: &[f32],
-    o: &mut [f32],
+    next: Option<(&[f32], &[f32])>,
+    kv: &mut [f32],
+    sq: &mut [f32],
     c0: usize,
 ) {
     let d = k.len();
     let dl: [f32; W] = delta[c0..c0 + W].try_into().expect("block");
-    let mut acc = [0.0f32; W];
+    let (mut ak, mut aq) = ([0.0f32; W], [0.0f32; W]);
     for i in 0..d {
-        let (ki, qi) = (k[i], q[i]);
-        let mut x: [f32; W] = if flow.from_pool {
-            rows.row(i)[c0..c0 + W].try_into().expect("block")
-        } else {
-            work[i * d + c0..i * d + c0 + W].try_into().expect("block")
-        };
+        let ki = k[i];
+        let mut x = load::<W>(pool, work, flow.from_pool, d, i, c0);
         for l in 0..W {
             x[l] = g.mul_add(x[l], ki * dl[l]);
-            acc[l] = x[l].mul_add(qi, acc[l]);
+        }
+        if let Some((kn, qn)) = next {
+            let (kni, qni) = (kn[i], qn[i]);
+            for l in 0..W {
+                ak[l] = x[l].mul_add(kni, ak[l]);
+                aq[l] = x[l].mul_add(qni, aq[l]);
+            }
         }
         if flow.to_work {
             work[i * d + c0..i * d + c0 + W].copy_from_slice(&x);
         }
         if flow.to_pool {
-            rows.row_mut(i)[c0..c0 + W].copy_from_slice(&x);
+            pool[i * d + c0..i * d + c0 + W].copy_from_slice(&x);
         }
     }
-    o[c0..c0 + W].copy_from_slice(&acc);
+    if next.is_some() {
+        kv[c0..c0 + W].copy_from_slice(&ak);
+        sq[c0..c0 + W].copy_from_slice(&aq);
+    }
 }
 
 /// Floats of scratch `head_window` needs.
@@ -240,57 +228,65 @@ pub fn head_scratch_len(d: usize) -> usize {
     d * d + 4 * d
 }
 
-/// SPEC.md steps 3 to 7 for one value head over a window. The state is read from the pool once, carried in
-/// `work` between tokens, and written back after token `commit_at - 1`. y goes to `y` [t][d].
+/// Column block width of the state passes: 8 AVX2 registers of accumulators, the rest for the row.
+const BLOCK: usize = 32;
+
+/// SPEC.md steps 3 to 7 for one value head over a window, with one pass over the state per token.
+///
+/// The readout uses `o = S_new^T q = g (S^T q) + delta (k . q)`, equal in exact arithmetic to SPEC.md's sum
+/// over the updated rows, so `S^T k` and `S^T q` come from the same read of S, and the update of token t is
+/// fused with the read for token t + 1. The state is read from the pool once, carried in `work` between
+/// tokens, and written back at token `commit_at - 1`; an update nobody reads (after the last token, no commit)
+/// is skipped. y goes to `y` [t][d].
 #[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
-pub fn head_window<'a>(inp: &HeadInputs<'a>, rows: &mut HeadRows, work: &mut [f32], y: &mut [f32]) {
+pub fn head_window<'a>(inp: &HeadInputs<'a>, pool: &mut [f32], work: &mut [f32], y: &mut [f32]) {
     let d = inp.d;
     let (work, rest) = work.split_at_mut(d * d);
     let (kv, rest) = rest.split_at_mut(d);
+    let (sq, rest) = rest.split_at_mut(d);
     let (delta, rest) = rest.split_at_mut(d);
     let o = &mut rest[..d];
     let inv_sqrt_d = 1.0 / (d as f32).sqrt();
+    let tok_slice = |x: &'a [f32], tok: usize| &x[tok * d..(tok + 1) * d];
+    let (wide, narrow) = blocks::<BLOCK>(d);
+    for c0 in wide {
+        read_block::<BLOCK>(
+            pool,
+            work,
+            true,
+            tok_slice(inp.k, 0),
+            tok_slice(inp.q, 0),
+            kv,
+            sq,
+            c0,
+        );
+    }
+    for c0 in narrow {
+        read_block::<LANES>(
+            pool,
+            work,
+            true,
+            tok_slice(inp.k, 0),
+            tok_slice(inp.q, 0),
+            kv,
+            sq,
+            c0,
+        );
+    }
     for tok in 0..inp.t {
-        let q = &inp.q[tok * d..(tok + 1) * d];
-        let k = &inp.k[tok * d..(tok + 1) * d];
-        let v = &inp.v[tok * d..(tok + 1) * d];
+        let (q, k, v) = (
+            tok_slice(inp.q, tok),
+            tok_slice(inp.k, tok),
+            tok_slice(inp.v, tok),
+        );
         let g = decay(inp.alpha[tok], inp.dt, inp.a);
         let b = sigmoid(inp.beta[tok]);
-        // kv_j = sum_i S[i][j] k_i, rows in order. The first token reads the pool; later ones read `work`,
-        // which the first pass fills only when later tokens need it.
-        let more = tok + 1 < inp.t;
-        let read = Flow {
-            from_pool: tok == 0,
-            to_work: tok == 0 && more,
-            to_pool: false,
-        };
-        let (wide, narrow) = blocks::<64>(d);
-        for c0 in wide {
-            kv_block::<64>(rows, read, work, k, kv, c0);
-        }
-        for c0 in narrow {
-            kv_block::<LANES>(rows, read, work, k, kv, c0);
-        }
+        let kq = dot(k, q);
         for j in 0..d {
             delta[j] = (v[j] - g * kv[j]) * b;
-        }
-        // S = g S + k delta^T, then o_j = sum_i S[i][j] q_i with the updated rows
-        let update = Flow {
-            from_pool: tok == 0 && !more,
-            to_work: more,
-            to_pool: tok + 1 == inp.commit_at,
-        };
-        let (wide, narrow) = blocks::<32>(d);
-        for c0 in wide {
-            update_block::<32>(rows, update, work, k, q, g, delta, o, c0);
-        }
-        for c0 in narrow {
-            update_block::<LANES>(rows, update, work, k, q, g, delta, o, c0);
+            o[j] = g.mul_add(sq[j], delta[j] * kq) * inv_sqrt_d;
         }
         // gated RMS norm
-        for x in o.iter_mut() {
-            *x *= inv_sqrt_d;
-        }
         let rs = 1.0 / (sum_squares(o) / d as f32 + inp.eps).sqrt();
         let z = &inp.z[tok * inp.z_stride..tok * inp.z_stride + d];
         let yt = &mut y[tok * d..(tok + 1) * d];
@@ -301,5 +297,47 @@ pub fn head_window<'a>(inp: &HeadInputs<'a>, rows: &mut HeadRows, work: &mut [f3
             };
             yt[j] = ((rs * o[j]) * inp.gamma[j]) * act;
         }
+        // the update, fused with the next token's read
+        let more = tok + 1 < inp.t;
+        let flow = Flow {
+            from_pool: tok == 0,
+            to_work: more,
+            to_pool: tok + 1 == inp.commit_at,
+        };
+        if !flow.to_work && !flow.to_pool {
+            continue;
+        }
+        let next = more.then(|| (tok_slice(inp.k, tok + 1), tok_slice(inp.q, tok + 1)));
+        let (wide, narrow) = blocks::<BLOCK>(d);
+        for c0 in wide {
+            update_block::<BLOCK>(pool, work, flow, g, k, delta, next, kv, sq, c0);
+        }
+        for c0 in narrow {
+            update_block::<LANES>(pool, work, flow, g, k, delta, next, kv, sq, c0);
+        }
     }
+}
+
+/// `x . y` with 16 partial sums in a fixed order.
+#[inline(always)]
+fn dot(x: &[f32], y: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    for (a, b) in x
+        .as_chunks::<LANES>()
+        .0
+        .iter()
+        .zip(y.as_chunks::<LANES>().0)
+    {
+        for l in 0..LANES {
+            acc[l] = a[l].mul_add(b[l], acc[l]);
+        }
+    }
+    let mut w = LANES;
+    while w > 1 {
+        w /= 2;
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+    }
+    acc[0]
 }

@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use crate::backend::check_slot_io;
 use crate::{Backend, Error, Layer, LayerPool, OutputLayout, Result, StepArgs};
-use kernels::{HeadInputs, HeadRows};
+use kernels::HeadInputs;
 
 /// The CPU backend. By default it uses rayon's global thread pool.
 #[derive(Clone, Default)]
@@ -103,7 +103,8 @@ impl Backend for Cpu {
     }
 }
 
-/// A layer's state pool in host memory. The history is updated in place: on the CPU every q/k channel is
+/// A layer's state pool in host memory: per slot, S head-major ([h][i][j], see `for_each_row`) and H as in
+/// SPEC.md. The history is updated in place: on the CPU every q/k channel is
 /// convolved once, before any head reads it, so no double buffer is needed.
 pub struct CpuPool {
     layer: Layer,
@@ -115,19 +116,6 @@ pub struct CpuPool {
     /// Head outputs [b][h][t][d] before they are laid out as rows.
     heads_y: Vec<f32>,
     threads: Option<Arc<rayon::ThreadPool>>,
-}
-
-/// The pool state as a raw pointer, for the head tasks that each own a disjoint set of its rows.
-#[derive(Clone, Copy)]
-struct StatePtr(*mut f32);
-// SAFETY: only used to build HeadRows for disjoint (slot, head) pairs, see `CpuPool::run_step`.
-unsafe impl Send for StatePtr {}
-unsafe impl Sync for StatePtr {}
-
-impl StatePtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }
 
 impl CpuPool {
@@ -188,16 +176,30 @@ impl CpuPool {
             conv_tasks.into_par_iter().for_each(conv_stage)
         });
 
-        // Phase 2: the recurrence per (sequence, value head).
-        let state_len = sh.state_len();
-        let state = StatePtr(self.state.as_mut_ptr());
-        let conv = &self.conv;
-        let head_stage = |(bh, y): (usize, &mut [f32]), work: &mut Vec<f32>| {
-            let (b, h) = (bh / h_v, bh % h_v);
+        // Phase 2: the recurrence per (sequence, value head); each task owns its head's contiguous state.
+        let head_len = d * d;
+        let mut state_of_slot: Vec<Option<&mut [f32]>> =
+            self.state.chunks_mut(sh.state_len()).map(Some).collect();
+        let mut head_tasks = Vec::with_capacity(b_n * h_v);
+        for (b, y_b) in self.heads_y.chunks_mut(h_v * t * d).enumerate() {
             let slot = args.slots[b];
             if slot < 0 {
-                return;
+                continue;
             }
+            let st = state_of_slot[slot as usize]
+                .take()
+                .expect("slot named once");
+            for (h, (st_h, y_h)) in st
+                .chunks_mut(head_len)
+                .zip(y_b.chunks_mut(t * d))
+                .enumerate()
+            {
+                head_tasks.push((b, h, st_h, y_h));
+            }
+        }
+        let conv = &self.conv;
+        let head_stage = |(b, h, st_h, y): (usize, usize, &mut [f32], &mut [f32]),
+                          work: &mut Vec<f32>| {
             let g = layer.config.head_map.qk_head(&sh, h);
             let blk = |x: usize| &conv[((b * blocks) + x) * t * d..((b * blocks) + x + 1) * t * d];
             let (alpha, beta): (Vec<f32>, Vec<f32>) = (0..t)
@@ -223,23 +225,11 @@ impl CpuPool {
                 eps,
                 commit_at,
             };
-            // SAFETY: rows (i * h_v + h) * d .. + d of slot `slot` lie inside the pool's state (slot < slots,
-            // checked by validate), and each (slot, h) pair belongs to exactly one task of this parallel loop
-            // (slots are distinct within a batch, also checked), so no two HeadRows overlap; nothing else
-            // touches `self.state` while the loop runs.
-            let mut rows = unsafe {
-                HeadRows::new(
-                    state.get().add(slot as usize * state_len + h * d),
-                    h_v * d,
-                    d,
-                )
-            };
-            kernels::head_window(&inp, &mut rows, work, y);
+            kernels::head_window(&inp, st_h, work, y);
         };
         let scratch = kernels::head_scratch_len(d);
-        let heads_y = &mut self.heads_y;
         in_pool(&self.threads, || {
-            heads_y.par_chunks_mut(t * d).enumerate().for_each_init(
+            head_tasks.into_par_iter().for_each_init(
                 || vec![0.0f32; scratch],
                 |work, task| head_stage(task, work),
             )
@@ -295,6 +285,17 @@ impl CpuPool {
     }
 }
 
+/// Calls `f(spec, pool)` with the offsets of each state row (a value head's row i) in SPEC.md's layout
+/// [i][h][j] and in the CPU pool's head-major layout [h][i][j], where each head's state is one contiguous
+/// block that its task owns and the prefetchers stream.
+fn for_each_row(sh: &crate::Shape, mut f: impl FnMut(usize, usize)) {
+    for i in 0..sh.d {
+        for h in 0..sh.h_v {
+            f((i * sh.h_v + h) * sh.d, (h * sh.d + i) * sh.d);
+        }
+    }
+}
+
 /// Runs `f` in the backend's own thread pool if it has one, else in rayon's global pool.
 fn in_pool<R: Send>(threads: &Option<Arc<rayon::ThreadPool>>, f: impl FnOnce() -> R + Send) -> R {
     match threads {
@@ -315,7 +316,11 @@ impl LayerPool for CpuPool {
     fn write_slot(&mut self, slot: usize, state: &[f32], hist: &[f32]) -> Result<()> {
         check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
         let (sl, hl) = (state.len(), hist.len());
-        self.state[slot * sl..(slot + 1) * sl].copy_from_slice(state);
+        let sh = *self.layer.shape();
+        let dst = &mut self.state[slot * sl..(slot + 1) * sl];
+        for_each_row(&sh, |spec, pool| {
+            dst[pool..pool + sh.d].copy_from_slice(&state[spec..spec + sh.d])
+        });
         self.hist[slot * hl..(slot + 1) * hl].copy_from_slice(hist);
         Ok(())
     }
@@ -323,7 +328,11 @@ impl LayerPool for CpuPool {
     fn read_slot(&mut self, slot: usize, state: &mut [f32], hist: &mut [f32]) -> Result<()> {
         check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
         let (sl, hl) = (state.len(), hist.len());
-        state.copy_from_slice(&self.state[slot * sl..(slot + 1) * sl]);
+        let sh = *self.layer.shape();
+        let src = &self.state[slot * sl..(slot + 1) * sl];
+        for_each_row(&sh, |spec, pool| {
+            state[spec..spec + sh.d].copy_from_slice(&src[pool..pool + sh.d])
+        });
         hist.copy_from_slice(&self.hist[slot * hl..(slot + 1) * hl]);
         Ok(())
     }
