@@ -166,10 +166,7 @@ impl CpuPool {
             let qkv = &batch.qkv[b * t * c_n + c0..];
             let w = &p.conv_w[c0 * 4..(c0 + d) * 4];
             let normalize = (blk < 2 * h_k).then_some(eps);
-            kernels::conv_block(d, t, qkv, c_n, w, hist_blk, out_blk, normalize);
-            if commit_at > 0 {
-                kernels::shifted_hist(d, commit_at, qkv, c_n, hist_blk);
-            }
+            kernels::conv_block(d, t, qkv, c_n, w, hist_blk, out_blk, normalize, commit_at);
         };
 
         in_pool(&self.threads, || {
@@ -227,7 +224,7 @@ impl CpuPool {
             };
             kernels::head_window(&inp, st_h, work, y);
         };
-        let scratch = kernels::head_scratch_len(d);
+        let scratch = kernels::head_scratch_len(d, t);
         in_pool(&self.threads, || {
             head_tasks.into_par_iter().for_each_init(
                 || vec![0.0f32; scratch],
