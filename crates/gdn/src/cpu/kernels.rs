@@ -58,14 +58,8 @@ fn exp_lanes(x: &[f32; LANES]) -> [f32; LANES] {
     let mut out = [0.0f32; LANES];
     for l in 0..LANES {
         let v = x[l];
-        // clamp by comparisons, which keep NaN (f32::min/max would replace it)
-        let c = if v > 88.7 {
-            88.7
-        } else if v < -86.0 {
-            -86.0
-        } else {
-            v
-        };
+        // clamp keeps NaN (f32::min/max would replace it)
+        let c = v.clamp(-86.0, 88.7);
         let n = (c * LOG2E).round_ties_even();
         let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, c));
         let mut p: f32 = 1.0 / 5040.0;
