@@ -113,7 +113,8 @@ fn gate_lanes(z: &[f32; LANES], gate: Gate) -> [f32; LANES] {
 }
 
 /// Conv + SiLU of one head block (`d` channels, 16 at a time) over a window, SPEC.md step 1, and for q/k
-/// blocks the L2 norm of step 2. `hist` is the block's history [d][3], replaced by the history after
+/// blocks the L2 norm of step 2. `w` and `hist` are the block's taps and history in lanes ([d / 16][4 or 3][16]);
+/// `hist` is replaced by the history after
 /// `commit_at` tokens when that is non-zero; `out` gets [t][d].
 #[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
 #[allow(clippy::too_many_arguments)]
@@ -129,17 +130,16 @@ pub fn conv_block(
     commit_at: usize,
 ) {
     for c0 in (0..d).step_by(LANES) {
-        // the 16 channels' taps and history, transposed so each is one vector
-        let mut taps = [[0.0f32; LANES]; 4];
-        let mut x = [[0.0f32; LANES]; 3];
-        for l in 0..LANES {
-            for (k, tap) in taps.iter_mut().enumerate() {
-                tap[l] = w[(c0 + l) * 4 + k];
-            }
-            for (k, xk) in x.iter_mut().enumerate() {
-                xk[l] = hist[(c0 + l) * 3 + k];
-            }
-        }
+        // the 16 channels' taps and history, one vector each (the pool's lane layout)
+        let lanes = |x: &[f32], k: usize| -> [f32; LANES] {
+            x[k * LANES..(k + 1) * LANES].try_into().expect("lanes")
+        };
+        let (wg, hg) = (
+            &w[c0 * 4..(c0 + LANES) * 4],
+            &hist[c0 * 3..(c0 + LANES) * 3],
+        );
+        let taps = [lanes(wg, 0), lanes(wg, 1), lanes(wg, 2), lanes(wg, 3)];
+        let mut x = [lanes(hg, 0), lanes(hg, 1), lanes(hg, 2)];
         for tok in 0..t {
             let cur: [f32; LANES] = qkv[tok * qkv_stride + c0..tok * qkv_stride + c0 + LANES]
                 .try_into()
@@ -154,10 +154,8 @@ pub fn conv_block(
             out[tok * d + c0..tok * d + c0 + LANES].copy_from_slice(&silu_lanes(&s));
             x = [x[1], x[2], cur];
             if tok + 1 == commit_at {
-                for l in 0..LANES {
-                    for (k, xk) in x.iter().enumerate() {
-                        hist[(c0 + l) * 3 + k] = xk[l];
-                    }
+                for (k, xk) in x.iter().enumerate() {
+                    hist[c0 * 3 + k * LANES..c0 * 3 + (k + 1) * LANES].copy_from_slice(xk);
                 }
             }
         }
@@ -199,6 +197,25 @@ pub struct HeadInputs<'a> {
 /// staying in L1 between tokens and its accumulators in registers (8 AVX2 registers).
 const BLOCK: usize = 32;
 
+/// How many rows ahead the first read of a head's state prefetches.
+const PREFETCH_ROWS: usize = 4;
+
+/// Asks for the cache lines of `x` ahead of their use.
+#[inline(always)]
+fn prefetch(x: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for off in (0..x.len()).step_by(16) {
+        // SAFETY: a prefetch is a hint: it never faults and changes no memory; the address is in bounds anyway.
+        unsafe {
+            core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
+                x.as_ptr().add(off).cast(),
+            )
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
+}
+
 /// Floats of scratch `head_window` needs for a window of `t` tokens.
 pub fn head_scratch_len(d: usize, t: usize) -> usize {
     d * BLOCK + t * d + 3 * t
@@ -229,6 +246,10 @@ fn column_block<const W: usize>(
     // token 0's read, straight from the pool
     let (k0, q0) = (&inp.k[..d], &inp.q[..d]);
     for i in 0..d {
+        if c0 == 0 && i + PREFETCH_ROWS < d {
+            // the first block's read walks rows 4 d bytes apart: ask for whole rows ahead of it
+            prefetch(&pool[(i + PREFETCH_ROWS) * d..(i + PREFETCH_ROWS + 1) * d]);
+        }
         let s: &[f32; W] = pool[i * d + c0..i * d + c0 + W].try_into().expect("block");
         for l in 0..W {
             kv[l] = s[l].mul_add(k0[i], kv[l]);

@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use crate::backend::check_slot_io;
 use crate::{Backend, Error, Layer, LayerPool, OutputLayout, Result, StepArgs};
-use kernels::HeadInputs;
+use kernels::{HeadInputs, LANES};
 
 /// The CPU backend. By default it uses rayon's global thread pool.
 #[derive(Clone, Default)]
@@ -96,6 +96,7 @@ impl Backend for Cpu {
             slots,
             state: vec![0.0; slots * sh.state_len()],
             hist: vec![0.0; slots * sh.hist_len()],
+            conv_w_lanes: to_lanes(&layer.params.conv_w, 4),
             conv: Vec::new(),
             heads_y: Vec::new(),
             threads: self.threads.clone(),
@@ -103,14 +104,16 @@ impl Backend for Cpu {
     }
 }
 
-/// A layer's state pool in host memory: per slot, S head-major ([h][i][j], see `for_each_row`) and H as in
-/// SPEC.md. The history is updated in place: on the CPU every q/k channel is
+/// A layer's state pool in host memory: per slot, S head-major ([h][i][j], see `for_each_row`) and H in lanes of
+/// 16 channels (see `to_lanes`). The history is updated in place: on the CPU every q/k channel is
 /// convolved once, before any head reads it, so no double buffer is needed.
 pub struct CpuPool {
     layer: Layer,
     slots: usize,
     state: Vec<f32>,
     hist: Vec<f32>,
+    /// conv_w in the pool's lane layout (see `to_lanes`).
+    conv_w_lanes: Vec<f32>,
     /// Conv outputs [b][block][t][d] (q/k blocks normalized); grown on demand, reused across steps.
     conv: Vec<f32>,
     /// Head outputs [b][h][t][d] before they are laid out as rows.
@@ -161,10 +164,11 @@ impl CpuPool {
                 conv_tasks.push((b, blk, out_blk, hist_blk));
             }
         }
+        let conv_w_lanes = &self.conv_w_lanes;
         let conv_stage = |(b, blk, out_blk, hist_blk): (usize, usize, &mut [f32], &mut [f32])| {
             let c0 = blk * d;
             let qkv = &batch.qkv[b * t * c_n + c0..];
-            let w = &p.conv_w[c0 * 4..(c0 + d) * 4];
+            let w = &conv_w_lanes[c0 * 4..(c0 + d) * 4];
             let normalize = (blk < 2 * h_k).then_some(eps);
             kernels::conv_block(d, t, qkv, c_n, w, hist_blk, out_blk, normalize, commit_at);
         };
@@ -282,6 +286,31 @@ impl CpuPool {
     }
 }
 
+/// Per-channel rows of `w` values ([C][w], SPEC.md) regrouped as [C / 16][w][16]: for 16 channels at a time
+/// each tap (or history entry) is one vector. The CPU pool keeps the history and the conv weights so.
+fn to_lanes(x: &[f32], w: usize) -> Vec<f32> {
+    let mut out = vec![0.0; x.len()];
+    for (c, row) in x.chunks_exact(w).enumerate() {
+        let (g, l) = (c / LANES, c % LANES);
+        for (k, &v) in row.iter().enumerate() {
+            out[g * w * LANES + k * LANES + l] = v;
+        }
+    }
+    out
+}
+
+/// The inverse of [`to_lanes`].
+fn from_lanes(x: &[f32], w: usize) -> Vec<f32> {
+    let mut out = vec![0.0; x.len()];
+    for (c, row) in out.chunks_exact_mut(w).enumerate() {
+        let (g, l) = (c / LANES, c % LANES);
+        for (k, v) in row.iter_mut().enumerate() {
+            *v = x[g * w * LANES + k * LANES + l];
+        }
+    }
+    out
+}
+
 /// Calls `f(spec, pool)` with the offsets of each state row (a value head's row i) in SPEC.md's layout
 /// [i][h][j] and in the CPU pool's head-major layout [h][i][j], where each head's state is one contiguous
 /// block that its task owns and the prefetchers stream.
@@ -318,7 +347,7 @@ impl LayerPool for CpuPool {
         for_each_row(&sh, |spec, pool| {
             dst[pool..pool + sh.d].copy_from_slice(&state[spec..spec + sh.d])
         });
-        self.hist[slot * hl..(slot + 1) * hl].copy_from_slice(hist);
+        self.hist[slot * hl..(slot + 1) * hl].copy_from_slice(&to_lanes(hist, 3));
         Ok(())
     }
 
@@ -330,7 +359,7 @@ impl LayerPool for CpuPool {
         for_each_row(&sh, |spec, pool| {
             state[spec..spec + sh.d].copy_from_slice(&src[pool..pool + sh.d])
         });
-        hist.copy_from_slice(&self.hist[slot * hl..(slot + 1) * hl]);
+        hist.copy_from_slice(&from_lanes(&self.hist[slot * hl..(slot + 1) * hl], 3));
         Ok(())
     }
 
