@@ -47,8 +47,9 @@ pub trait Backend {
     /// of `bytes` bytes copied onto its second half. Like with like: at small sizes both live in the same cache.
     fn copy_ceiling(&self, bytes: usize) -> Result<f64> {
         let mut buf = vec![1.0f32; (bytes / 8).max(1) * 2];
+        let half = buf.len() / 2;
         let t = time_host(7, 8, || {
-            let (src, dst) = buf.split_at_mut(buf.len() / 2);
+            let (src, dst) = buf.split_at_mut(half);
             dst.copy_from_slice(std::hint::black_box(src));
             std::hint::black_box(dst);
             Ok(())
