@@ -1,7 +1,8 @@
 //! Times the wgpu step at the seed's shape (d 128, h_k 16, h_v 48) for B in {1, 256} x T in {1, 8}, commit
 //! all, through `LayerPool::time_step` (what `gdn bench --backend wgpu` uses), and the copy ceiling.
 //!
-//! `cargo run --release -p gdn-wgpu --example timing [-- --row-blocks 4,8] [--no-subgroups]`
+//! `cargo run --release -p gdn-wgpu --example timing [-- --row-blocks 4,8] [--checks on,off]
+//! [--no-subgroups | --both]`
 //! `GDN_WGPU_ADAPTER=nvidia` picks an adapter by name.
 
 use gdn::synth::Synth;
@@ -19,6 +20,7 @@ fn run() -> gdn::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let mut row_blocks = vec![Options::default().row_blocks];
     let mut subgroups = Subgroups::Auto;
+    let mut checks = vec![Options::default().runtime_checks];
     let mut i = 1;
     while i < args.len() {
         match args[i].as_str() {
@@ -30,6 +32,13 @@ fn run() -> gdn::Result<()> {
                     .unwrap_or_default();
             }
             "--no-subgroups" => subgroups = Subgroups::Off,
+            "--checks" => {
+                i += 1;
+                checks = args
+                    .get(i)
+                    .map(|s| s.split(',').map(|x| x != "off").collect())
+                    .unwrap_or_default();
+            }
             "--both" => subgroups = Subgroups::Require,
             other => {
                 return Err(gdn::Error::Param {
@@ -51,19 +60,28 @@ fn run() -> gdn::Result<()> {
     // one random state written to every slot: the timing does not depend on the values
     let (st, h) = rng.seq_state(&layer);
     for &sg in &paths {
-        for &ib in &row_blocks {
+        for (&ib, &checked) in row_blocks
+            .iter()
+            .flat_map(|ib| checks.iter().map(move |c| (ib, c)))
+        {
             let backend = Wgpu::with_options(Options {
                 subgroups: sg,
                 row_blocks: ib,
+                runtime_checks: checked,
                 ..Options::default()
             })?;
-            println!("{} (row blocks {ib})", backend.name());
-            let ceiling = backend.copy_ceiling(256 << 20)?;
             println!(
-                "  copy ceiling, 256 MiB buffer: {:.0} GB/s (read + write)",
-                ceiling / 1e9
+                "{} (row blocks {ib}, runtime checks {})",
+                backend.name(),
+                if checked { "on" } else { "off" }
             );
             for b in [1usize, 256] {
+                let bytes = 2.0 * (b * shape.state_len() * 4) as f64;
+                let ceiling = backend.copy_ceiling(b * shape.state_len() * 4)?;
+                println!(
+                    "  B {b:3}: copy ceiling with the state's footprint {:.0} GB/s (read + write)",
+                    ceiling / 1e9
+                );
                 let mut pool = backend.create_pool(&layer, b)?;
                 for s in 0..b {
                     pool.write_slot(s, &st, &h)?;
@@ -80,10 +98,10 @@ fn run() -> gdn::Result<()> {
                     let iters = if b == 1 { 200 } else { 20 };
                     let timing = pool.time_step(&args, iters)?;
                     let us = timing.per_call.as_secs_f64() * 1e6;
-                    let bytes = 2.0 * (b * shape.state_len() * 4) as f64;
                     println!(
-                        "  B {b:3} T {t}: {us:9.1} us per call ({:.0} GB/s of state read + written; host {:.1} us per call) [{}]",
+                        "  B {b:3} T {t}: {us:9.1} us per call ({:.0} GB/s of state read + written, {:.0}% of the ceiling; host {:.1} us per call) [{}]",
                         bytes / (us * 1e-6) / 1e9,
+                        100.0 * bytes / (us * 1e-6) / ceiling,
                         timing.host_per_call.map_or(0.0, |h| h.as_secs_f64() * 1e6),
                         timing.method
                     );

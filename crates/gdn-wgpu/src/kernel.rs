@@ -20,6 +20,8 @@ pub struct KernelKey {
     pub subgroups: bool,
     /// Row blocks: the workgroup has `d * row_blocks` threads, each holding `d / row_blocks` state rows.
     pub row_blocks: usize,
+    /// wgpu's runtime checks (bounds checks, loop bounding) kept in the shader.
+    pub checked: bool,
 }
 
 impl KernelKey {
@@ -116,7 +118,7 @@ pub fn choose_row_blocks(d: usize, limits: &wgpu::Limits, preferred: usize) -> u
     let max_w = (limits.max_compute_invocations_per_workgroup)
         .min(limits.max_compute_workgroup_size_x) as usize;
     let mut ib = preferred.max(1);
-    while ib > 1 && (d * ib > max_w || d % (4 * ib) != 0) {
+    while ib > 1 && (d * ib > max_w || !d.is_multiple_of(4 * ib)) {
         ib /= 2;
     }
     ib
@@ -231,9 +233,9 @@ mod tests {
 
     #[test]
     fn every_variant_is_valid_wgsl() {
-        for d in [16, 48, 128, 1024] {
+        for d in [16usize, 48, 128, 1024] {
             for ib in [1, 2, 4, 8] {
-                if d % (4 * ib) != 0 || (d == 1024 && ib > 1) {
+                if !d.is_multiple_of(4 * ib) || (d == 1024 && ib > 1) {
                     continue;
                 }
                 for subgroups in [false, true] {
@@ -241,6 +243,7 @@ mod tests {
                         d,
                         subgroups,
                         row_blocks: ib,
+                        checked: true,
                     };
                     let src = key.source();
                     let module = naga::front::wgsl::parse_str(&src)

@@ -49,6 +49,11 @@ pub struct Options {
     /// state rows in registers (4 by default: 512 threads at d = 128). Lowered where the adapter's limits or the
     /// shape need it.
     pub row_blocks: usize,
+    /// Keep wgpu's runtime checks in the kernel (bounds checks on every buffer index, loop bounding). Off
+    /// (`GDN_WGPU_UNCHECKED=1`), the kernel is built without them: every index it computes is derived from
+    /// sizes the pool checked on the host, so it stays in bounds, but a bug would then be undefined behaviour
+    /// instead of a clamped read.
+    pub runtime_checks: bool,
 }
 
 impl Default for Options {
@@ -63,6 +68,7 @@ impl Default for Options {
                 .and_then(|s| s.parse().ok())
                 .filter(|&n: &usize| [1, 2, 4, 8].contains(&n))
                 .unwrap_or(4),
+            runtime_checks: std::env::var("GDN_WGPU_UNCHECKED").map_or(true, |v| v != "1"),
         }
     }
 }
@@ -75,6 +81,7 @@ impl Default for Options {
 pub struct Wgpu {
     gpu: Arc<Gpu>,
     row_blocks: usize,
+    runtime_checks: bool,
 }
 
 type DeviceKey = (Option<String>, Subgroups);
@@ -130,6 +137,7 @@ impl Wgpu {
         Ok(Wgpu {
             gpu,
             row_blocks: options.row_blocks,
+            runtime_checks: options.runtime_checks,
         })
     }
 
@@ -328,12 +336,22 @@ impl Gpu {
         key.check_limits(&self.limits)?;
         let source = key.source();
         let pipeline = self.scoped("building the GDN pipeline", || {
-            let module = self
-                .device
-                .create_shader_module(wgpu::ShaderModuleDescriptor {
-                    label: Some("gdn_step.wgsl"),
-                    source: wgpu::ShaderSource::Wgsl(source.into()),
-                });
+            let desc = wgpu::ShaderModuleDescriptor {
+                label: Some("gdn_step.wgsl"),
+                source: wgpu::ShaderSource::Wgsl(source.into()),
+            };
+            let module = if key.checked {
+                self.device.create_shader_module(desc)
+            } else {
+                // SAFETY: the kernel's indices stay in bounds for every launch the pool makes: buffer sizes,
+                // offsets, the job list and the uniforms are all derived from arguments validated on the host
+                // (StepArgs::validate, check_size), and its loops have uniform, finite bounds. The caller asked
+                // for this through `Options::runtime_checks = false`.
+                unsafe {
+                    self.device
+                        .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
+                }
+            };
             self.device
                 .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
                     label: Some("gdn step"),
@@ -516,17 +534,20 @@ impl Backend for Wgpu {
             layer,
             slots,
             self.row_blocks,
+            self.runtime_checks,
         )?))
     }
 
-    /// A buffer-to-buffer copy of `bytes` bytes, timed like the step (GPU timestamps where the adapter has
-    /// them inside encoders, else the host clock around submit and wait).
+    /// The footprint of a state of `bytes` bytes read and written: one buffer of `bytes / 2` copied onto
+    /// another (wgpu copies between two buffers, not within one), bytes read plus written per second, timed like
+    /// the step (GPU timestamps where the adapter has them inside encoders, else the host clock around submit
+    /// and wait).
     fn copy_ceiling(&self, bytes: usize) -> Result<f64> {
         let gpu = &self.gpu;
-        let size = (bytes as u64).div_ceil(4).max(1) * 4;
-        if size > gpu.limits.max_buffer_size {
+        let half = (bytes as u64 / 8).max(1) * 4;
+        if half > gpu.limits.max_buffer_size {
             return Err(Error::Backend(format!(
-                "a copy of {size} bytes is above the adapter's buffer size limit {}",
+                "a copy of {half} bytes is above the adapter's buffer size limit {}",
                 gpu.limits.max_buffer_size
             )));
         }
@@ -534,7 +555,7 @@ impl Backend for Wgpu {
             let mk = |label| {
                 gpu.device.create_buffer(&wgpu::BufferDescriptor {
                     label: Some(label),
-                    size,
+                    size: half,
                     usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
                     mapped_at_creation: false,
                 })
@@ -544,9 +565,9 @@ impl Backend for Wgpu {
         let iters = 8;
         let (secs, _, _) = gpu.time_gpu(7, iters, false, |enc, _| {
             for _ in 0..iters {
-                enc.copy_buffer_to_buffer(&src, 0, &dst, 0, size);
+                enc.copy_buffer_to_buffer(&src, 0, &dst, 0, half);
             }
         })?;
-        Ok(2.0 * size as f64 / secs)
+        Ok(2.0 * half as f64 / secs)
     }
 }

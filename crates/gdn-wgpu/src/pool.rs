@@ -119,6 +119,7 @@ impl WgpuPool {
         layer: &Layer,
         slots: usize,
         row_blocks: usize,
+        checked: bool,
     ) -> Result<Self> {
         layer.validate()?;
         let sh = *layer.shape();
@@ -127,6 +128,7 @@ impl WgpuPool {
             d: sh.d,
             subgroups: gpu.subgroups,
             row_blocks,
+            checked,
         };
         // build the pipeline now, so that a shape the adapter cannot run fails here
         gpu.pipeline(key)?;
