@@ -77,10 +77,12 @@ fn run() -> gdn::Result<()> {
             );
             for b in [1usize, 256] {
                 let bytes = 2.0 * (b * shape.state_len() * 4) as f64;
-                let ceiling = backend.copy_ceiling(b * shape.state_len() * 4)?;
+                let (by_buffer, by_shader) = backend.copy_rates(b * shape.state_len() * 4)?;
+                let ceiling = by_buffer.max(by_shader);
                 println!(
-                    "  B {b:3}: copy ceiling with the state's footprint {:.0} GB/s (read + write)",
-                    ceiling / 1e9
+                    "  B {b:3}: copy with the state's footprint: buffer-to-buffer {:.0} GB/s, shader {:.0} GB/s (read + write)",
+                    by_buffer / 1e9,
+                    by_shader / 1e9
                 );
                 let mut pool = backend.create_pool(&layer, b)?;
                 for s in 0..b {

@@ -57,8 +57,9 @@ struct Params {
 @group(0) @binding(5) var<storage, read> jobs: array<vec2<u32>>;
 @group(0) @binding(6) var<uniform> prm: Params;
 
-// raw conv outputs of the token: q [0, D), k [D, 2D), v [2D, 3D); the readout o of the previous token at [3D, 4D)
-var<workgroup> vals: array<f32, 4 * D>;
+// raw conv outputs of the token: q [0, D), k [D, 2D), v [2D, 3D); the readout o of the previous token at [3D, 4D);
+// four values a vector (element x at vals[x / 4][x % 4]), so the norms read them four at a time
+var<workgroup> vals: array<vec4<f32>, D>;
 // normalized q and k, four rows a vector
 var<workgroup> qh: array<vec4<f32>, D / 4>;
 var<workgroup> kh: array<vec4<f32>, D / 4>;
@@ -117,13 +118,24 @@ fn pow2_neg(k: u32) -> f32 {
     return bitcast<f32>((127u - k) << 23u);
 }
 
+fn val(x: u32) -> f32 {
+    return vals[x / 4u][x % 4u];
+}
+
+fn set_val(x: u32, v: f32) {
+    vals[x / 4u][x % 4u] = v;
+}
+
 //#if SUBGROUPS
-// sum of vals[base + c]^2 over c < D, the same in every subgroup: lanes stride the vector, then subgroupAdd
-fn sumsq(base: u32, lane: u32, sg: u32) -> f32 {
-    var acc = 0.0;
-    for (var c = lane; c < D; c += sg) {
-        let x = vals[base + c];
-        acc = fma(x, x, acc);
+// the sums of squares of q, k and o (the previous token's readout), the same in every subgroup: the lanes
+// stride the vectors four values at a time, then subgroupAdd
+fn sumsq3(lane: u32, sg: u32) -> vec3<f32> {
+    var acc = vec3<f32>(0.0);
+    for (var c = lane; c < D / 4u; c += sg) {
+        let q = vals[c];
+        let k = vals[D / 4u + c];
+        let o = vals[3u * D / 4u + c];
+        acc += vec3<f32>(dot(q, q), dot(k, k), dot(o, o));
     }
     return subgroupAdd(acc);
 }
@@ -131,16 +143,17 @@ fn sumsq(base: u32, lane: u32, sg: u32) -> f32 {
 // thread p < 3 D / 16 sums the squares of 16 consecutive values of q, k or o
 fn partial_sumsq(p: u32) {
     if (p < 3u * D / 16u) {
-        var base = 16u * p;
+        // q and k: vectors 4p .. 4p + 4; o: from D / 4 + 4p (o starts at vector 3 D / 4 = D / 4 + 4 (2 D / 16))
+        var base = 4u * p;
         if (p >= 2u * D / 16u) {
-            base = D + 16u * p;
+            base = D / 4u + 4u * p;
         }
-        var acc = 0.0;
-        for (var e = 0u; e < 16u; e++) {
+        var acc = vec4<f32>(0.0);
+        for (var e = 0u; e < 4u; e++) {
             let x = vals[base + e];
             acc = fma(x, x, acc);
         }
-        parts[p] = acc;
+        parts[p] = (acc.x + acc.y) + (acc.z + acc.w);
     }
 }
 
@@ -223,13 +236,14 @@ fn gdn_step(
         ab = inp[prm.beta_off + row0 * h_v + h];
     }
 
-    // the state rows, once
-    var st: array<f32, RPT>;
+    // the state rows, once, four rows a vector
+    var st: array<vec4<f32>, RPT4>;
     let s_stride = h_v * D;
     let s_base = slot * (D * s_stride) + h * D + j;
-    //#for r RPT
+    //#for q RPT4
     {
-        st[$r] = state[s_base + (i0 + $r) * s_stride];
+        let at = s_base + (i0 + 4u * $q) * s_stride;
+        st[$q] = vec4<f32>(state[at], state[at + s_stride], state[at + 2u * s_stride], state[at + 3u * s_stride]);
     }
     //#endfor
 
@@ -247,7 +261,7 @@ fn gdn_step(
                 s = fma(h1[$m], w.y, s);
                 s = fma(h2[$m], w.z, s);
                 s = fma(xin[$m], w.w, s);
-                vals[cl] = s / (1.0 + exp(-s));
+                set_val(cl, s / (1.0 + exp(-s)));
                 h0[$m] = h1[$m];
                 h1[$m] = h2[$m];
                 h2[$m] = xin[$m];
@@ -279,9 +293,10 @@ fn gdn_step(
 
         // L2 norms of q and k; the readout norm of the previous token
 //#if SUBGROUPS
-        let ssq = sumsq(0u, lane, sg_size);
-        let ssk = sumsq(D, lane, sg_size);
-        let sso = sumsq(3u * D, lane, sg_size);
+        let sums = sumsq3(lane, sg_size);
+        let ssq = sums.x;
+        let ssk = sums.y;
+        let sso = sums.z;
 //#else
         partial_sumsq(tid);
         workgroupBarrier();
@@ -294,7 +309,7 @@ fn gdn_step(
             if (tid >= D) {
                 r = inverseSqrt(ssk / f32(D) + prm.eps / f32(D));
             }
-            let xh = (r * vals[tid]) * SCALE;
+            let xh = (r * val(tid)) * SCALE;
             if (tid < D) {
                 qh[tid / 4u][tid % 4u] = xh;
             } else {
@@ -306,18 +321,14 @@ fn gdn_step(
         }
         workgroupBarrier();
 
-        // kv_j over this thread's rows
-        var kv = 0.0;
+        // kv_j over this thread's rows: four independent sums (rows i0 + 4q + c for c = 0..3), then added
+        var kv4 = vec4<f32>(0.0);
         //#for q RPT4
         {
-            let k4 = kh[i0 / 4u + $q];
-            kv = fma(st[4 * $q], k4.x, kv);
-            kv = fma(st[4 * $q + 1], k4.y, kv);
-            kv = fma(st[4 * $q + 2], k4.z, kv);
-            kv = fma(st[4 * $q + 3], k4.w, kv);
+            kv4 = fma(st[$q], kh[i0 / 4u + $q], kv4);
         }
         //#endfor
-        red[tid] = kv;
+        red[tid] = (kv4.x + kv4.y) + (kv4.z + kv4.w);
         if (t > 0u && plane != 0u) {
             emit_group_sums(tid, h, row0 + t - 1u);
         }
@@ -331,30 +342,28 @@ fn gdn_step(
         }
         //#endfor
         let gate = gb[0];
-        let delta = (vals[2u * D + j] - gate * kvs) * gb[1];
-        var o = 0.0;
+        let delta = (val(2u * D + j) - gate * kvs) * gb[1];
+        let gate4 = vec4<f32>(gate);
+        var o4 = vec4<f32>(0.0);
         //#for q RPT4
         {
-            let k4 = kh[i0 / 4u + $q];
-            let q4 = qh[i0 / 4u + $q];
-            st[4 * $q] = fma(gate, st[4 * $q], k4.x * delta);
-            o = fma(st[4 * $q], q4.x, o);
-            st[4 * $q + 1] = fma(gate, st[4 * $q + 1], k4.y * delta);
-            o = fma(st[4 * $q + 1], q4.y, o);
-            st[4 * $q + 2] = fma(gate, st[4 * $q + 2], k4.z * delta);
-            o = fma(st[4 * $q + 2], q4.z, o);
-            st[4 * $q + 3] = fma(gate, st[4 * $q + 3], k4.w * delta);
-            o = fma(st[4 * $q + 3], q4.w, o);
+            st[$q] = fma(gate4, st[$q], kh[i0 / 4u + $q] * delta);
+            o4 = fma(st[$q], qh[i0 / 4u + $q], o4);
         }
         //#endfor
-        red2[tid] = o;
+        red2[tid] = (o4.x + o4.y) + (o4.z + o4.w);
         if (ib == 0u) {
             zz = inp[prm.z_off + (row0 + t) * prm.n + h * D + j];
         }
         if (commit) {
-            //#for r RPT
+            //#for q RPT4
             {
-                state[s_base + (i0 + $r) * s_stride] = st[$r];
+                let at = s_base + (i0 + 4u * $q) * s_stride;
+                let v = st[$q];
+                state[at] = v.x;
+                state[at + s_stride] = v.y;
+                state[at + 2u * s_stride] = v.z;
+                state[at + 3u * s_stride] = v.w;
             }
             //#endfor
         }
@@ -368,14 +377,14 @@ fn gdn_step(
                 os += red2[$k * D + j];
             }
             //#endfor
-            vals[3u * D + j] = os * SCALE;
+            set_val(3u * D + j, os * SCALE);
         }
     }
 
     // the tail: the last token's output norm, y and planes
     workgroupBarrier();
 //#if SUBGROUPS
-    let sso = sumsq(3u * D, lane, sg_size);
+    let sso = sumsq3(lane, sg_size).z;
 //#else
     partial_sumsq(tid);
     workgroupBarrier();
@@ -396,7 +405,7 @@ fn emit_y(sso: f32, ib: u32, j: u32, h: u32, row: u32, zz: f32, gam: f32) {
         if (prm.silu != 0u) {
             act = zz * act;
         }
-        let y = ((rs * vals[3u * D + j]) * gam) * act;
+        let y = ((rs * val(3u * D + j)) * gam) * act;
         let at = row * prm.n + h * D + j;
         out[at] = y;
         let plane = prm.plane;

@@ -93,8 +93,14 @@ impl KernelKey {
         let rpt = self.rows_per_thread();
         let cpt = (3 * d).div_ceil(w);
         let scale = 1.0f32 / (d as f32).sqrt();
-        let consts: [(&str, usize); 5] =
-            [("D", d), ("IB", ib), ("RPT", rpt), ("W", w), ("CPT", cpt)];
+        let consts: [(&str, usize); 6] = [
+            ("D", d),
+            ("IB", ib),
+            ("RPT", rpt),
+            ("RPT4", rpt / 4),
+            ("W", w),
+            ("CPT", cpt),
+        ];
         let mut header = String::new();
         for (name, v) in consts {
             header.push_str(&format!("const {name}: u32 = {v}u;\n"));
@@ -229,6 +235,18 @@ mod tests {
         let out = expand(src, &[], &[("N", 100)]);
         assert!(out.starts_with("a\nc\nd\nfor (var r_i: u32 = 0u; r_i < 100u; r_i++) {"));
         assert!(out.contains("{ s[r_i]; }"));
+    }
+
+    #[test]
+    fn copy_kernel_is_valid_wgsl() {
+        let src = include_str!("copy.wgsl");
+        let module = naga::front::wgsl::parse_str(src).expect("copy.wgsl parses");
+        naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::empty(),
+        )
+        .validate(&module)
+        .expect("copy.wgsl validates");
     }
 
     #[test]

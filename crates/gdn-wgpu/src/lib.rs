@@ -49,10 +49,9 @@ pub struct Options {
     /// state rows in registers (4 by default: 512 threads at d = 128). Lowered where the adapter's limits or the
     /// shape need it.
     pub row_blocks: usize,
-    /// Keep wgpu's runtime checks in the kernel (bounds checks on every buffer index, loop bounding). Off
-    /// (`GDN_WGPU_UNCHECKED=1`), the kernel is built without them: every index it computes is derived from
-    /// sizes the pool checked on the host, so it stays in bounds, but a bug would then be undefined behaviour
-    /// instead of a clamped read.
+    /// Keep wgpu's runtime checks in the kernel: bounds checks on every buffer index and loop bounding
+    /// (`GDN_WGPU_CHECKS=1`). Off by default: every index the kernel computes is derived from sizes the pool
+    /// checked on the host (NOTES.md lists them), and the checks cost 15 to 20 % of the step on an H200.
     pub runtime_checks: bool,
 }
 
@@ -68,7 +67,7 @@ impl Default for Options {
                 .and_then(|s| s.parse().ok())
                 .filter(|&n: &usize| [1, 2, 4, 8].contains(&n))
                 .unwrap_or(4),
-            runtime_checks: std::env::var("GDN_WGPU_UNCHECKED").map_or(true, |v| v != "1"),
+            runtime_checks: std::env::var("GDN_WGPU_CHECKS").is_ok_and(|v| v == "1"),
         }
     }
 }
@@ -103,6 +102,7 @@ pub(crate) struct Gpu {
     pub bind_layout: wgpu::BindGroupLayout,
     pub pipeline_layout: wgpu::PipelineLayout,
     pipelines: Mutex<HashMap<KernelKey, Arc<wgpu::ComputePipeline>>>,
+    copy: OnceLock<Arc<wgpu::ComputePipeline>>,
     /// Errors wgpu reported outside an error scope (the device's uncaptured-error handler).
     uncaptured: Arc<Mutex<Vec<String>>>,
 }
@@ -278,6 +278,7 @@ impl Gpu {
             bind_layout,
             pipeline_layout,
             pipelines: Mutex::new(HashMap::new()),
+            copy: OnceLock::new(),
             uncaptured,
         };
         gpu.take_errors()?;
@@ -369,6 +370,31 @@ impl Gpu {
         let pipeline = Arc::new(pipeline);
         cache.insert(key, pipeline.clone());
         Ok(pipeline)
+    }
+
+    /// The copy kernel of the copy ceiling.
+    pub fn copy_pipeline(&self) -> Result<Arc<wgpu::ComputePipeline>> {
+        if let Some(p) = self.copy.get() {
+            return Ok(p.clone());
+        }
+        let p = self.scoped("building the copy pipeline", || {
+            let module = self
+                .device
+                .create_shader_module(wgpu::ShaderModuleDescriptor {
+                    label: Some("copy.wgsl"),
+                    source: wgpu::ShaderSource::Wgsl(include_str!("copy.wgsl").into()),
+                });
+            self.device
+                .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some("copy"),
+                    layout: None,
+                    module: &module,
+                    entry_point: Some("copy"),
+                    compilation_options: Default::default(),
+                    cache: None,
+                })
+        })?;
+        Ok(self.copy.get_or_init(|| Arc::new(p)).clone())
     }
 
     /// Seconds per call of `record` (which records `n` repetitions of the work), measured with GPU timestamps
@@ -539,16 +565,29 @@ impl Backend for Wgpu {
     }
 
     /// The footprint of a state of `bytes` bytes read and written: one buffer of `bytes / 2` copied onto
-    /// another (wgpu copies between two buffers, not within one), bytes read plus written per second, timed like
-    /// the step (GPU timestamps where the adapter has them inside encoders, else the host clock around submit
-    /// and wait).
+    /// another (wgpu copies between two buffers, not within one), in bytes read plus written per second, timed
+    /// like the step (GPU timestamps where the adapter has them, else the host clock around submit and wait).
+    /// The faster of a buffer-to-buffer copy and a compute-shader copy: NVIDIA's Vulkan driver runs large
+    /// buffer-to-buffer copies at a fifth of what its shaders reach (NOTES.md).
     fn copy_ceiling(&self, bytes: usize) -> Result<f64> {
+        let (buffer, shader) = self.copy_rates(bytes)?;
+        Ok(buffer.max(shader))
+    }
+}
+
+impl Wgpu {
+    /// (buffer-to-buffer copy, compute-shader copy) rates for [`Backend::copy_ceiling`], bytes read plus
+    /// written per second.
+    pub fn copy_rates(&self, bytes: usize) -> Result<(f64, f64)> {
         let gpu = &self.gpu;
-        let half = (bytes as u64 / 8).max(1) * 4;
-        if half > gpu.limits.max_buffer_size {
+        let half = (bytes as u64 / 32).max(1) * 16;
+        let max = gpu
+            .limits
+            .max_buffer_size
+            .min(gpu.limits.max_storage_buffer_binding_size);
+        if half > max {
             return Err(Error::Backend(format!(
-                "a copy of {half} bytes is above the adapter's buffer size limit {}",
-                gpu.limits.max_buffer_size
+                "a copy of {half} bytes is above the adapter's buffer size limit {max}"
             )));
         }
         let (src, dst) = gpu.scoped("copy ceiling buffers", || {
@@ -556,7 +595,9 @@ impl Backend for Wgpu {
                 gpu.device.create_buffer(&wgpu::BufferDescriptor {
                     label: Some(label),
                     size: half,
-                    usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+                    usage: wgpu::BufferUsages::COPY_SRC
+                        | wgpu::BufferUsages::COPY_DST
+                        | wgpu::BufferUsages::STORAGE,
                     mapped_at_creation: false,
                 })
             };
@@ -568,6 +609,41 @@ impl Backend for Wgpu {
                 enc.copy_buffer_to_buffer(&src, 0, &dst, 0, half);
             }
         })?;
-        Ok(2.0 * half as f64 / secs)
+        let buffer = 2.0 * half as f64 / secs;
+        let pipeline = gpu.copy_pipeline()?;
+        let bind = gpu.scoped("copy ceiling binding", || {
+            gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some("copy"),
+                layout: &pipeline.get_bind_group_layout(0),
+                entries: &[
+                    wgpu::BindGroupEntry {
+                        binding: 0,
+                        resource: src.as_entire_binding(),
+                    },
+                    wgpu::BindGroupEntry {
+                        binding: 1,
+                        resource: dst.as_entire_binding(),
+                    },
+                ],
+            })
+        })?;
+        let vec4s = half / 16;
+        let groups = vec4s
+            .div_ceil(256)
+            .min(8192)
+            .min(gpu.limits.max_compute_workgroups_per_dimension as u64)
+            as u32;
+        let (secs, _, _) = gpu.time_gpu(7, iters, true, |enc, ts| {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("copy"),
+                timestamp_writes: ts,
+            });
+            pass.set_pipeline(&pipeline);
+            pass.set_bind_group(0, &bind, &[]);
+            for _ in 0..iters {
+                pass.dispatch_workgroups(groups, 1, 1);
+            }
+        })?;
+        Ok((buffer, 2.0 * half as f64 / secs))
     }
 }
