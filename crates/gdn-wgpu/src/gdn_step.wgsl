@@ -247,7 +247,13 @@ fn gdn_step(
     }
     //#endfor
 
-    var zz = 0.0;
+    // z of the token whose y is written next (z_emit) and of the one after (z_load), a token ahead of its use
+    let z_base = prm.z_off + row0 * prm.n + h * D + j;
+    var z_load = 0.0;
+    var z_emit = 0.0;
+    if (ib == 0u) {
+        z_load = inp[z_base];
+    }
 
     for (var t = 0u; t < nt; t++) {
         let commit = t + 1u == commit_at;
@@ -317,7 +323,11 @@ fn gdn_step(
             }
         }
         if (t > 0u) {
-            emit_y(sso, ib, j, h, row0 + t - 1u, zz, gam);
+            emit_y(sso, ib, j, h, row0 + t - 1u, z_emit, gam);
+        }
+        z_emit = z_load;
+        if (ib == 0u && t + 1u < nt) {
+            z_load = inp[z_base + (t + 1u) * prm.n];
         }
         workgroupBarrier();
 
@@ -352,9 +362,6 @@ fn gdn_step(
         }
         //#endfor
         red2[tid] = (o4.x + o4.y) + (o4.z + o4.w);
-        if (ib == 0u) {
-            zz = inp[prm.z_off + (row0 + t) * prm.n + h * D + j];
-        }
         if (commit) {
             //#for q RPT4
             {
@@ -390,7 +397,7 @@ fn gdn_step(
     workgroupBarrier();
     let sso = sum_parts(2u * D / 16u);
 //#endif
-    emit_y(sso, ib, j, h, row0 + nt - 1u, zz, gam);
+    emit_y(sso, ib, j, h, row0 + nt - 1u, z_emit, gam);
     if (plane != 0u) {
         workgroupBarrier();
         emit_group_sums(tid, h, row0 + nt - 1u);
