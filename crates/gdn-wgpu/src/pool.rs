@@ -124,9 +124,13 @@ impl WgpuPool {
         layer.validate()?;
         let sh = *layer.shape();
         let row_blocks = choose_row_blocks(sh.d, &gpu.limits, row_blocks);
+        // the subgroup path wants full subgroups: a workgroup size that is a multiple of every subgroup size the
+        // adapter may use (always so with four row blocks: 4 d is a multiple of 64); else workgroup memory
+        let w = sh.d * row_blocks;
+        let full = w.is_multiple_of(gpu.info.subgroup_max_size.max(1) as usize);
         let key = KernelKey {
             d: sh.d,
-            subgroups: gpu.subgroups,
+            subgroups: gpu.subgroups && full,
             row_blocks,
             checked,
         };
