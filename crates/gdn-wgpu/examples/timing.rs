@@ -2,7 +2,7 @@
 //! all, through `LayerPool::time_step` (what `gdn bench --backend wgpu` uses), and the copy ceiling.
 //!
 //! `cargo run --release -p gdn-wgpu --example timing [-- --row-blocks 4,8] [--checks on,off]
-//! [--no-subgroups | --both]`
+//! [--no-subgroups | --both] [--batches 1,256]`
 //! `GDN_WGPU_ADAPTER=nvidia` picks an adapter by name.
 
 use gdn::synth::Synth;
@@ -20,6 +20,7 @@ fn run() -> gdn::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let mut row_blocks = vec![Options::default().row_blocks];
     let mut subgroups = Subgroups::Auto;
+    let mut batches = vec![1usize, 256];
     let mut checks = vec![Options::default().runtime_checks];
     let mut i = 1;
     while i < args.len() {
@@ -32,6 +33,13 @@ fn run() -> gdn::Result<()> {
                     .unwrap_or_default();
             }
             "--no-subgroups" => subgroups = Subgroups::Off,
+            "--batches" => {
+                i += 1;
+                batches = args
+                    .get(i)
+                    .map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect())
+                    .unwrap_or_default();
+            }
             "--checks" => {
                 i += 1;
                 checks = args
@@ -75,7 +83,13 @@ fn run() -> gdn::Result<()> {
                 backend.name(),
                 if checked { "on" } else { "off" }
             );
-            for b in [1usize, 256] {
+            // the cost of one tiny dispatch (a 32-byte shader copy) back to back: the floor under B 1
+            let (_, tiny) = backend.copy_rates(64)?;
+            println!(
+                "  floor: {:.1} us per back-to-back dispatch of a 32-byte copy kernel",
+                64.0 / tiny * 1e6
+            );
+            for &b in &batches {
                 let bytes = 2.0 * (b * shape.state_len() * 4) as f64;
                 let (by_buffer, by_shader) = backend.copy_rates(b * shape.state_len() * 4)?;
                 let ceiling = by_buffer.max(by_shader);
