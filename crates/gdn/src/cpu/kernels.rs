@@ -60,7 +60,11 @@ fn exp_lanes(x: &[f32; LANES]) -> [f32; LANES] {
         let v = x[l];
         // clamp keeps NaN (f32::min/max would replace it)
         let c = v.clamp(-86.0, 88.7);
-        let n = (c * LOG2E).round_ties_even();
+        // n = round(c log2 e) by the 1.5 * 2^23 trick: the integer lands in the low mantissa bits of `m`, read
+        // back with a bit cast (a float-to-int cast would be scalarized for its saturation rules)
+        const MAGIC: f32 = 12_582_912.0;
+        let m = c.mul_add(LOG2E, MAGIC);
+        let n = m - MAGIC;
         let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, c));
         let mut p: f32 = 1.0 / 5040.0;
         p = p.mul_add(r, 1.0 / 720.0);
@@ -71,7 +75,7 @@ fn exp_lanes(x: &[f32; LANES]) -> [f32; LANES] {
         p = p.mul_add(r, 1.0);
         p = p.mul_add(r, 1.0);
         // 2^n as 2 * 2^(n - 1), so n = 128 stays a normal exponent
-        let scale = f32::from_bits((((n as i32) + 126) as u32) << 23);
+        let scale = f32::from_bits(m.to_bits().wrapping_sub(MAGIC.to_bits()).wrapping_add(126) << 23);
         let e = p * scale * 2.0;
         out[l] = if v > 88.7 {
             f32::INFINITY
