@@ -196,130 +196,121 @@ pub struct HeadInputs<'a> {
     pub commit_at: usize,
 }
 
-/// Column block width: the state columns are independent until the output norm, so a head is processed one
-/// block of columns at a time over the whole window, the block's rows (d x BLOCK floats, 16 KiB at d 128)
-/// staying in L1 between tokens and its accumulators in registers (8 AVX2 registers).
-const BLOCK: usize = 32;
-
-/// How many rows ahead the first read of a head's state prefetches.
-const PREFETCH_ROWS: usize = 4;
-
-/// Asks for the cache lines of `x` ahead of their use.
-#[inline(always)]
-fn prefetch(x: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    for off in (0..x.len()).step_by(16) {
-        // SAFETY: a prefetch is a hint: it never faults and changes no memory; the address is in bounds anyway.
-        unsafe {
-            core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
-                x.as_ptr().add(off).cast(),
-            )
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = x;
-}
 
 /// Floats of scratch `head_window` needs for a window of `t` tokens.
 pub fn head_scratch_len(d: usize, t: usize) -> usize {
-    d * BLOCK + t * d + 3 * t
+    d * LANES + t * d + 3 * t
 }
 
-/// One column block of one head over the whole window: reads the block's rows from the pool once, keeps
-/// them in `work` ([d][W], contiguous) between tokens, writes them back after token `commit_at - 1`, and leaves
-/// the block's unnormalized readout in `o` ([t][d]).
+type Lanes = [f32; LANES];
+
+/// The update of one column block's rows, `S = g S + k delta^T`, for every row in order, reading the rows from
+/// the pool (`FROM_POOL`, the window's first token) or from `work`; with `MORE` it also accumulates the next
+/// token's `S^T k'` and `S^T q'` from the updated rows and keeps them in `work`, with `COMMIT` it writes them
+/// to the pool. The flags are constants so each combination compiles to a loop without branches.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn update_rows<const FROM_POOL: bool, const MORE: bool, const COMMIT: bool>(
+    pool: &mut [Lanes],
+    work: &mut [Lanes],
+    g: f32,
+    delta: &Lanes,
+    k: &[f32],
+    kn: &[f32],
+    qn: &[f32],
+) -> (Lanes, Lanes) {
+    let d = pool.len();
+    let (work, k, kn, qn) = (&mut work[..d], &k[..d], &kn[..d], &qn[..d]);
+    let (mut kv, mut sq) = ([0.0f32; LANES], [0.0f32; LANES]);
+    for i in 0..d {
+        let src = if FROM_POOL { &pool[i] } else { &work[i] };
+        let ki = k[i];
+        let mut x = [0.0f32; LANES];
+        for l in 0..LANES {
+            x[l] = g.mul_add(src[l], ki * delta[l]);
+        }
+        if MORE {
+            let (kni, qni) = (kn[i], qn[i]);
+            for l in 0..LANES {
+                kv[l] = x[l].mul_add(kni, kv[l]);
+                sq[l] = x[l].mul_add(qni, sq[l]);
+            }
+            work[i] = x;
+        }
+        if COMMIT {
+            pool[i] = x;
+        }
+    }
+    (kv, sq)
+}
+
+/// One block of 16 columns of one head over the whole window. Columns are independent until the output norm,
+/// so the block reads its rows from the pool once (the pool keeps them contiguous, [d][16]), keeps them in
+/// `work` (8 KiB at d 128, in L1) between tokens with kv, sq and delta in registers, writes them back after token
+/// `commit_at - 1`, and leaves the block's readout in `o` ([t][d]).
 ///
 /// The readout uses `o = S_new^T q = g (S^T q) + delta (k . q)`, equal in exact arithmetic to SPEC.md's sum over
 /// the updated rows, so `S^T k` and `S^T q` come from one read of S and each token's update is fused with the
 /// next token's read; an update nobody reads (after the last token, no commit) is skipped.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn column_block<const W: usize>(
+fn column_block(
     inp: &HeadInputs<'_>,
     gates: &[f32],
     betas: &[f32],
     kqs: &[f32],
-    pool: &mut [f32],
-    work: &mut [f32],
+    pool: &mut [Lanes],
+    work: &mut [Lanes],
     o: &mut [f32],
     c0: usize,
 ) {
     let d = inp.d;
     let inv_sqrt_d = 1.0 / (d as f32).sqrt();
-    let (mut kv, mut sq) = ([0.0f32; W], [0.0f32; W]);
-    // token 0's read, straight from the pool
+    let (mut kv, mut sq) = ([0.0f32; LANES], [0.0f32; LANES]);
     let (k0, q0) = (&inp.k[..d], &inp.q[..d]);
-    for i in 0..d {
-        if c0 == 0 && i + PREFETCH_ROWS < d {
-            // the first block's read walks rows 4 d bytes apart: ask for whole rows ahead of it
-            prefetch(&pool[(i + PREFETCH_ROWS) * d..(i + PREFETCH_ROWS + 1) * d]);
-        }
-        let s: &[f32; W] = pool[i * d + c0..i * d + c0 + W].try_into().expect("block");
-        for l in 0..W {
+    for (i, s) in pool.iter().enumerate() {
+        for l in 0..LANES {
             kv[l] = s[l].mul_add(k0[i], kv[l]);
             sq[l] = s[l].mul_add(q0[i], sq[l]);
         }
     }
     for tok in 0..inp.t {
         let (g, b, kq) = (gates[tok], betas[tok], kqs[tok]);
-        let v: &[f32; W] = inp.v[tok * d + c0..tok * d + c0 + W]
-            .try_into()
-            .expect("block");
-        let mut delta = [0.0f32; W];
-        let ot: &mut [f32; W] = (&mut o[tok * d + c0..tok * d + c0 + W])
-            .try_into()
-            .expect("block");
-        for l in 0..W {
+        let v: &Lanes = inp.v[tok * d + c0..tok * d + c0 + LANES].try_into().expect("block");
+        let ot: &mut Lanes = (&mut o[tok * d + c0..tok * d + c0 + LANES]).try_into().expect("block");
+        let mut delta = [0.0f32; LANES];
+        for l in 0..LANES {
             delta[l] = (v[l] - g * kv[l]) * b;
             ot[l] = g.mul_add(sq[l], delta[l] * kq) * inv_sqrt_d;
         }
-        let more = tok + 1 < inp.t;
-        let commit = tok + 1 == inp.commit_at;
-        if !more && !commit {
-            break;
-        }
         let k = &inp.k[tok * d..(tok + 1) * d];
-        let (kn, qn) = if more {
-            (
-                &inp.k[(tok + 1) * d..(tok + 2) * d],
-                &inp.q[(tok + 1) * d..(tok + 2) * d],
-            )
+        let (kn, qn) = if tok + 1 < inp.t {
+            (&inp.k[(tok + 1) * d..(tok + 2) * d], &inp.q[(tok + 1) * d..(tok + 2) * d])
         } else {
             (k, k)
         };
-        kv = [0.0; W];
-        sq = [0.0; W];
-        for i in 0..d {
-            let ki = k[i];
-            let mut x: [f32; W] = if tok == 0 {
-                pool[i * d + c0..i * d + c0 + W].try_into().expect("block")
-            } else {
-                work[i * W..(i + 1) * W].try_into().expect("block")
-            };
-            for l in 0..W {
-                x[l] = g.mul_add(x[l], ki * delta[l]);
-            }
-            if more {
-                let (kni, qni) = (kn[i], qn[i]);
-                for l in 0..W {
-                    kv[l] = x[l].mul_add(kni, kv[l]);
-                    sq[l] = x[l].mul_add(qni, sq[l]);
-                }
-                work[i * W..(i + 1) * W].copy_from_slice(&x);
-            }
-            if commit {
-                pool[i * d + c0..i * d + c0 + W].copy_from_slice(&x);
-            }
-        }
+        let first = tok == 0;
+        let more = tok + 1 < inp.t;
+        let commit = tok + 1 == inp.commit_at;
+        let (w, dl) = (&mut *work, &delta);
+        (kv, sq) = match (first, more, commit) {
+            (_, false, false) => break,
+            (true, true, true) => update_rows::<true, true, true>(pool, w, g, dl, k, kn, qn),
+            (true, true, false) => update_rows::<true, true, false>(pool, w, g, dl, k, kn, qn),
+            (true, false, true) => update_rows::<true, false, true>(pool, w, g, dl, k, kn, qn),
+            (false, true, true) => update_rows::<false, true, true>(pool, w, g, dl, k, kn, qn),
+            (false, true, false) => update_rows::<false, true, false>(pool, w, g, dl, k, kn, qn),
+            (false, false, true) => update_rows::<false, false, true>(pool, w, g, dl, k, kn, qn),
+        };
     }
 }
 
-/// SPEC.md steps 3 to 7 for one value head over a window; `pool` is the head's state [d][d] in the pool,
-/// y goes to `y` [t][d].
+/// SPEC.md steps 3 to 7 for one value head over a window. `pool` is the head's state in the CPU pool's
+/// blocked layout [d / 16][d][16] (16-column blocks, rows contiguous inside a block); y goes to `y` [t][d].
 #[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
 pub fn head_window<'a>(inp: &HeadInputs<'a>, pool: &mut [f32], scratch: &mut [f32], y: &mut [f32]) {
     let (d, t) = (inp.d, inp.t);
-    let (work, rest) = scratch.split_at_mut(d * BLOCK);
+    let (work, rest) = scratch.split_at_mut(d * LANES);
     let (o, rest) = rest.split_at_mut(t * d);
     let (gates, rest) = rest.split_at_mut(t);
     let (betas, rest) = rest.split_at_mut(t);
@@ -327,17 +318,12 @@ pub fn head_window<'a>(inp: &HeadInputs<'a>, pool: &mut [f32], scratch: &mut [f3
     for tok in 0..t {
         gates[tok] = decay(inp.alpha[tok], inp.dt, inp.a);
         betas[tok] = sigmoid(inp.beta[tok]);
-        kqs[tok] = dot(
-            &inp.k[tok * d..(tok + 1) * d],
-            &inp.q[tok * d..(tok + 1) * d],
-        );
+        kqs[tok] = dot(&inp.k[tok * d..(tok + 1) * d], &inp.q[tok * d..(tok + 1) * d]);
     }
-    let wide_end = d / BLOCK * BLOCK;
-    for c0 in (0..wide_end).step_by(BLOCK) {
-        column_block::<BLOCK>(inp, gates, betas, kqs, pool, work, o, c0);
-    }
-    for c0 in (wide_end..d).step_by(LANES) {
-        column_block::<LANES>(inp, gates, betas, kqs, pool, work, o, c0);
+    let work = work.as_chunks_mut::<LANES>().0;
+    for (cb, block) in pool.chunks_exact_mut(d * LANES).enumerate() {
+        let block = block.as_chunks_mut::<LANES>().0;
+        column_block(inp, gates, betas, kqs, block, work, o, cb * LANES);
     }
     // gated RMS norm per token
     for tok in 0..t {

@@ -105,8 +105,8 @@ impl Backend for Cpu {
     }
 }
 
-/// A layer's state pool in host memory: per slot, S head-major ([h][i][j], see `for_each_row`) and H in lanes of
-/// 16 channels (see `to_lanes`). The history is updated in place: on the CPU every q/k channel is
+/// A layer's state pool in host memory: per slot, S in blocks of 16 columns per head ([h][j / 16][i][16], see
+/// `for_each_row`) and H in lanes of 16 channels (see `to_lanes`). The history is updated in place: on the CPU every q/k channel is
 /// convolved once, before any head reads it, so no double buffer is needed.
 pub struct CpuPool {
     layer: Layer,
@@ -312,13 +312,17 @@ fn from_lanes(x: &[f32], w: usize) -> Vec<f32> {
     out
 }
 
-/// Calls `f(spec, pool)` with the offsets of each state row (a value head's row i) in SPEC.md's layout
-/// [i][h][j] and in the CPU pool's head-major layout [h][i][j], where each head's state is one contiguous
-/// block that its task owns and the prefetchers stream.
+/// Calls `f(spec, pool)` with the offsets of each 16-column piece of each state row (value head h, row i,
+/// columns j0..j0 + 16) in SPEC.md's layout [i][h][j] and in the CPU pool's layout [h][j / 16][i][16]: each head's
+/// state is one contiguous slice its task owns, and each 16-column block of it is contiguous, rows in order, so
+/// the block streams from memory and stays in L1 over a window.
 fn for_each_row(sh: &crate::Shape, mut f: impl FnMut(usize, usize)) {
-    for i in 0..sh.d {
+    let d = sh.d;
+    for i in 0..d {
         for h in 0..sh.h_v {
-            f((i * sh.h_v + h) * sh.d, (h * sh.d + i) * sh.d);
+            for j0 in (0..d).step_by(LANES) {
+                f((i * sh.h_v + h) * d + j0, h * d * d + j0 * d + i * LANES);
+            }
         }
     }
 }
@@ -346,7 +350,7 @@ impl LayerPool for CpuPool {
         let sh = *self.layer.shape();
         let dst = &mut self.state[slot * sl..(slot + 1) * sl];
         for_each_row(&sh, |spec, pool| {
-            dst[pool..pool + sh.d].copy_from_slice(&state[spec..spec + sh.d])
+            dst[pool..pool + LANES].copy_from_slice(&state[spec..spec + LANES])
         });
         self.hist[slot * hl..(slot + 1) * hl].copy_from_slice(&to_lanes(hist, 3));
         Ok(())
@@ -358,7 +362,7 @@ impl LayerPool for CpuPool {
         let sh = *self.layer.shape();
         let src = &self.state[slot * sl..(slot + 1) * sl];
         for_each_row(&sh, |spec, pool| {
-            state[spec..spec + sh.d].copy_from_slice(&src[pool..pool + sh.d])
+            state[spec..spec + LANES].copy_from_slice(&src[pool..pool + LANES])
         });
         hist.copy_from_slice(&from_lanes(&self.hist[slot * hl..(slot + 1) * hl], 3));
         Ok(())
