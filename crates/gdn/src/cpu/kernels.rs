@@ -75,7 +75,8 @@ fn exp_lanes(x: &[f32; LANES]) -> [f32; LANES] {
         p = p.mul_add(r, 1.0);
         p = p.mul_add(r, 1.0);
         // 2^n as 2 * 2^(n - 1), so n = 128 stays a normal exponent
-        let scale = f32::from_bits(m.to_bits().wrapping_sub(MAGIC.to_bits()).wrapping_add(126) << 23);
+        let scale =
+            f32::from_bits(m.to_bits().wrapping_sub(MAGIC.to_bits()).wrapping_add(126) << 23);
         let e = p * scale * 2.0;
         out[l] = if v > 88.7 {
             f32::INFINITY
@@ -196,7 +197,6 @@ pub struct HeadInputs<'a> {
     pub commit_at: usize,
 }
 
-
 /// Floats of scratch `head_window` needs for a window of `t` tokens.
 pub fn head_scratch_len(d: usize, t: usize) -> usize {
     d * LANES + t * d + 3 * t
@@ -221,27 +221,40 @@ fn update_rows<const FROM_POOL: bool, const MORE: bool, const COMMIT: bool>(
 ) -> (Lanes, Lanes) {
     let d = pool.len();
     let (work, k, kn, qn) = (&mut work[..d], &k[..d], &kn[..d], &qn[..d]);
-    let (mut kv, mut sq) = ([0.0f32; LANES], [0.0f32; LANES]);
-    for i in 0..d {
-        let src = if FROM_POOL { &pool[i] } else { &work[i] };
-        let ki = k[i];
-        let mut x = [0.0f32; LANES];
-        for l in 0..LANES {
-            x[l] = g.mul_add(src[l], ki * delta[l]);
-        }
-        if MORE {
-            let (kni, qni) = (kn[i], qn[i]);
+    // rows two at a time (d is a multiple of 16) with an accumulator pair each, so consecutive rows do not
+    // wait on one FMA chain; the pairs are added once at the end
+    let (mut kv, mut sq) = ([[0.0f32; LANES]; 2], [[0.0f32; LANES]; 2]);
+    for i in (0..d).step_by(2) {
+        for r in 0..2 {
+            let src = if FROM_POOL {
+                &pool[i + r]
+            } else {
+                &work[i + r]
+            };
+            let ki = k[i + r];
+            let mut x = [0.0f32; LANES];
             for l in 0..LANES {
-                kv[l] = x[l].mul_add(kni, kv[l]);
-                sq[l] = x[l].mul_add(qni, sq[l]);
+                x[l] = g.mul_add(src[l], ki * delta[l]);
             }
-            work[i] = x;
-        }
-        if COMMIT {
-            pool[i] = x;
+            if MORE {
+                let (kni, qni) = (kn[i + r], qn[i + r]);
+                for l in 0..LANES {
+                    kv[r][l] = x[l].mul_add(kni, kv[r][l]);
+                    sq[r][l] = x[l].mul_add(qni, sq[r][l]);
+                }
+                work[i + r] = x;
+            }
+            if COMMIT {
+                pool[i + r] = x;
+            }
         }
     }
-    (kv, sq)
+    (add_lanes(&kv[0], &kv[1]), add_lanes(&sq[0], &sq[1]))
+}
+
+#[inline(always)]
+fn add_lanes(a: &Lanes, b: &Lanes) -> Lanes {
+    std::array::from_fn(|l| a[l] + b[l])
 }
 
 /// One block of 16 columns of one head over the whole window. Columns are independent until the output norm,
@@ -266,18 +279,26 @@ fn column_block(
 ) {
     let d = inp.d;
     let inv_sqrt_d = 1.0 / (d as f32).sqrt();
-    let (mut kv, mut sq) = ([0.0f32; LANES], [0.0f32; LANES]);
     let (k0, q0) = (&inp.k[..d], &inp.q[..d]);
-    for (i, s) in pool.iter().enumerate() {
-        for l in 0..LANES {
-            kv[l] = s[l].mul_add(k0[i], kv[l]);
-            sq[l] = s[l].mul_add(q0[i], sq[l]);
+    let (mut kv2, mut sq2) = ([[0.0f32; LANES]; 2], [[0.0f32; LANES]; 2]);
+    for i in (0..d).step_by(2) {
+        for r in 0..2 {
+            let s = &pool[i + r];
+            for l in 0..LANES {
+                kv2[r][l] = s[l].mul_add(k0[i + r], kv2[r][l]);
+                sq2[r][l] = s[l].mul_add(q0[i + r], sq2[r][l]);
+            }
         }
     }
+    let (mut kv, mut sq) = (add_lanes(&kv2[0], &kv2[1]), add_lanes(&sq2[0], &sq2[1]));
     for tok in 0..inp.t {
         let (g, b, kq) = (gates[tok], betas[tok], kqs[tok]);
-        let v: &Lanes = inp.v[tok * d + c0..tok * d + c0 + LANES].try_into().expect("block");
-        let ot: &mut Lanes = (&mut o[tok * d + c0..tok * d + c0 + LANES]).try_into().expect("block");
+        let v: &Lanes = inp.v[tok * d + c0..tok * d + c0 + LANES]
+            .try_into()
+            .expect("block");
+        let ot: &mut Lanes = (&mut o[tok * d + c0..tok * d + c0 + LANES])
+            .try_into()
+            .expect("block");
         let mut delta = [0.0f32; LANES];
         for l in 0..LANES {
             delta[l] = (v[l] - g * kv[l]) * b;
@@ -285,7 +306,10 @@ fn column_block(
         }
         let k = &inp.k[tok * d..(tok + 1) * d];
         let (kn, qn) = if tok + 1 < inp.t {
-            (&inp.k[(tok + 1) * d..(tok + 2) * d], &inp.q[(tok + 1) * d..(tok + 2) * d])
+            (
+                &inp.k[(tok + 1) * d..(tok + 2) * d],
+                &inp.q[(tok + 1) * d..(tok + 2) * d],
+            )
         } else {
             (k, k)
         };
@@ -318,7 +342,10 @@ pub fn head_window<'a>(inp: &HeadInputs<'a>, pool: &mut [f32], scratch: &mut [f3
     for tok in 0..t {
         gates[tok] = decay(inp.alpha[tok], inp.dt, inp.a);
         betas[tok] = sigmoid(inp.beta[tok]);
-        kqs[tok] = dot(&inp.k[tok * d..(tok + 1) * d], &inp.q[tok * d..(tok + 1) * d]);
+        kqs[tok] = dot(
+            &inp.k[tok * d..(tok + 1) * d],
+            &inp.q[tok * d..(tok + 1) * d],
+        );
     }
     let work = work.as_chunks_mut::<LANES>().0;
     for (cb, block) in pool.chunks_exact_mut(d * LANES).enumerate() {
