@@ -174,9 +174,7 @@ impl CpuPool {
             kernels::conv_block(d, t, qkv, c_n, w, hist_blk, out_blk, normalize, commit_at);
         };
 
-        in_pool(&self.threads, || {
-            conv_tasks.into_par_iter().for_each(conv_stage)
-        });
+        conv_tasks.into_par_iter().for_each(conv_stage);
 
         // Phase 2: the recurrence per (sequence, value head); each task owns its head's contiguous state.
         let head_len = d * d;
@@ -230,12 +228,10 @@ impl CpuPool {
             kernels::head_window(&inp, st_h, work, y);
         };
         let scratch = kernels::head_scratch_len(d, t);
-        in_pool(&self.threads, || {
-            head_tasks.into_par_iter().for_each_init(
-                || vec![0.0f32; scratch],
-                |work, task| head_stage(task, work),
-            )
-        });
+        head_tasks.into_par_iter().for_each_init(
+            || vec![0.0f32; scratch],
+            |work, task| head_stage(task, work),
+        );
 
         // Phase 3: rows of y, and the planes.
         let heads_y = &self.heads_y;
@@ -247,7 +243,7 @@ impl CpuPool {
             }
         };
         let live = |row: usize| args.slots[row / t] >= 0;
-        in_pool(&self.threads, || match layout.plane_stride {
+        match layout.plane_stride {
             None => out
                 .par_chunks_mut(n)
                 .enumerate()
@@ -283,7 +279,7 @@ impl CpuPool {
                         }
                     });
             }
-        });
+        }
     }
 }
 
@@ -327,11 +323,11 @@ fn for_each_row(sh: &crate::Shape, mut f: impl FnMut(usize, usize)) {
     }
 }
 
-/// Runs `f` in the backend's own thread pool if it has one, else in rayon's global pool.
+/// Runs `f` on a thread of the backend's own pool if it has one, else of rayon's global pool.
 fn in_pool<R: Send>(threads: &Option<Arc<rayon::ThreadPool>>, f: impl FnOnce() -> R + Send) -> R {
     match threads {
         Some(pool) => pool.install(f),
-        None => f(),
+        None => rayon::scope(|_| f()),
     }
 }
 
@@ -370,7 +366,10 @@ impl LayerPool for CpuPool {
 
     fn step(&mut self, args: &StepArgs<'_>, out: &mut [f32]) -> Result<()> {
         let (layout, commit_at) = args.validate(&self.layer, self.slots, out.len())?;
-        self.run_step(args, layout, commit_at, out);
+        // the whole step on one pool thread: its phases' parallel loops then split work among the pool's threads
+        // without a hand-off from the calling thread for each
+        let threads = self.threads.clone();
+        in_pool(&threads, || self.run_step(args, layout, commit_at, out));
         Ok(())
     }
 }
