@@ -12,20 +12,7 @@ pub const LANES: usize = 16;
 /// `sum x_i^2` with 16 partial sums combined in a fixed tree.
 #[inline(always)]
 pub fn sum_squares(x: &[f32]) -> f32 {
-    let mut acc = [0.0f32; LANES];
-    for c in x.as_chunks::<LANES>().0 {
-        for l in 0..LANES {
-            acc[l] = c[l].mul_add(c[l], acc[l]);
-        }
-    }
-    let mut w = LANES;
-    while w > 1 {
-        w /= 2;
-        for l in 0..w {
-            acc[l] += acc[l + w];
-        }
-    }
-    acc[0]
+    dot(x, x)
 }
 
 pub fn sigmoid(x: f32) -> f32 {
