@@ -12,20 +12,7 @@ pub const LANES: usize = 16;
 /// `sum x_i^2` with 16 partial sums combined in a fixed tree.
 #[inline(always)]
 pub fn sum_squares(x: &[f32]) -> f32 {
-    let mut acc = [0.0f32; LANES];
-    for c in x.as_chunks::<LANES>().0 {
-        for l in 0..LANES {
-            acc[l] = c[l].mul_add(c[l], acc[l]);
-        }
-    }
-    let mut w = LANES;
-    while w > 1 {
-        w /= 2;
-        for l in 0..w {
-            acc[l] += acc[l + w];
-        }
-    }
-    acc[0]
+    dot(x, x)
 }
 
 pub fn sigmoid(x: f32) -> f32 {
@@ -60,7 +47,11 @@ fn exp_lanes(x: &[f32; LANES]) -> [f32; LANES] {
         let v = x[l];
         // clamp keeps NaN (f32::min/max would replace it)
         let c = v.clamp(-86.0, 88.7);
-        let n = (c * LOG2E).round_ties_even();
+        // n = round(c log2 e) by the 1.5 * 2^23 trick: the integer lands in the low mantissa bits of `m`, read
+        // back with a bit cast (a float-to-int cast would be scalarized for its saturation rules)
+        const MAGIC: f32 = 12_582_912.0;
+        let m = c.mul_add(LOG2E, MAGIC);
+        let n = m - MAGIC;
         let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, c));
         let mut p: f32 = 1.0 / 5040.0;
         p = p.mul_add(r, 1.0 / 720.0);
@@ -71,7 +62,8 @@ fn exp_lanes(x: &[f32; LANES]) -> [f32; LANES] {
         p = p.mul_add(r, 1.0);
         p = p.mul_add(r, 1.0);
         // 2^n as 2 * 2^(n - 1), so n = 128 stays a normal exponent
-        let scale = f32::from_bits((((n as i32) + 126) as u32) << 23);
+        let scale =
+            f32::from_bits(m.to_bits().wrapping_sub(MAGIC.to_bits()).wrapping_add(126) << 23);
         let e = p * scale * 2.0;
         out[l] = if v > 88.7 {
             f32::INFINITY
@@ -192,90 +184,115 @@ pub struct HeadInputs<'a> {
     pub commit_at: usize,
 }
 
-/// Column block width: the state columns are independent until the output norm, so a head is processed one
-/// block of columns at a time over the whole window, the block's rows (d x BLOCK floats, 16 KiB at d 128)
-/// staying in L1 between tokens and its accumulators in registers (8 AVX2 registers).
-const BLOCK: usize = 32;
-
-/// How many rows ahead the first read of a head's state prefetches.
-const PREFETCH_ROWS: usize = 4;
-
-/// Asks for the cache lines of `x` ahead of their use.
-#[inline(always)]
-fn prefetch(x: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    for off in (0..x.len()).step_by(16) {
-        // SAFETY: a prefetch is a hint: it never faults and changes no memory; the address is in bounds anyway.
-        unsafe {
-            core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
-                x.as_ptr().add(off).cast(),
-            )
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = x;
-}
-
 /// Floats of scratch `head_window` needs for a window of `t` tokens.
 pub fn head_scratch_len(d: usize, t: usize) -> usize {
-    d * BLOCK + t * d + 3 * t
+    d * LANES + t * d + 3 * t
 }
 
-/// One column block of one head over the whole window: reads the block's rows from the pool once, keeps
-/// them in `work` ([d][W], contiguous) between tokens, writes them back after token `commit_at - 1`, and leaves
-/// the block's unnormalized readout in `o` ([t][d]).
+type Lanes = [f32; LANES];
+
+/// The update of one column block's rows, `S = g S + k delta^T`, for every row in order, reading the rows from
+/// the pool (`FROM_POOL`, the window's first token) or from `work`; with `MORE` it also accumulates the next
+/// token's `S^T k'` and `S^T q'` from the updated rows and keeps them in `work`, with `COMMIT` it writes them
+/// to the pool. The flags are constants so each combination compiles to a loop without branches.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn update_rows<const FROM_POOL: bool, const MORE: bool, const COMMIT: bool>(
+    pool: &mut [Lanes],
+    work: &mut [Lanes],
+    g: f32,
+    delta: &Lanes,
+    k: &[f32],
+    kn: &[f32],
+    qn: &[f32],
+) -> (Lanes, Lanes) {
+    let d = pool.len();
+    let (work, k, kn, qn) = (&mut work[..d], &k[..d], &kn[..d], &qn[..d]);
+    // rows two at a time (d is a multiple of 16) with an accumulator pair each, so consecutive rows do not
+    // wait on one FMA chain; the pairs are added once at the end
+    let (mut kv, mut sq) = ([[0.0f32; LANES]; 2], [[0.0f32; LANES]; 2]);
+    for i in (0..d).step_by(2) {
+        for r in 0..2 {
+            let src = if FROM_POOL {
+                &pool[i + r]
+            } else {
+                &work[i + r]
+            };
+            let ki = k[i + r];
+            let mut x = [0.0f32; LANES];
+            for l in 0..LANES {
+                x[l] = g.mul_add(src[l], ki * delta[l]);
+            }
+            if MORE {
+                let (kni, qni) = (kn[i + r], qn[i + r]);
+                for l in 0..LANES {
+                    kv[r][l] = x[l].mul_add(kni, kv[r][l]);
+                    sq[r][l] = x[l].mul_add(qni, sq[r][l]);
+                }
+                work[i + r] = x;
+            }
+            if COMMIT {
+                pool[i + r] = x;
+            }
+        }
+    }
+    (add_lanes(&kv[0], &kv[1]), add_lanes(&sq[0], &sq[1]))
+}
+
+#[inline(always)]
+fn add_lanes(a: &Lanes, b: &Lanes) -> Lanes {
+    std::array::from_fn(|l| a[l] + b[l])
+}
+
+/// One block of 16 columns of one head over the whole window. Columns are independent until the output norm,
+/// so the block reads its rows from the pool once (the pool keeps them contiguous, [d][16]), keeps them in
+/// `work` (8 KiB at d 128, in L1) between tokens with kv, sq and delta in registers, writes them back after token
+/// `commit_at - 1`, and leaves the block's readout in `o` ([t][d]).
 ///
 /// The readout uses `o = S_new^T q = g (S^T q) + delta (k . q)`, equal in exact arithmetic to SPEC.md's sum over
 /// the updated rows, so `S^T k` and `S^T q` come from one read of S and each token's update is fused with the
 /// next token's read; an update nobody reads (after the last token, no commit) is skipped.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn column_block<const W: usize>(
+fn column_block(
     inp: &HeadInputs<'_>,
     gates: &[f32],
     betas: &[f32],
     kqs: &[f32],
-    pool: &mut [f32],
-    work: &mut [f32],
+    pool: &mut [Lanes],
+    work: &mut [Lanes],
     o: &mut [f32],
     c0: usize,
 ) {
     let d = inp.d;
     let inv_sqrt_d = 1.0 / (d as f32).sqrt();
-    let (mut kv, mut sq) = ([0.0f32; W], [0.0f32; W]);
-    // token 0's read, straight from the pool
     let (k0, q0) = (&inp.k[..d], &inp.q[..d]);
-    for i in 0..d {
-        if c0 == 0 && i + PREFETCH_ROWS < d {
-            // the first block's read walks rows 4 d bytes apart: ask for whole rows ahead of it
-            prefetch(&pool[(i + PREFETCH_ROWS) * d..(i + PREFETCH_ROWS + 1) * d]);
-        }
-        let s: &[f32; W] = pool[i * d + c0..i * d + c0 + W].try_into().expect("block");
-        for l in 0..W {
-            kv[l] = s[l].mul_add(k0[i], kv[l]);
-            sq[l] = s[l].mul_add(q0[i], sq[l]);
+    let (mut kv2, mut sq2) = ([[0.0f32; LANES]; 2], [[0.0f32; LANES]; 2]);
+    for i in (0..d).step_by(2) {
+        for r in 0..2 {
+            let s = &pool[i + r];
+            for l in 0..LANES {
+                kv2[r][l] = s[l].mul_add(k0[i + r], kv2[r][l]);
+                sq2[r][l] = s[l].mul_add(q0[i + r], sq2[r][l]);
+            }
         }
     }
+    let (mut kv, mut sq) = (add_lanes(&kv2[0], &kv2[1]), add_lanes(&sq2[0], &sq2[1]));
     for tok in 0..inp.t {
         let (g, b, kq) = (gates[tok], betas[tok], kqs[tok]);
-        let v: &[f32; W] = inp.v[tok * d + c0..tok * d + c0 + W]
+        let v: &Lanes = inp.v[tok * d + c0..tok * d + c0 + LANES]
             .try_into()
             .expect("block");
-        let mut delta = [0.0f32; W];
-        let ot: &mut [f32; W] = (&mut o[tok * d + c0..tok * d + c0 + W])
+        let ot: &mut Lanes = (&mut o[tok * d + c0..tok * d + c0 + LANES])
             .try_into()
             .expect("block");
-        for l in 0..W {
+        let mut delta = [0.0f32; LANES];
+        for l in 0..LANES {
             delta[l] = (v[l] - g * kv[l]) * b;
             ot[l] = g.mul_add(sq[l], delta[l] * kq) * inv_sqrt_d;
         }
-        let more = tok + 1 < inp.t;
-        let commit = tok + 1 == inp.commit_at;
-        if !more && !commit {
-            break;
-        }
         let k = &inp.k[tok * d..(tok + 1) * d];
-        let (kn, qn) = if more {
+        let (kn, qn) = if tok + 1 < inp.t {
             (
                 &inp.k[(tok + 1) * d..(tok + 2) * d],
                 &inp.q[(tok + 1) * d..(tok + 2) * d],
@@ -283,39 +300,28 @@ fn column_block<const W: usize>(
         } else {
             (k, k)
         };
-        kv = [0.0; W];
-        sq = [0.0; W];
-        for i in 0..d {
-            let ki = k[i];
-            let mut x: [f32; W] = if tok == 0 {
-                pool[i * d + c0..i * d + c0 + W].try_into().expect("block")
-            } else {
-                work[i * W..(i + 1) * W].try_into().expect("block")
-            };
-            for l in 0..W {
-                x[l] = g.mul_add(x[l], ki * delta[l]);
-            }
-            if more {
-                let (kni, qni) = (kn[i], qn[i]);
-                for l in 0..W {
-                    kv[l] = x[l].mul_add(kni, kv[l]);
-                    sq[l] = x[l].mul_add(qni, sq[l]);
-                }
-                work[i * W..(i + 1) * W].copy_from_slice(&x);
-            }
-            if commit {
-                pool[i * d + c0..i * d + c0 + W].copy_from_slice(&x);
-            }
-        }
+        let first = tok == 0;
+        let more = tok + 1 < inp.t;
+        let commit = tok + 1 == inp.commit_at;
+        let (w, dl) = (&mut *work, &delta);
+        (kv, sq) = match (first, more, commit) {
+            (_, false, false) => break,
+            (true, true, true) => update_rows::<true, true, true>(pool, w, g, dl, k, kn, qn),
+            (true, true, false) => update_rows::<true, true, false>(pool, w, g, dl, k, kn, qn),
+            (true, false, true) => update_rows::<true, false, true>(pool, w, g, dl, k, kn, qn),
+            (false, true, true) => update_rows::<false, true, true>(pool, w, g, dl, k, kn, qn),
+            (false, true, false) => update_rows::<false, true, false>(pool, w, g, dl, k, kn, qn),
+            (false, false, true) => update_rows::<false, false, true>(pool, w, g, dl, k, kn, qn),
+        };
     }
 }
 
-/// SPEC.md steps 3 to 7 for one value head over a window; `pool` is the head's state [d][d] in the pool,
-/// y goes to `y` [t][d].
+/// SPEC.md steps 3 to 7 for one value head over a window. `pool` is the head's state in the CPU pool's
+/// blocked layout [d / 16][d][16] (16-column blocks, rows contiguous inside a block); y goes to `y` [t][d].
 #[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
 pub fn head_window<'a>(inp: &HeadInputs<'a>, pool: &mut [f32], scratch: &mut [f32], y: &mut [f32]) {
     let (d, t) = (inp.d, inp.t);
-    let (work, rest) = scratch.split_at_mut(d * BLOCK);
+    let (work, rest) = scratch.split_at_mut(d * LANES);
     let (o, rest) = rest.split_at_mut(t * d);
     let (gates, rest) = rest.split_at_mut(t);
     let (betas, rest) = rest.split_at_mut(t);
@@ -328,12 +334,10 @@ pub fn head_window<'a>(inp: &HeadInputs<'a>, pool: &mut [f32], scratch: &mut [f3
             &inp.q[tok * d..(tok + 1) * d],
         );
     }
-    let wide_end = d / BLOCK * BLOCK;
-    for c0 in (0..wide_end).step_by(BLOCK) {
-        column_block::<BLOCK>(inp, gates, betas, kqs, pool, work, o, c0);
-    }
-    for c0 in (wide_end..d).step_by(LANES) {
-        column_block::<LANES>(inp, gates, betas, kqs, pool, work, o, c0);
+    let work = work.as_chunks_mut::<LANES>().0;
+    for (cb, block) in pool.chunks_exact_mut(d * LANES).enumerate() {
+        let block = block.as_chunks_mut::<LANES>().0;
+        column_block(inp, gates, betas, kqs, block, work, o, cb * LANES);
     }
     // gated RMS norm per token
     for tok in 0..t {

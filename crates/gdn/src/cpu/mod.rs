@@ -105,8 +105,8 @@ impl Backend for Cpu {
     }
 }
 
-/// A layer's state pool in host memory: per slot, S head-major ([h][i][j], see `for_each_row`) and H in lanes of
-/// 16 channels (see `to_lanes`). The history is updated in place: on the CPU every q/k channel is
+/// A layer's state pool in host memory: per slot, S in blocks of 16 columns per head ([h][j / 16][i][16], see
+/// `for_each_row`) and H in lanes of 16 channels (see `to_lanes`). The history is updated in place: on the CPU every q/k channel is
 /// convolved once, before any head reads it, so no double buffer is needed.
 pub struct CpuPool {
     layer: Layer,
@@ -174,9 +174,7 @@ impl CpuPool {
             kernels::conv_block(d, t, qkv, c_n, w, hist_blk, out_blk, normalize, commit_at);
         };
 
-        in_pool(&self.threads, || {
-            conv_tasks.into_par_iter().for_each(conv_stage)
-        });
+        conv_tasks.into_par_iter().for_each(conv_stage);
 
         // Phase 2: the recurrence per (sequence, value head); each task owns its head's contiguous state.
         let head_len = d * d;
@@ -230,12 +228,10 @@ impl CpuPool {
             kernels::head_window(&inp, st_h, work, y);
         };
         let scratch = kernels::head_scratch_len(d, t);
-        in_pool(&self.threads, || {
-            head_tasks.into_par_iter().for_each_init(
-                || vec![0.0f32; scratch],
-                |work, task| head_stage(task, work),
-            )
-        });
+        head_tasks.into_par_iter().for_each_init(
+            || vec![0.0f32; scratch],
+            |work, task| head_stage(task, work),
+        );
 
         // Phase 3: rows of y, and the planes.
         let heads_y = &self.heads_y;
@@ -247,7 +243,7 @@ impl CpuPool {
             }
         };
         let live = |row: usize| args.slots[row / t] >= 0;
-        in_pool(&self.threads, || match layout.plane_stride {
+        match layout.plane_stride {
             None => out
                 .par_chunks_mut(n)
                 .enumerate()
@@ -283,7 +279,7 @@ impl CpuPool {
                         }
                     });
             }
-        });
+        }
     }
 }
 
@@ -312,22 +308,26 @@ fn from_lanes(x: &[f32], w: usize) -> Vec<f32> {
     out
 }
 
-/// Calls `f(spec, pool)` with the offsets of each state row (a value head's row i) in SPEC.md's layout
-/// [i][h][j] and in the CPU pool's head-major layout [h][i][j], where each head's state is one contiguous
-/// block that its task owns and the prefetchers stream.
+/// Calls `f(spec, pool)` with the offsets of each 16-column piece of each state row (value head h, row i,
+/// columns j0..j0 + 16) in SPEC.md's layout [i][h][j] and in the CPU pool's layout [h][j / 16][i][16]: each head's
+/// state is one contiguous slice its task owns, and each 16-column block of it is contiguous, rows in order, so
+/// the block streams from memory and stays in L1 over a window.
 fn for_each_row(sh: &crate::Shape, mut f: impl FnMut(usize, usize)) {
-    for i in 0..sh.d {
+    let d = sh.d;
+    for i in 0..d {
         for h in 0..sh.h_v {
-            f((i * sh.h_v + h) * sh.d, (h * sh.d + i) * sh.d);
+            for j0 in (0..d).step_by(LANES) {
+                f((i * sh.h_v + h) * d + j0, h * d * d + j0 * d + i * LANES);
+            }
         }
     }
 }
 
-/// Runs `f` in the backend's own thread pool if it has one, else in rayon's global pool.
+/// Runs `f` on a thread of the backend's own pool if it has one, else of rayon's global pool.
 fn in_pool<R: Send>(threads: &Option<Arc<rayon::ThreadPool>>, f: impl FnOnce() -> R + Send) -> R {
     match threads {
         Some(pool) => pool.install(f),
-        None => f(),
+        None => rayon::scope(|_| f()),
     }
 }
 
@@ -346,7 +346,7 @@ impl LayerPool for CpuPool {
         let sh = *self.layer.shape();
         let dst = &mut self.state[slot * sl..(slot + 1) * sl];
         for_each_row(&sh, |spec, pool| {
-            dst[pool..pool + sh.d].copy_from_slice(&state[spec..spec + sh.d])
+            dst[pool..pool + LANES].copy_from_slice(&state[spec..spec + LANES])
         });
         self.hist[slot * hl..(slot + 1) * hl].copy_from_slice(&to_lanes(hist, 3));
         Ok(())
@@ -358,7 +358,7 @@ impl LayerPool for CpuPool {
         let sh = *self.layer.shape();
         let src = &self.state[slot * sl..(slot + 1) * sl];
         for_each_row(&sh, |spec, pool| {
-            state[spec..spec + sh.d].copy_from_slice(&src[pool..pool + sh.d])
+            state[spec..spec + LANES].copy_from_slice(&src[pool..pool + LANES])
         });
         hist.copy_from_slice(&from_lanes(&self.hist[slot * hl..(slot + 1) * hl], 3));
         Ok(())
@@ -366,7 +366,10 @@ impl LayerPool for CpuPool {
 
     fn step(&mut self, args: &StepArgs<'_>, out: &mut [f32]) -> Result<()> {
         let (layout, commit_at) = args.validate(&self.layer, self.slots, out.len())?;
-        self.run_step(args, layout, commit_at, out);
+        // the whole step on one pool thread: its phases' parallel loops then split work among the pool's threads
+        // without a hand-off from the calling thread for each
+        let threads = self.threads.clone();
+        in_pool(&threads, || self.run_step(args, layout, commit_at, out));
         Ok(())
     }
 }
