@@ -56,11 +56,15 @@ impl Growable {
         if self.buf.as_ref().is_some_and(|b| b.size() >= bytes) {
             return Ok(false);
         }
-        let size = bytes.max(256).next_power_of_two().min(
-            gpu.limits
-                .max_buffer_size
-                .min(gpu.limits.max_storage_buffer_binding_size),
-        );
+        let size = bytes
+            .max(256)
+            .checked_next_power_of_two()
+            .unwrap_or(bytes)
+            .min(
+                gpu.limits
+                    .max_buffer_size
+                    .min(gpu.limits.max_storage_buffer_binding_size),
+            );
         let size = size.max(bytes.max(256).div_ceil(4) * 4);
         check_size(gpu, self.label, size)?;
         self.buf = None;
