@@ -238,6 +238,26 @@ mod tests {
     }
 
     #[test]
+    fn limits_are_checked_with_a_clear_error() {
+        // WebGPU's default limits: 256 invocations per workgroup
+        let web = wgpu::Limits::default();
+        assert_eq!(choose_row_blocks(128, &web, 4), 2);
+        assert_eq!(choose_row_blocks(64, &web, 4), 4);
+        assert_eq!(choose_row_blocks(1024, &web, 4), 1);
+        let key = |d, row_blocks| KernelKey {
+            d,
+            subgroups: false,
+            row_blocks,
+            checked: true,
+        };
+        assert!(key(128, 2).check_limits(&web).is_ok());
+        let err = key(128, 4).check_limits(&web).unwrap_err().to_string();
+        assert!(err.contains("512 invocations"), "{err}");
+        let err = key(1024, 1).check_limits(&web).unwrap_err().to_string();
+        assert!(err.contains("d = 1024"), "{err}");
+    }
+
+    #[test]
     fn copy_kernel_is_valid_wgsl() {
         let src = include_str!("copy.wgsl");
         let module = naga::front::wgsl::parse_str(src).expect("copy.wgsl parses");

@@ -486,8 +486,10 @@ impl LayerPool for WgpuPool {
                 timestamp_writes: ts,
             });
             if live > 0 {
+                pass.set_pipeline(&pipeline);
+                pass.set_bind_group(0, this.bind_group.as_ref(), &[]);
                 for _ in 0..iters {
-                    this.record_dispatch(&mut pass, &pipeline, live);
+                    pass.dispatch_workgroups(this.layer.shape().h_v as u32, live, 1);
                 }
             }
         })?;
