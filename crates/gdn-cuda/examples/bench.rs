@@ -1,5 +1,5 @@
 //! The CUDA backend's benchmark at the seed shape (device runs): copy ceiling, the step at B x T, host cost,
-//! and the ptxas report of the specialisations it ran. Usage: `bench [sweep]`; writes a markdown table to
+//! and the ptxas report of the specialisations it ran. Usage: `bench [sweep] [table]`; writes a markdown table to
 //! $OUT/bench-cuda.md when OUT is set.
 
 use std::fmt::Write as _;
@@ -17,9 +17,17 @@ struct Row {
     host_us: f64,
 }
 
-fn run(cuda: &Cuda, gate: Gate, b: usize, t: usize, plan: Option<Plan>) -> gdn::Result<Row> {
+fn run(
+    cuda: &Cuda,
+    gate: Gate,
+    b: usize,
+    t: usize,
+    plan: Option<Plan>,
+    pdl: bool,
+) -> gdn::Result<Row> {
     let mut c = cuda.clone();
     c.set_plan_override(plan);
+    c.set_pdl(pdl);
     let mut cfg = Config::new(Shape::SEED);
     cfg.gate = gate;
     let mut rng = Synth::new(7 + b as u64 * 31 + t as u64);
@@ -49,6 +57,7 @@ fn run(cuda: &Cuda, gate: Gate, b: usize, t: usize, plan: Option<Plan>) -> gdn::
 
 fn main() -> gdn::Result<()> {
     let sweep = std::env::args().any(|a| a == "sweep");
+    let table = std::env::args().any(|a| a == "table");
     let cuda = Cuda::new()?;
     println!("backend: {}", cuda.name());
     let copy = cuda.copy_ceiling(1 << 30)?;
@@ -64,36 +73,39 @@ fn main() -> gdn::Result<()> {
             "{:>4} {:>2} {:>14} {:>9} {:>7}",
             "B", "T", "plan ncb/rg/mb", "us", "%copy"
         );
-        for (b, t) in [(1, 1), (1, 8), (8, 1), (32, 1), (256, 1), (256, 8)] {
-            let mut plans: Vec<Plan> = Vec::new();
-            for ncb in spec::CLUSTER_SIZES {
-                if let Some(p) = Plan::for_ncb(128, ncb) {
-                    plans.push(p);
-                    for rg in [2usize, 4, 8, 16, 32] {
-                        for minb in [1usize, 2, 3, 4] {
-                            let q = Plan { ncb, rg, minb };
-                            if q.valid_for(128)
-                                && q != p
-                                && (q.threads(128) * minb <= 2048)
-                                && (rg == p.rg || minb == p.minb)
-                            {
-                                plans.push(q);
-                            }
-                        }
-                    }
-                }
-            }
+        for (b, t) in [(1, 1), (1, 8), (8, 1), (8, 8), (256, 1), (256, 8)] {
+            let plans: Vec<Plan> = [
+                (1, 4, 1),
+                (1, 4, 2),
+                (1, 2, 2),
+                (1, 2, 1),
+                (2, 4, 2),
+                (2, 4, 1),
+                (2, 8, 2),
+                (4, 8, 3),
+                (8, 8, 5),
+            ]
+            .into_iter()
+            .map(|(ncb, rg, minb)| Plan { ncb, rg, minb })
+            .collect();
             for p in plans {
-                match run(&cuda, Gate::Sigmoid, b, t, Some(p)) {
-                    Ok(r) => println!(
-                        "{:>4} {:>2} {:>14} {:>9.2} {:>7.1}",
-                        b,
-                        t,
-                        format!("{}/{}/{}", p.ncb, p.rg, p.minb),
-                        r.us,
-                        100.0 * state_bytes(b) / (r.us * 1e-6) / copy
-                    ),
-                    Err(e) => println!("{b:>4} {t:>2} {:?} failed: {e}", p),
+                for pdl in [true, false] {
+                    if !pdl && b > 8 {
+                        continue;
+                    }
+                    match run(&cuda, Gate::Sigmoid, b, t, Some(p), pdl) {
+                        Ok(r) => println!(
+                            "{:>4} {:>2} {:>14} {:>5} {:>9.2} {:>7.1} {:>6.2}",
+                            b,
+                            t,
+                            format!("{}/{}/{}", p.ncb, p.rg, p.minb),
+                            pdl,
+                            r.us,
+                            100.0 * state_bytes(b) / (r.us * 1e-6) / copy,
+                            r.host_us
+                        ),
+                        Err(e) => println!("{b:>4} {t:>2} {:?} failed: {e}", p),
+                    }
                 }
             }
         }
@@ -118,13 +130,13 @@ fn main() -> gdn::Result<()> {
             .map_or((None, None), |r| (Some(r.2), Some(r.3)))
     };
     let mut rows = Vec::new();
-    for gate in [Gate::Sigmoid, Gate::Silu] {
+    for gate in [Gate::Sigmoid, Gate::Silu].into_iter().filter(|_| table) {
         for b in [1usize, 8, 32, 128, 256] {
             for t in [1usize, 4, 8] {
                 if gate == Gate::Silu && t == 4 {
                     continue;
                 }
-                match run(&cuda, gate, b, t, None) {
+                match run(&cuda, gate, b, t, None, true) {
                     Ok(r) => rows.push(r),
                     Err(e) => println!("B {b} T {t} {gate:?} failed: {e}"),
                 }

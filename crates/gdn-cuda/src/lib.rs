@@ -40,6 +40,8 @@ pub struct Cuda {
     pub(crate) functions: FunctionCache,
     /// A fixed plan instead of the planner's choice (benchmark sweeps): `GDN_CUDA_PLAN=ncb,rg,minb`.
     pub(crate) plan_override: Option<Plan>,
+    /// Launch with programmatic dependent launch (the default; `GDN_CUDA_PDL=0` turns it off).
+    pub(crate) pdl: bool,
 }
 
 impl Cuda {
@@ -99,6 +101,7 @@ impl Cuda {
             sms,
             functions: Arc::new(Mutex::new(HashMap::new())),
             plan_override,
+            pdl: std::env::var("GDN_CUDA_PDL").map_or(true, |v| v != "0"),
         })
     }
 
@@ -120,6 +123,11 @@ impl Cuda {
     /// A pool with the concrete type, for the device-native API.
     pub fn create_cuda_pool(&self, layer: &Layer, slots: usize) -> Result<CudaPool> {
         CudaPool::new(self.clone(), layer, slots)
+    }
+
+    /// Turns programmatic dependent launch on or off for launches from now on.
+    pub fn set_pdl(&mut self, on: bool) {
+        self.pdl = on;
     }
 
     /// Sets (or with `None` clears) a fixed launch plan for pools created afterwards.

@@ -4,8 +4,7 @@ use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{
-    result as drv_result, sys, CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr,
-    DevicePtrMut,
+    sys, CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
 };
 use gdn::backend::check_slot_io;
 use gdn::{Commit, Error, Layer, LayerPool, OutputLayout, Result, StepArgs, StepTiming};
@@ -100,6 +99,11 @@ impl CudaPool {
         };
         pool.cuda.stream.synchronize().map_err(drv)?;
         Ok(pool)
+    }
+
+    /// Turns programmatic dependent launch on or off for this pool's launches.
+    pub fn set_pdl(&mut self, on: bool) {
+        self.cuda.pdl = on;
     }
 
     /// The backend this pool lives on.
@@ -279,22 +283,42 @@ impl CudaPool {
         let grid = ((sh.h_v * spec.plan.ncb) as u32, grid_y, 1);
         let block = (spec.threads() as u32, 1, 1);
         self.cuda.ctx.bind_to_thread().map_err(drv)?;
+        // SAFETY: all-zero bytes are a valid value of this plain C union of integers and small structs.
+        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+        value.programmaticStreamSerializationAllowed = 1;
+        let mut attrs = [sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value,
+        }];
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: 0,
+            hStream: self.cuda.stream.cu_stream(),
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: if self.cuda.pdl { 1 } else { 0 },
+        };
         // SAFETY: the 17 parameters match the kernel's signature in order and type (six device pointers of
         // the pool, six of the batch, int n_slots, int t, int commit_at, long long plane, float eps); each
-        // points to a local that lives across the call (the driver copies them at launch). The buffers have
-        // the lengths the kernel indexes: the pool's by construction, the batch's and the output's checked by
-        // the callers against the shape, b, t and the output layout; the kernel skips slots out of range.
-        unsafe {
-            drv_result::launch_kernel(
+        // points to a local that lives across the call (the driver copies them at launch), as do `config` and
+        // the attribute it points to. The buffers have the lengths the kernel indexes: the pool's by
+        // construction, the batch's and the output's checked by the callers against the shape, b, t and the
+        // output layout; the kernel skips slots out of range. Programmatic serialisation is sound because the
+        // kernel executes griddepcontrol.wait before it touches anything an earlier kernel may write.
+        let r = unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
                 f.cu_function(),
-                grid,
-                block,
-                0,
-                self.cuda.stream.cu_stream(),
-                &mut params[..17],
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
             )
-        }
-        .map_err(drv)
+        };
+        r.result().map_err(drv)
     }
 
     fn staging(&mut self, qkv: usize, hv: usize, n: usize, out: usize, b: usize) -> Result<()> {

@@ -63,6 +63,8 @@ impl Plan {
         let rpt = d / self.rg;
         let nt = cols * self.rg;
         cols % 16 == 0
+            && 32 % self.rg == 0
+            && cols % (32 / self.rg) == 0
             && rpt % 4 == 0
             && rpt <= MAX_ROWS_PER_THREAD
             && nt % 32 == 0
@@ -74,59 +76,46 @@ impl Plan {
     /// A register budget for a split: enough blocks per multiprocessor to overlap one block's loads with
     /// another's arithmetic, as far as the state (rpt registers a thread) leaves room.
     pub fn with_rg(d: usize, ncb: usize, rg: usize) -> Plan {
-        let nt = (d / ncb) * rg;
-        let rpt = d / rg;
-        let regs = (rpt + 40).div_ceil(8) * 8;
+        let nt = ((d / ncb) * rg).max(1);
+        let rpt = d / rg.max(1);
+        // conv channels a thread carries across tokens: 2 d of q/k plus its block's v columns
+        let nch = (2 * d + d / ncb.max(1)).div_ceil(nt);
+        let regs = rpt + 40 + 16 * (nch - 1);
         let minb = (65536 / (nt * regs)).clamp(1, (2048 / nt).max(1));
         Plan { ncb, rg, minb }
     }
 
-    /// The split the planner would choose for `ncb` column blocks: about 512 threads a block, at most
+    /// The split the planner would choose for `ncb` column blocks: the most row groups (at most 8, so a warp
+    /// reads at least 16 bytes of a state row) that keep the block within 256 threads, at most
     /// MAX_ROWS_PER_THREAD rows a thread.
     pub fn for_ncb(d: usize, ncb: usize) -> Option<Plan> {
-        if d % ncb != 0 {
+        if ncb == 0 || d % ncb != 0 {
             return None;
         }
         let cols = d / ncb;
-        let mut best: Option<Plan> = None;
-        for rg in 1..=d {
-            let p = Plan::with_rg(d, ncb, rg);
-            if !p.valid_for(d) {
-                continue;
-            }
-            let nt = cols * rg;
-            best = match best {
-                None => Some(p),
-                Some(b) => {
-                    let bn = b.threads(d);
-                    // prefer the largest block not above 512 threads, else the smallest above
-                    let better = if nt <= 512 {
-                        bn > 512 || nt > bn
-                    } else {
-                        bn > 512 && nt < bn
-                    };
-                    Some(if better { p } else { b })
-                }
-            };
-        }
-        best
+        let ok = |rg: usize| Plan::with_rg(d, ncb, rg).valid_for(d);
+        [8usize, 4, 2, 1]
+            .into_iter()
+            .find(|&rg| ok(rg) && cols * rg <= 256)
+            .or_else(|| [1usize, 2, 4, 8].into_iter().find(|&rg| ok(rg)))
+            .map(|rg| Plan::with_rg(d, ncb, rg))
     }
 
-    /// The plan for `b` sequences of `h_v` heads on a device with `sms` multiprocessors: the fewest column
-    /// blocks that still give every multiprocessor two blocks, else the most the shape allows.
+    /// The plan for `b` sequences of `h_v` heads on a device with `sms` multiprocessors: one block a head
+    /// once the heads alone give every multiprocessor a block, else the fewest column blocks that do.
     pub fn choose(d: usize, h_v: usize, b: usize, sms: usize) -> Result<Plan> {
         let mut last = None;
         for ncb in CLUSTER_SIZES {
             if let Some(p) = Plan::for_ncb(d, ncb) {
                 last = Some(p);
-                if b * h_v * ncb >= 2 * sms {
+                if b * h_v * ncb >= sms {
                     return Ok(p);
                 }
             }
         }
         last.ok_or_else(|| {
             Error::Unavailable(format!(
-                "the CUDA backend holds the state in registers and has no thread split for d = {d} (every multiple of 16 up to 256 has one)"
+                "the CUDA backend holds the state in registers and has no thread split for d = {d}"
             ))
         })
     }
