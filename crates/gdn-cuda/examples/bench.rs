@@ -73,7 +73,7 @@ fn main() -> gdn::Result<()> {
             "{:>4} {:>2} {:>14} {:>9} {:>7}",
             "B", "T", "plan ncb/rg/mb", "us", "%copy"
         );
-        for (b, t) in [(1, 1), (1, 8), (8, 1), (8, 8), (256, 1), (256, 8)] {
+        for (b, t) in [(1, 1), (1, 8), (256, 1), (256, 8)] {
             let plans: Vec<Plan> = [
                 (1, 4, 1),
                 (1, 4, 2),
@@ -90,7 +90,7 @@ fn main() -> gdn::Result<()> {
             .collect();
             for p in plans {
                 for pdl in [true, false] {
-                    if !pdl && b > 8 {
+                    if !pdl && b > 1 {
                         continue;
                     }
                     match run(&cuda, Gate::Sigmoid, b, t, Some(p), pdl) {

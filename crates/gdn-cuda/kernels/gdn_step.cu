@@ -174,31 +174,33 @@ gdn_step(float* __restrict__ state, float* __restrict__ hist, const float* __res
     asm volatile("griddepcontrol.launch_dependents;");
 #endif
 
-    const int slot = slots[b];
-    if (slot < 0 || slot >= n_slots) return;  // uniform over the cluster: its blocks share b
-
-    float* hist_head = hist + ((size_t)slot * HV + h) * (3 * D * 3);
+    // inputs of the first token (indexed by sequence, not slot) in flight with the slot index
     const float* qkv_b = qkv + (size_t)b * T * C_ALL;
-    float hst[NCH][3];
     float in[NCH];
 #pragma unroll
-    for (int m = 0; m < NCH; ++m) {
-        if (chan[m] >= 0) {
-            in[m] = qkv_b[chan[m]];
-            const int o = hist_off(tid + m * NT, rank);
-            hst[m][0] = hist_head[o];
-            hst[m][1] = hist_head[o + 1];
-            hst[m][2] = hist_head[o + 2];
-        } else {
-            in[m] = 0.0f;
-            hst[m][0] = hst[m][1] = hst[m][2] = 0.0f;
-        }
-    }
+    for (int m = 0; m < NCH; ++m) in[m] = chan[m] >= 0 ? qkv_b[chan[m]] : 0.0f;
     const size_t row0 = (size_t)b * T;
     float zz = rg == 0 ? z[row0 * N_OUT + h * D + j] : 0.0f;
     float ab = 0.0f;
     if (tid == NT - 1) ab = alpha[row0 * HV + h];
     else if (tid == NT - 2) ab = beta[row0 * HV + h];
+
+    const int slot = slots[b];
+    if (slot < 0 || slot >= n_slots) return;  // uniform over the cluster: its blocks share b
+
+    float* hist_head = hist + ((size_t)slot * HV + h) * (3 * D * 3);
+    float hst[NCH][3];
+#pragma unroll
+    for (int m = 0; m < NCH; ++m) {
+        if (chan[m] >= 0) {
+            const int o = hist_off(tid + m * NT, rank);
+            hst[m][0] = hist_head[o];
+            hst[m][1] = hist_head[o + 1];
+            hst[m][2] = hist_head[o + 2];
+        } else {
+            hst[m][0] = hst[m][1] = hst[m][2] = 0.0f;
+        }
+    }
 
     // the state: RPT rows of column j, read once
     float* st_base = state + (size_t)slot * D * HV * D + ((size_t)i0 * HV + h) * D + j;
@@ -265,34 +267,38 @@ gdn_step(float* __restrict__ state, float* __restrict__ hist, const float* __res
         __syncthreads();
 
         // 3. kv_j, the delta rule and the readout: column sums over the RG lanes of the column
-        float kv = 0.0f;
+        // two partial sums (rows 4q.. and 4q+2..) halve the dependent chain; combined in a fixed order
+        float kv0 = 0.0f, kv1 = 0.0f;
 #pragma unroll
         for (int r = 0; r < RPT; r += 4) {
             const float4 k4 = *reinterpret_cast<const float4*>(&kn[rg * KPAD + r]);
-            kv = fmaf(st[r + 0], k4.x, kv);
-            kv = fmaf(st[r + 1], k4.y, kv);
-            kv = fmaf(st[r + 2], k4.z, kv);
-            kv = fmaf(st[r + 3], k4.w, kv);
+            kv0 = fmaf(st[r + 0], k4.x, kv0);
+            kv0 = fmaf(st[r + 1], k4.y, kv0);
+            kv1 = fmaf(st[r + 2], k4.z, kv1);
+            kv1 = fmaf(st[r + 3], k4.w, kv1);
         }
+        float kv = kv0 + kv1;
         kv = row_sum(kv);
         // read k again below rather than keep RPT values of it live across the butterfly (registers)
-        asm volatile("" ::: "memory");
+        __syncwarp();
         const float gt = gb[0], bt = gb[1];
         const float delta = (vs[col] - gt * kv) * bt;
-        float o = 0.0f;
+        float o0 = 0.0f, o1 = 0.0f;
 #pragma unroll
         for (int r = 0; r < RPT; r += 4) {
             const float4 k4 = *reinterpret_cast<const float4*>(&kn[rg * KPAD + r]);
             const float4 q4 = *reinterpret_cast<const float4*>(&qn[rg * KPAD + r]);
             st[r + 0] = fmaf(gt, st[r + 0], k4.x * delta);
-            o = fmaf(st[r + 0], q4.x, o);
+            o0 = fmaf(st[r + 0], q4.x, o0);
             st[r + 1] = fmaf(gt, st[r + 1], k4.y * delta);
-            o = fmaf(st[r + 1], q4.y, o);
+            o0 = fmaf(st[r + 1], q4.y, o0);
             st[r + 2] = fmaf(gt, st[r + 2], k4.z * delta);
-            o = fmaf(st[r + 2], q4.z, o);
+            o1 = fmaf(st[r + 2], q4.z, o1);
             st[r + 3] = fmaf(gt, st[r + 3], k4.w * delta);
-            o = fmaf(st[r + 3], q4.w, o);
+            o1 = fmaf(st[r + 3], q4.w, o1);
+            if ((r & 7) == 4) __syncwarp();  // keeps ptxas from loading all of q and k ahead (registers)
         }
+        float o = o0 + o1;
         o = row_sum(o) * inv_sqrt_d;
 #if GDN_COMMIT
         if (t + 1 == commit_at) {

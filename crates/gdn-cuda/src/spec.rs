@@ -85,39 +85,33 @@ impl Plan {
         Plan { ncb, rg, minb }
     }
 
-    /// The split the planner would choose for `ncb` column blocks: the most row groups (at most 8, so a warp
-    /// reads at least 16 bytes of a state row) that keep the block within 256 threads, at most
-    /// MAX_ROWS_PER_THREAD rows a thread.
+    /// The split the planner would choose for `ncb` column blocks: the fewest row groups (at most 8, so a
+    /// warp reads at least 16 bytes of a state row) that keep a thread within MAX_ROWS_PER_THREAD rows: the
+    /// fewer row groups, the fewer butterfly steps and the more of the state each load instruction moves.
     pub fn for_ncb(d: usize, ncb: usize) -> Option<Plan> {
         if ncb == 0 || d % ncb != 0 {
             return None;
         }
-        let cols = d / ncb;
-        let ok = |rg: usize| Plan::with_rg(d, ncb, rg).valid_for(d);
-        [8usize, 4, 2, 1]
+        [1usize, 2, 4, 8]
             .into_iter()
-            .find(|&rg| ok(rg) && cols * rg <= 256)
-            .or_else(|| [1usize, 2, 4, 8].into_iter().find(|&rg| ok(rg)))
             .map(|rg| Plan::with_rg(d, ncb, rg))
+            .find(|p| p.valid_for(d))
     }
 
     /// The plan for `b` sequences of `h_v` heads on a device with `sms` multiprocessors: one block a head
-    /// once the heads alone give every multiprocessor a block, else the fewest column blocks that do.
+    /// (no cluster) wherever the shape allows it. Kernel v2's sweeps (NOTES.md) found no batch size where
+    /// splitting a head over a cluster paid, so the plan does not depend on `b` or `sms`, and a sequence's
+    /// bits do not depend on the batch it runs in.
     pub fn choose(d: usize, h_v: usize, b: usize, sms: usize) -> Result<Plan> {
-        let mut last = None;
-        for ncb in CLUSTER_SIZES {
-            if let Some(p) = Plan::for_ncb(d, ncb) {
-                last = Some(p);
-                if b * h_v * ncb >= sms {
-                    return Ok(p);
-                }
-            }
-        }
-        last.ok_or_else(|| {
-            Error::Unavailable(format!(
-                "the CUDA backend holds the state in registers and has no thread split for d = {d}"
-            ))
-        })
+        let _ = (h_v, b, sms);
+        CLUSTER_SIZES
+            .into_iter()
+            .find_map(|ncb| Plan::for_ncb(d, ncb))
+            .ok_or_else(|| {
+                Error::Unavailable(format!(
+                    "the CUDA backend holds the state in registers and has no thread split for d = {d}"
+                ))
+            })
     }
 }
 

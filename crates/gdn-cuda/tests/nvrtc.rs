@@ -39,7 +39,7 @@ fn compile_all(specs: Vec<spec::Spec>) -> Vec<String> {
 
 /// Every specialisation for the seed shape: both gates, both head maps, planes on/off, verify/commit, windows
 /// 1..=8 and the run-time length, under every plan the planner picks for batches 1..=256 on an H200 (132 SMs),
-/// for sm_90.
+/// for sm_90 (the planner's plan does not depend on the batch today; the batches stay in case it does again).
 #[test]
 fn every_seed_specialisation_compiles() {
     if !nvrtc_or_skip("every_seed_specialisation_compiles") {
@@ -65,7 +65,8 @@ fn every_seed_specialisation_compiles() {
     eprintln!("compiled {n} seed specialisations");
 }
 
-/// Every valid split for the small shapes the conformance suite uses and for larger heads, T 1 and run-time.
+/// Every cluster size's split (the planner's and the `GDN_CUDA_PLAN` overrides' kind) for the small shapes the
+/// conformance suite uses, the seed shape and larger heads, T 1 and run-time.
 #[test]
 fn every_split_compiles_for_other_shapes() {
     if !nvrtc_or_skip("every_split_compiles_for_other_shapes") {
