@@ -245,12 +245,7 @@ pub fn untouched_slots_stay_untouched(backend: &dyn Backend) {
     spec.planes = true;
     let case = spec.build();
     let got = run_backend(backend, &case);
-    let named: Vec<usize> = case
-        .slots
-        .iter()
-        .filter(|&&s| s >= 0)
-        .map(|&s| s as usize)
-        .collect();
+    let named = case.named_slots();
     for (i, slot) in got.slots.iter().enumerate() {
         if !named.contains(&i) {
             assert!(

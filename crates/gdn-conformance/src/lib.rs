@@ -123,6 +123,15 @@ impl Case {
         }
     }
 
+    /// The pool slots the batch names (skipped sequences left out).
+    pub fn named_slots(&self) -> Vec<usize> {
+        self.slots
+            .iter()
+            .filter(|&&s| s >= 0)
+            .map(|&s| s as usize)
+            .collect()
+    }
+
     pub fn layout(&self) -> OutputLayout {
         OutputLayout::new(
             self.layer.shape(),
@@ -253,12 +262,7 @@ pub fn check_against_oracle(backend: &dyn Backend, case: &Case) -> (f64, f64, f6
         case.layer.config.gate,
         case.plane_stride
     );
-    let named: Vec<usize> = case
-        .slots
-        .iter()
-        .filter(|&&s| s >= 0)
-        .map(|&s| s as usize)
-        .collect();
+    let named = case.named_slots();
     for (i, slot) in got.slots.iter().enumerate() {
         if !named.contains(&i) || case.commit == Commit::Verify {
             assert!(

@@ -582,9 +582,11 @@ fn layout_len(pool: &CudaPool, args: &StepArgs<'_>) -> Result<usize> {
     .len())
 }
 
-/// Device-to-device copy bandwidth, bytes read plus written per second, median of events-timed rounds.
+/// Device-to-device copy bandwidth, bytes read plus written per second, median of events-timed rounds, with the
+/// footprint of a state of `bytes` bytes read and written (as `gdn::Backend::copy_ceiling` asks): one half of
+/// that footprint copied onto the other.
 pub(crate) fn copy_ceiling(cuda: &Cuda, bytes: usize) -> Result<f64> {
-    let n = (bytes / 4).max(1024);
+    let n = (bytes / 8).max(256);
     let s = &cuda.stream;
     let src = s.alloc_zeros::<f32>(n).map_err(drv)?;
     let mut dst = s.alloc_zeros::<f32>(n).map_err(drv)?;

@@ -56,18 +56,22 @@ impl Plan {
     }
     /// Whether this split is valid for head dim `d` (the kernel's static assertions, checked first).
     pub fn valid_for(&self, d: usize) -> bool {
-        if self.ncb == 0 || self.rg == 0 || d % self.ncb != 0 || d % self.rg != 0 {
+        if self.ncb == 0
+            || self.rg == 0
+            || !d.is_multiple_of(self.ncb)
+            || !d.is_multiple_of(self.rg)
+        {
             return false;
         }
         let cols = d / self.ncb;
         let rpt = d / self.rg;
         let nt = cols * self.rg;
-        cols % 16 == 0
-            && 32 % self.rg == 0
-            && cols % (32 / self.rg) == 0
-            && rpt % 4 == 0
+        cols.is_multiple_of(16)
+            && 32usize.is_multiple_of(self.rg)
+            && cols.is_multiple_of(32 / self.rg)
+            && rpt.is_multiple_of(4)
             && rpt <= MAX_ROWS_PER_THREAD
-            && nt % 32 == 0
+            && nt.is_multiple_of(32)
             && nt <= 1024
             && self.minb >= 1
             && self.minb * nt <= 2048
@@ -89,7 +93,7 @@ impl Plan {
     /// warp reads at least 16 bytes of a state row) that keep a thread within MAX_ROWS_PER_THREAD rows: the
     /// fewer row groups, the fewer butterfly steps and the more of the state each load instruction moves.
     pub fn for_ncb(d: usize, ncb: usize) -> Option<Plan> {
-        if ncb == 0 || d % ncb != 0 {
+        if ncb == 0 || !d.is_multiple_of(ncb) {
             return None;
         }
         [1usize, 2, 4, 8]

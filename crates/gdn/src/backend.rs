@@ -42,17 +42,19 @@ pub trait Backend {
     fn name(&self) -> String;
     /// Loads a layer's parameters and makes a state pool of `slots` zeroed slots for it.
     fn create_pool(&self, layer: &Layer, slots: usize) -> Result<Box<dyn LayerPool>>;
-    /// The memory-copy ceiling of this backend's memory, bytes read plus bytes written per second, measured now
-    /// on a buffer of `bytes` bytes: what a memory-bound step is compared with.
+    /// The memory-copy ceiling of this backend's memory, in bytes read plus bytes written per second, measured
+    /// now with the footprint of a state of `bytes` bytes read and written in place: the first half of a buffer
+    /// of `bytes` bytes copied onto its second half. Like with like: at small sizes both live in the same cache.
     fn copy_ceiling(&self, bytes: usize) -> Result<f64> {
-        let src = vec![1.0f32; bytes / 4];
-        let mut dst = vec![0.0f32; bytes / 4];
+        let mut buf = vec![1.0f32; (bytes / 8).max(1) * 2];
+        let half = buf.len() / 2;
         let t = time_host(7, 8, || {
-            dst.copy_from_slice(std::hint::black_box(&src));
-            std::hint::black_box(&mut dst);
+            let (src, dst) = buf.split_at_mut(half);
+            dst.copy_from_slice(std::hint::black_box(src));
+            std::hint::black_box(dst);
             Ok(())
         })?;
-        Ok(2.0 * bytes as f64 / t.as_secs_f64())
+        Ok((buf.len() * 4) as f64 / t.as_secs_f64())
     }
 }
 

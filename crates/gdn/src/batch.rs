@@ -160,7 +160,7 @@ pub fn plane_scale(p: usize, m: usize) -> f32 {
         1 => 0.25f32.powi((m % 8) as i32),
         2 => (1.0 / 256.0f32).powi((m % 4) as i32),
         3 => {
-            if m % 2 == 0 {
+            if m.is_multiple_of(2) {
                 1.0
             } else {
                 1.0 / 256.0

@@ -26,7 +26,7 @@ impl Shape {
     }
 
     pub fn validate(&self) -> Result<()> {
-        if self.d == 0 || self.d % 16 != 0 {
+        if self.d == 0 || !self.d.is_multiple_of(16) {
             return Err(Error::Shape(format!(
                 "d = {} must be a positive multiple of 16",
                 self.d
@@ -35,7 +35,7 @@ impl Shape {
         if self.d > 1024 {
             return Err(Error::Shape(format!("d = {} is above 1024", self.d)));
         }
-        if self.h_k == 0 || self.h_v == 0 || self.h_v % self.h_k != 0 {
+        if self.h_k == 0 || self.h_v == 0 || !self.h_v.is_multiple_of(self.h_k) {
             return Err(Error::Shape(format!(
                 "h_v = {} must be a positive multiple of h_k = {}",
                 self.h_v, self.h_k

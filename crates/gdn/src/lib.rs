@@ -7,6 +7,26 @@
 //! - [`cpu`]: the fast f32 CPU backend.
 //! - [`stepfile`]: the safetensors file format of `gdn step`.
 //! - [`synth`]: random layers and windows for tests, demos and benchmarks.
+//!
+//! ```
+//! use gdn::{synth::Synth, Backend, Commit, Config, Cpu, Gate, HeadMap, Shape, StepArgs};
+//!
+//! let mut config = Config::new(Shape::new(128, 16, 48)?); // d, h_k, h_v
+//! config.head_map = HeadMap::Grouped; // HF / FLA / vLLM order
+//! config.gate = Gate::Silu; // Qwen3.5's output gate
+//! let layer = Synth::new(0).layer(config)?; // or gdn::Layer::new(config, params)
+//!
+//! let backend = Cpu::new();
+//! let mut pool = backend.create_pool(&layer, 64)?; // 64 sequences' states
+//! let batch = Synth::new(1).batch(&layer, 2, 4); // 2 sequences, 4 tokens each
+//! let mut y = vec![0.0; 2 * 4 * layer.shape().n()];
+//! let slots = [5, 9];
+//! // verify: y for every token, the state untouched
+//! pool.step(&StepArgs { batch: batch.view(), slots: &slots, commit: Commit::Verify, plane_stride: None }, &mut y)?;
+//! // keep the state after the first 3 tokens
+//! pool.step(&StepArgs { batch: batch.view(), slots: &slots, commit: Commit::First(3), plane_stride: None }, &mut y)?;
+//! # Ok::<(), gdn::Error>(())
+//! ```
 
 pub mod backend;
 pub mod batch;

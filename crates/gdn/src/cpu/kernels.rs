@@ -12,20 +12,7 @@ pub const LANES: usize = 16;
 /// `sum x_i^2` with 16 partial sums combined in a fixed tree.
 #[inline(always)]
 pub fn sum_squares(x: &[f32]) -> f32 {
-    let mut acc = [0.0f32; LANES];
-    for c in x.chunks_exact(LANES) {
-        for l in 0..LANES {
-            acc[l] = c[l].mul_add(c[l], acc[l]);
-        }
-    }
-    let mut w = LANES;
-    while w > 1 {
-        w /= 2;
-        for l in 0..w {
-            acc[l] += acc[l + w];
-        }
-    }
-    acc[0]
+    dot(x, x)
 }
 
 pub fn sigmoid(x: f32) -> f32 {
@@ -47,9 +34,80 @@ pub fn decay(alpha: f32, dt: f32, a: f32) -> f32 {
     (sp * a).exp()
 }
 
-/// Conv + SiLU of one head block (`d` channels) over a window, SPEC.md step 1, and for q/k blocks the L2 norm
-/// of step 2. `hist` is the block's history [d][3]; `out` gets [t][d]; `commit_hist` receives the history after
-/// `commit_at` tokens when that is non-zero.
+/// `exp(x)` lane by lane, for the logistic functions only: below -86 it returns 0 (where `1 + exp(x)` is 1
+/// anyway). Cody-Waite reduction to r in [-ln2/2, ln2/2] and a degree-7 Taylor polynomial: within 2 ulp of the
+/// exact value. NaN stays NaN, +inf and anything above 88.7 give +inf. Written so it vectorizes.
+#[inline(always)]
+fn exp_lanes(x: &[f32; LANES]) -> [f32; LANES] {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let mut out = [0.0f32; LANES];
+    for l in 0..LANES {
+        let v = x[l];
+        // clamp keeps NaN (f32::min/max would replace it)
+        let c = v.clamp(-86.0, 88.7);
+        // n = round(c log2 e) by the 1.5 * 2^23 trick: the integer lands in the low mantissa bits of `m`, read
+        // back with a bit cast (a float-to-int cast would be scalarized for its saturation rules)
+        const MAGIC: f32 = 12_582_912.0;
+        let m = c.mul_add(LOG2E, MAGIC);
+        let n = m - MAGIC;
+        let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, c));
+        let mut p: f32 = 1.0 / 5040.0;
+        p = p.mul_add(r, 1.0 / 720.0);
+        p = p.mul_add(r, 1.0 / 120.0);
+        p = p.mul_add(r, 1.0 / 24.0);
+        p = p.mul_add(r, 1.0 / 6.0);
+        p = p.mul_add(r, 0.5);
+        p = p.mul_add(r, 1.0);
+        p = p.mul_add(r, 1.0);
+        // 2^n as 2 * 2^(n - 1), so n = 128 stays a normal exponent
+        let scale =
+            f32::from_bits(m.to_bits().wrapping_sub(MAGIC.to_bits()).wrapping_add(126) << 23);
+        let e = p * scale * 2.0;
+        out[l] = if v > 88.7 {
+            f32::INFINITY
+        } else if v < -86.0 {
+            0.0
+        } else {
+            e
+        };
+    }
+    out
+}
+
+/// `x / (1 + exp(-x))` over 16 lanes.
+#[inline(always)]
+fn silu_lanes(x: &[f32; LANES]) -> [f32; LANES] {
+    let neg = x.map(|v| -v);
+    let e = exp_lanes(&neg);
+    let mut out = [0.0f32; LANES];
+    for l in 0..LANES {
+        out[l] = x[l] / (1.0 + e[l]);
+    }
+    out
+}
+
+/// The output gate `act(z)` over 16 lanes.
+#[inline(always)]
+fn gate_lanes(z: &[f32; LANES], gate: Gate) -> [f32; LANES] {
+    let neg = z.map(|v| -v);
+    let e = exp_lanes(&neg);
+    let mut out = [0.0f32; LANES];
+    for l in 0..LANES {
+        let sig = 1.0 / (1.0 + e[l]);
+        out[l] = match gate {
+            Gate::Sigmoid => sig,
+            Gate::Silu => z[l] * sig,
+        };
+    }
+    out
+}
+
+/// Conv + SiLU of one head block (`d` channels, 16 at a time) over a window, SPEC.md step 1, and for q/k
+/// blocks the L2 norm of step 2. `w` and `hist` are the block's taps and history in lanes ([d / 16][4 or 3][16]);
+/// `hist` is replaced by the history after
+/// `commit_at` tokens when that is non-zero; `out` gets [t][d].
 #[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
 #[allow(clippy::too_many_arguments)]
 pub fn conv_block(
@@ -58,21 +116,40 @@ pub fn conv_block(
     qkv: &[f32],
     qkv_stride: usize,
     w: &[f32],
-    hist: &[f32],
+    hist: &mut [f32],
     out: &mut [f32],
     normalize: Option<f32>,
+    commit_at: usize,
 ) {
-    for c in 0..d {
-        let wc = &w[c * 4..c * 4 + 4];
-        let mut x = [hist[c * 3], hist[c * 3 + 1], hist[c * 3 + 2], 0.0];
+    for c0 in (0..d).step_by(LANES) {
+        // the 16 channels' taps and history, one vector each (the pool's lane layout)
+        let lanes = |x: &[f32], k: usize| -> [f32; LANES] {
+            x[k * LANES..(k + 1) * LANES].try_into().expect("lanes")
+        };
+        let (wg, hg) = (
+            &w[c0 * 4..(c0 + LANES) * 4],
+            &hist[c0 * 3..(c0 + LANES) * 3],
+        );
+        let taps = [lanes(wg, 0), lanes(wg, 1), lanes(wg, 2), lanes(wg, 3)];
+        let mut x = [lanes(hg, 0), lanes(hg, 1), lanes(hg, 2)];
         for tok in 0..t {
-            x[3] = qkv[tok * qkv_stride + c];
-            let mut s = 0.0f32;
-            for k in 0..4 {
-                s = x[k].mul_add(wc[k], s);
+            let cur: [f32; LANES] = qkv[tok * qkv_stride + c0..tok * qkv_stride + c0 + LANES]
+                .try_into()
+                .expect("block");
+            let mut s = [0.0f32; LANES];
+            for l in 0..LANES {
+                s[l] = x[0][l].mul_add(taps[0][l], s[l]);
+                s[l] = x[1][l].mul_add(taps[1][l], s[l]);
+                s[l] = x[2][l].mul_add(taps[2][l], s[l]);
+                s[l] = cur[l].mul_add(taps[3][l], s[l]);
             }
-            out[tok * d + c] = s / (1.0 + (-s).exp());
-            x = [x[1], x[2], x[3], 0.0];
+            out[tok * d + c0..tok * d + c0 + LANES].copy_from_slice(&silu_lanes(&s));
+            x = [x[1], x[2], cur];
+            if tok + 1 == commit_at {
+                for (k, xk) in x.iter().enumerate() {
+                    hist[c0 * 3 + k * LANES..c0 * 3 + (k + 1) * LANES].copy_from_slice(xk);
+                }
+            }
         }
     }
     if let Some(eps) = normalize {
@@ -83,49 +160,6 @@ pub fn conv_block(
                 *x = (r * *x) * inv_sqrt_d;
             }
         }
-    }
-}
-
-/// The history of a block after its first `k` tokens: the last three raw inputs of (old history, inputs).
-pub fn shifted_hist(d: usize, k: usize, qkv: &[f32], qkv_stride: usize, hist: &mut [f32]) {
-    for c in 0..d {
-        let mut x = [hist[c * 3], hist[c * 3 + 1], hist[c * 3 + 2]];
-        for tok in 0..k {
-            x = [x[1], x[2], qkv[tok * qkv_stride + c]];
-        }
-        hist[c * 3..c * 3 + 3].copy_from_slice(&x);
-    }
-}
-
-/// The rows of one value head's state inside a pool slot: row i at `base + i * stride`, `d` floats each.
-pub struct HeadRows {
-    base: *mut f32,
-    stride: usize,
-    d: usize,
-}
-
-// SAFETY: a HeadRows is only created (unsafely, below) for rows no other live reference or HeadRows reaches,
-// so moving it to another thread cannot create shared mutable access.
-unsafe impl Send for HeadRows {}
-
-impl HeadRows {
-    /// # Safety
-    /// For every i < d, `base + i * stride .. + d` must be valid for reads and writes for the life of the value,
-    /// and no other reference or `HeadRows` may reach those floats meanwhile.
-    pub unsafe fn new(base: *mut f32, stride: usize, d: usize) -> Self {
-        HeadRows { base, stride, d }
-    }
-    #[inline(always)]
-    fn row(&self, i: usize) -> &[f32] {
-        debug_assert!(i < self.d);
-        // SAFETY: row i lies in the region `new`'s contract makes valid and exclusive to self.
-        unsafe { std::slice::from_raw_parts(self.base.add(i * self.stride), self.d) }
-    }
-    #[inline(always)]
-    fn row_mut(&mut self, i: usize) -> &mut [f32] {
-        debug_assert!(i < self.d);
-        // SAFETY: as in `row`; `&mut self` makes this the only live borrow of the row.
-        unsafe { std::slice::from_raw_parts_mut(self.base.add(i * self.stride), self.d) }
     }
 }
 
@@ -150,90 +184,234 @@ pub struct HeadInputs<'a> {
     pub commit_at: usize,
 }
 
-/// Floats of scratch `head_window` needs.
-pub fn head_scratch_len(d: usize) -> usize {
-    d * d + 4 * d
+/// Floats of scratch `head_window` needs for a window of `t` tokens.
+pub fn head_scratch_len(d: usize, t: usize) -> usize {
+    d * LANES + t * d + 3 * t
 }
 
-/// SPEC.md steps 3 to 7 for one value head over a window. The state is read from the pool once, carried in
-/// `work` between tokens, and written back after token `commit_at - 1`. y goes to `y` [t][d].
-#[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
-pub fn head_window<'a>(inp: &HeadInputs<'a>, rows: &mut HeadRows, work: &mut [f32], y: &mut [f32]) {
-    let d = inp.d;
-    let (work, rest) = work.split_at_mut(d * d);
-    let (kv, rest) = rest.split_at_mut(d);
-    let (delta, rest) = rest.split_at_mut(d);
-    let (o, rest) = rest.split_at_mut(d);
-    let nrow = &mut rest[..d];
-    let inv_sqrt_d = 1.0 / (d as f32).sqrt();
-    for tok in 0..inp.t {
-        let q = &inp.q[tok * d..(tok + 1) * d];
-        let k = &inp.k[tok * d..(tok + 1) * d];
-        let v = &inp.v[tok * d..(tok + 1) * d];
-        let g = decay(inp.alpha[tok], inp.dt, inp.a);
-        let b = sigmoid(inp.beta[tok]);
-        // kv_j = sum_i S[i][j] k_i, rows in order
-        kv.fill(0.0);
-        for (i, &ki) in k.iter().enumerate() {
-            let src = if tok == 0 {
-                rows.row(i)
+type Lanes = [f32; LANES];
+
+/// The update of one column block's rows, `S = g S + k delta^T`, for every row in order, reading the rows from
+/// the pool (`FROM_POOL`, the window's first token) or from `work`; with `MORE` it also accumulates the next
+/// token's `S^T k'` and `S^T q'` from the updated rows and keeps them in `work`, with `COMMIT` it writes them
+/// to the pool. The flags are constants so each combination compiles to a loop without branches.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn update_rows<const FROM_POOL: bool, const MORE: bool, const COMMIT: bool>(
+    pool: &mut [Lanes],
+    work: &mut [Lanes],
+    g: f32,
+    delta: &Lanes,
+    k: &[f32],
+    kn: &[f32],
+    qn: &[f32],
+) -> (Lanes, Lanes) {
+    let d = pool.len();
+    let (work, k, kn, qn) = (&mut work[..d], &k[..d], &kn[..d], &qn[..d]);
+    // rows two at a time (d is a multiple of 16) with an accumulator pair each, so consecutive rows do not
+    // wait on one FMA chain; the pairs are added once at the end
+    let (mut kv, mut sq) = ([[0.0f32; LANES]; 2], [[0.0f32; LANES]; 2]);
+    for i in (0..d).step_by(2) {
+        for r in 0..2 {
+            let src = if FROM_POOL {
+                &pool[i + r]
             } else {
-                &work[i * d..(i + 1) * d]
+                &work[i + r]
             };
-            for (acc, s) in kv.chunks_exact_mut(LANES).zip(src.chunks_exact(LANES)) {
+            let ki = k[i + r];
+            let mut x = [0.0f32; LANES];
+            for l in 0..LANES {
+                x[l] = g.mul_add(src[l], ki * delta[l]);
+            }
+            if MORE {
+                let (kni, qni) = (kn[i + r], qn[i + r]);
                 for l in 0..LANES {
-                    acc[l] = s[l].mul_add(ki, acc[l]);
+                    kv[r][l] = x[l].mul_add(kni, kv[r][l]);
+                    sq[r][l] = x[l].mul_add(qni, sq[r][l]);
                 }
+                work[i + r] = x;
+            }
+            if COMMIT {
+                pool[i + r] = x;
             }
         }
-        for j in 0..d {
-            delta[j] = (v[j] - g * kv[j]) * b;
+    }
+    (add_lanes(&kv[0], &kv[1]), add_lanes(&sq[0], &sq[1]))
+}
+
+#[inline(always)]
+fn add_lanes(a: &Lanes, b: &Lanes) -> Lanes {
+    std::array::from_fn(|l| a[l] + b[l])
+}
+
+/// One block of 16 columns of one head over the whole window. Columns are independent until the output norm,
+/// so the block reads its rows from the pool once (the pool keeps them contiguous, [d][16]), keeps them in
+/// `work` (8 KiB at d 128, in L1) between tokens with kv, sq and delta in registers, writes them back after token
+/// `commit_at - 1`, and leaves the block's readout in `o` ([t][d]).
+///
+/// The readout uses `o = S_new^T q = g (S^T q) + delta (k . q)`, equal in exact arithmetic to SPEC.md's sum over
+/// the updated rows, so `S^T k` and `S^T q` come from one read of S and each token's update is fused with the
+/// next token's read; an update nobody reads (after the last token, no commit) is skipped.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn column_block(
+    inp: &HeadInputs<'_>,
+    gates: &[f32],
+    betas: &[f32],
+    kqs: &[f32],
+    pool: &mut [Lanes],
+    work: &mut [Lanes],
+    o: &mut [f32],
+    c0: usize,
+) {
+    let d = inp.d;
+    let inv_sqrt_d = 1.0 / (d as f32).sqrt();
+    let (k0, q0) = (&inp.k[..d], &inp.q[..d]);
+    let (mut kv2, mut sq2) = ([[0.0f32; LANES]; 2], [[0.0f32; LANES]; 2]);
+    for i in (0..d).step_by(2) {
+        for r in 0..2 {
+            let s = &pool[i + r];
+            for l in 0..LANES {
+                kv2[r][l] = s[l].mul_add(k0[i + r], kv2[r][l]);
+                sq2[r][l] = s[l].mul_add(q0[i + r], sq2[r][l]);
+            }
         }
-        // S = g S + k delta^T, then o_j = sum_i S[i][j] q_i with the updated rows
-        o.fill(0.0);
-        let keep = tok + 1 < inp.t;
+    }
+    let (mut kv, mut sq) = (add_lanes(&kv2[0], &kv2[1]), add_lanes(&sq2[0], &sq2[1]));
+    for tok in 0..inp.t {
+        let (g, b, kq) = (gates[tok], betas[tok], kqs[tok]);
+        let v: &Lanes = inp.v[tok * d + c0..tok * d + c0 + LANES]
+            .try_into()
+            .expect("block");
+        let ot: &mut Lanes = (&mut o[tok * d + c0..tok * d + c0 + LANES])
+            .try_into()
+            .expect("block");
+        let mut delta = [0.0f32; LANES];
+        for l in 0..LANES {
+            delta[l] = (v[l] - g * kv[l]) * b;
+            ot[l] = g.mul_add(sq[l], delta[l] * kq) * inv_sqrt_d;
+        }
+        let k = &inp.k[tok * d..(tok + 1) * d];
+        let (kn, qn) = if tok + 1 < inp.t {
+            (
+                &inp.k[(tok + 1) * d..(tok + 2) * d],
+                &inp.q[(tok + 1) * d..(tok + 2) * d],
+            )
+        } else {
+            (k, k)
+        };
+        let first = tok == 0;
+        let more = tok + 1 < inp.t;
         let commit = tok + 1 == inp.commit_at;
-        for i in 0..d {
-            let (ki, qi) = (k[i], q[i]);
-            {
-                let src = if tok == 0 {
-                    rows.row(i)
-                } else {
-                    &work[i * d..(i + 1) * d]
-                };
-                for (((nr, s), dl), acc) in nrow
-                    .chunks_exact_mut(LANES)
-                    .zip(src.chunks_exact(LANES))
-                    .zip(delta.chunks_exact(LANES))
-                    .zip(o.chunks_exact_mut(LANES))
-                {
-                    for l in 0..LANES {
-                        let x = g.mul_add(s[l], ki * dl[l]);
-                        nr[l] = x;
-                        acc[l] = x.mul_add(qi, acc[l]);
-                    }
-                }
-            }
-            if keep {
-                work[i * d..(i + 1) * d].copy_from_slice(nrow);
-            }
-            if commit {
-                rows.row_mut(i).copy_from_slice(nrow);
-            }
-        }
-        // gated RMS norm
-        for x in o.iter_mut() {
-            *x *= inv_sqrt_d;
-        }
-        let rs = 1.0 / (sum_squares(o) / d as f32 + inp.eps).sqrt();
+        let (w, dl) = (&mut *work, &delta);
+        (kv, sq) = match (first, more, commit) {
+            (_, false, false) => break,
+            (true, true, true) => update_rows::<true, true, true>(pool, w, g, dl, k, kn, qn),
+            (true, true, false) => update_rows::<true, true, false>(pool, w, g, dl, k, kn, qn),
+            (true, false, true) => update_rows::<true, false, true>(pool, w, g, dl, k, kn, qn),
+            (false, true, true) => update_rows::<false, true, true>(pool, w, g, dl, k, kn, qn),
+            (false, true, false) => update_rows::<false, true, false>(pool, w, g, dl, k, kn, qn),
+            (false, false, true) => update_rows::<false, false, true>(pool, w, g, dl, k, kn, qn),
+        };
+    }
+}
+
+/// SPEC.md steps 3 to 7 for one value head over a window. `pool` is the head's state in the CPU pool's
+/// blocked layout [d / 16][d][16] (16-column blocks, rows contiguous inside a block); y goes to `y` [t][d].
+#[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn head_window<'a>(inp: &HeadInputs<'a>, pool: &mut [f32], scratch: &mut [f32], y: &mut [f32]) {
+    let (d, t) = (inp.d, inp.t);
+    let (work, rest) = scratch.split_at_mut(d * LANES);
+    let (o, rest) = rest.split_at_mut(t * d);
+    let (gates, rest) = rest.split_at_mut(t);
+    let (betas, rest) = rest.split_at_mut(t);
+    let kqs = &mut rest[..t];
+    for tok in 0..t {
+        gates[tok] = decay(inp.alpha[tok], inp.dt, inp.a);
+        betas[tok] = sigmoid(inp.beta[tok]);
+        kqs[tok] = dot(
+            &inp.k[tok * d..(tok + 1) * d],
+            &inp.q[tok * d..(tok + 1) * d],
+        );
+    }
+    let work = work.as_chunks_mut::<LANES>().0;
+    for (cb, block) in pool.chunks_exact_mut(d * LANES).enumerate() {
+        let block = block.as_chunks_mut::<LANES>().0;
+        column_block(inp, gates, betas, kqs, block, work, o, cb * LANES);
+    }
+    // gated RMS norm per token
+    for tok in 0..t {
+        let ot = &o[tok * d..(tok + 1) * d];
+        let rs = 1.0 / (sum_squares(ot) / d as f32 + inp.eps).sqrt();
         let z = &inp.z[tok * inp.z_stride..tok * inp.z_stride + d];
         let yt = &mut y[tok * d..(tok + 1) * d];
-        for j in 0..d {
-            let act = match inp.gate {
-                Gate::Sigmoid => sigmoid(z[j]),
-                Gate::Silu => z[j] * sigmoid(z[j]),
-            };
-            yt[j] = ((rs * o[j]) * inp.gamma[j]) * act;
+        for c0 in (0..d).step_by(LANES) {
+            let act = gate_lanes(z[c0..c0 + LANES].try_into().expect("block"), inp.gate);
+            for l in 0..LANES {
+                yt[c0 + l] = ((rs * ot[c0 + l]) * inp.gamma[c0 + l]) * act[l];
+            }
         }
+    }
+}
+
+/// `x . y` with 16 partial sums in a fixed order.
+#[inline(always)]
+fn dot(x: &[f32], y: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    for (a, b) in x
+        .as_chunks::<LANES>()
+        .0
+        .iter()
+        .zip(y.as_chunks::<LANES>().0)
+    {
+        for l in 0..LANES {
+            acc[l] = a[l].mul_add(b[l], acc[l]);
+        }
+    }
+    let mut w = LANES;
+    while w > 1 {
+        w /= 2;
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+    }
+    acc[0]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_lanes_is_within_two_ulp_and_keeps_specials() {
+        let mut worst: f64 = 0.0;
+        let mut x = -86.0f32;
+        while x < 88.7 {
+            let lanes: [f32; LANES] = std::array::from_fn(|l| x + l as f32 * 0.0013);
+            let got = exp_lanes(&lanes);
+            for l in 0..LANES {
+                if lanes[l] >= 88.7 {
+                    continue;
+                }
+                let want = (lanes[l] as f64).exp();
+                let ulp = (want as f32).abs() as f64 * f32::EPSILON as f64;
+                worst = worst.max((got[l] as f64 - want).abs() / ulp);
+            }
+            x += 0.0173;
+        }
+        assert!(worst <= 2.0, "worst error {worst} ulp");
+        let mut sp = [0.0f32; LANES];
+        sp[..5].copy_from_slice(&[f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 100.0, -100.0]);
+        let e = exp_lanes(&sp);
+        assert!(e[0].is_nan());
+        assert_eq!(e[1], f32::INFINITY);
+        assert_eq!(e[2], 0.0);
+        assert_eq!(e[3], f32::INFINITY);
+        assert_eq!(e[4], 0.0);
+        assert_eq!(e[5], 1.0);
+        let s = silu_lanes(&sp);
+        assert!(s[0].is_nan());
+        assert_eq!(s[1], f32::INFINITY);
+        assert_eq!(s[4], -0.0);
     }
 }

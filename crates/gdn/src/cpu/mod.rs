@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use crate::backend::check_slot_io;
 use crate::{Backend, Error, Layer, LayerPool, OutputLayout, Result, StepArgs};
-use kernels::{HeadInputs, HeadRows};
+use kernels::{HeadInputs, LANES};
 
 /// The CPU backend. By default it uses rayon's global thread pool.
 #[derive(Clone, Default)]
@@ -71,6 +71,24 @@ impl Backend for Cpu {
         format!("cpu ({}, {} threads)", Cpu::isa(), self.thread_count())
     }
 
+    /// The trait's copy (first half of the buffer onto the second), by all the backend's threads, each on its
+    /// own contiguous part: the ceiling the step's threads face.
+    fn copy_ceiling(&self, bytes: usize) -> Result<f64> {
+        let mut buf = vec![1.0f32; (bytes / 8).max(1) * 2];
+        let half = buf.len() / 2;
+        let chunk = half.div_ceil(self.thread_count().max(1)).max(1);
+        let t = crate::backend::time_host(7, 8, || {
+            let (src, dst) = buf.split_at_mut(half);
+            in_pool(&self.threads, || {
+                dst.par_chunks_mut(chunk)
+                    .zip(src.par_chunks(chunk))
+                    .for_each(|(d, s)| d.copy_from_slice(std::hint::black_box(s)))
+            });
+            Ok(())
+        })?;
+        Ok((buf.len() * 4) as f64 / t.as_secs_f64())
+    }
+
     fn create_pool(&self, layer: &Layer, slots: usize) -> Result<Box<dyn LayerPool>> {
         layer.validate()?;
         let sh = layer.shape();
@@ -79,6 +97,7 @@ impl Backend for Cpu {
             slots,
             state: vec![0.0; slots * sh.state_len()],
             hist: vec![0.0; slots * sh.hist_len()],
+            conv_w_lanes: to_lanes(&layer.params.conv_w, 4),
             conv: Vec::new(),
             heads_y: Vec::new(),
             threads: self.threads.clone(),
@@ -86,31 +105,21 @@ impl Backend for Cpu {
     }
 }
 
-/// A layer's state pool in host memory. The history is updated in place: on the CPU every q/k channel is
+/// A layer's state pool in host memory: per slot, S in blocks of 16 columns per head ([h][j / 16][i][16], see
+/// `for_each_row`) and H in lanes of 16 channels (see `to_lanes`). The history is updated in place: on the CPU every q/k channel is
 /// convolved once, before any head reads it, so no double buffer is needed.
 pub struct CpuPool {
     layer: Layer,
     slots: usize,
     state: Vec<f32>,
     hist: Vec<f32>,
+    /// conv_w in the pool's lane layout (see `to_lanes`).
+    conv_w_lanes: Vec<f32>,
     /// Conv outputs [b][block][t][d] (q/k blocks normalized); grown on demand, reused across steps.
     conv: Vec<f32>,
     /// Head outputs [b][h][t][d] before they are laid out as rows.
     heads_y: Vec<f32>,
     threads: Option<Arc<rayon::ThreadPool>>,
-}
-
-/// The pool state as a raw pointer, for the head tasks that each own a disjoint set of its rows.
-#[derive(Clone, Copy)]
-struct StatePtr(*mut f32);
-// SAFETY: only used to build HeadRows for disjoint (slot, head) pairs, see `CpuPool::run_step`.
-unsafe impl Send for StatePtr {}
-unsafe impl Sync for StatePtr {}
-
-impl StatePtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }
 
 impl CpuPool {
@@ -156,31 +165,41 @@ impl CpuPool {
                 conv_tasks.push((b, blk, out_blk, hist_blk));
             }
         }
+        let conv_w_lanes = &self.conv_w_lanes;
         let conv_stage = |(b, blk, out_blk, hist_blk): (usize, usize, &mut [f32], &mut [f32])| {
             let c0 = blk * d;
             let qkv = &batch.qkv[b * t * c_n + c0..];
-            let w = &p.conv_w[c0 * 4..(c0 + d) * 4];
+            let w = &conv_w_lanes[c0 * 4..(c0 + d) * 4];
             let normalize = (blk < 2 * h_k).then_some(eps);
-            kernels::conv_block(d, t, qkv, c_n, w, hist_blk, out_blk, normalize);
-            if commit_at > 0 {
-                kernels::shifted_hist(d, commit_at, qkv, c_n, hist_blk);
-            }
+            kernels::conv_block(d, t, qkv, c_n, w, hist_blk, out_blk, normalize, commit_at);
         };
 
-        in_pool(&self.threads, || {
-            conv_tasks.into_par_iter().for_each(conv_stage)
-        });
+        conv_tasks.into_par_iter().for_each(conv_stage);
 
-        // Phase 2: the recurrence per (sequence, value head).
-        let state_len = sh.state_len();
-        let state = StatePtr(self.state.as_mut_ptr());
-        let conv = &self.conv;
-        let head_stage = |(bh, y): (usize, &mut [f32]), work: &mut Vec<f32>| {
-            let (b, h) = (bh / h_v, bh % h_v);
+        // Phase 2: the recurrence per (sequence, value head); each task owns its head's contiguous state.
+        let head_len = d * d;
+        let mut state_of_slot: Vec<Option<&mut [f32]>> =
+            self.state.chunks_mut(sh.state_len()).map(Some).collect();
+        let mut head_tasks = Vec::with_capacity(b_n * h_v);
+        for (b, y_b) in self.heads_y.chunks_mut(h_v * t * d).enumerate() {
             let slot = args.slots[b];
             if slot < 0 {
-                return;
+                continue;
             }
+            let st = state_of_slot[slot as usize]
+                .take()
+                .expect("slot named once");
+            for (h, (st_h, y_h)) in st
+                .chunks_mut(head_len)
+                .zip(y_b.chunks_mut(t * d))
+                .enumerate()
+            {
+                head_tasks.push((b, h, st_h, y_h));
+            }
+        }
+        let conv = &self.conv;
+        let head_stage = |(b, h, st_h, y): (usize, usize, &mut [f32], &mut [f32]),
+                          work: &mut Vec<f32>| {
             let g = layer.config.head_map.qk_head(&sh, h);
             let blk = |x: usize| &conv[((b * blocks) + x) * t * d..((b * blocks) + x + 1) * t * d];
             let (alpha, beta): (Vec<f32>, Vec<f32>) = (0..t)
@@ -206,27 +225,13 @@ impl CpuPool {
                 eps,
                 commit_at,
             };
-            // SAFETY: rows (i * h_v + h) * d .. + d of slot `slot` lie inside the pool's state (slot < slots,
-            // checked by validate), and each (slot, h) pair belongs to exactly one task of this parallel loop
-            // (slots are distinct within a batch, also checked), so no two HeadRows overlap; nothing else
-            // touches `self.state` while the loop runs.
-            let mut rows = unsafe {
-                HeadRows::new(
-                    state.get().add(slot as usize * state_len + h * d),
-                    h_v * d,
-                    d,
-                )
-            };
-            kernels::head_window(&inp, &mut rows, work, y);
+            kernels::head_window(&inp, st_h, work, y);
         };
-        let scratch = kernels::head_scratch_len(d);
-        let heads_y = &mut self.heads_y;
-        in_pool(&self.threads, || {
-            heads_y.par_chunks_mut(t * d).enumerate().for_each_init(
-                || vec![0.0f32; scratch],
-                |work, task| head_stage(task, work),
-            )
-        });
+        let scratch = kernels::head_scratch_len(d, t);
+        head_tasks.into_par_iter().for_each_init(
+            || vec![0.0f32; scratch],
+            |work, task| head_stage(task, work),
+        );
 
         // Phase 3: rows of y, and the planes.
         let heads_y = &self.heads_y;
@@ -238,7 +243,7 @@ impl CpuPool {
             }
         };
         let live = |row: usize| args.slots[row / t] >= 0;
-        in_pool(&self.threads, || match layout.plane_stride {
+        match layout.plane_stride {
             None => out
                 .par_chunks_mut(n)
                 .enumerate()
@@ -274,15 +279,55 @@ impl CpuPool {
                         }
                     });
             }
-        });
+        }
     }
 }
 
-/// Runs `f` in the backend's own thread pool if it has one, else in rayon's global pool.
+/// Per-channel rows of `w` values ([C][w], SPEC.md) regrouped as [C / 16][w][16]: for 16 channels at a time
+/// each tap (or history entry) is one vector. The CPU pool keeps the history and the conv weights so.
+fn to_lanes(x: &[f32], w: usize) -> Vec<f32> {
+    let mut out = vec![0.0; x.len()];
+    for (c, row) in x.chunks_exact(w).enumerate() {
+        let (g, l) = (c / LANES, c % LANES);
+        for (k, &v) in row.iter().enumerate() {
+            out[g * w * LANES + k * LANES + l] = v;
+        }
+    }
+    out
+}
+
+/// The inverse of [`to_lanes`].
+fn from_lanes(x: &[f32], w: usize) -> Vec<f32> {
+    let mut out = vec![0.0; x.len()];
+    for (c, row) in out.chunks_exact_mut(w).enumerate() {
+        let (g, l) = (c / LANES, c % LANES);
+        for (k, v) in row.iter_mut().enumerate() {
+            *v = x[g * w * LANES + k * LANES + l];
+        }
+    }
+    out
+}
+
+/// Calls `f(spec, pool)` with the offsets of each 16-column piece of each state row (value head h, row i,
+/// columns j0..j0 + 16) in SPEC.md's layout [i][h][j] and in the CPU pool's layout [h][j / 16][i][16]: each head's
+/// state is one contiguous slice its task owns, and each 16-column block of it is contiguous, rows in order, so
+/// the block streams from memory and stays in L1 over a window.
+fn for_each_row(sh: &crate::Shape, mut f: impl FnMut(usize, usize)) {
+    let d = sh.d;
+    for i in 0..d {
+        for h in 0..sh.h_v {
+            for j0 in (0..d).step_by(LANES) {
+                f((i * sh.h_v + h) * d + j0, h * d * d + j0 * d + i * LANES);
+            }
+        }
+    }
+}
+
+/// Runs `f` on a thread of the backend's own pool if it has one, else of rayon's global pool.
 fn in_pool<R: Send>(threads: &Option<Arc<rayon::ThreadPool>>, f: impl FnOnce() -> R + Send) -> R {
     match threads {
         Some(pool) => pool.install(f),
-        None => f(),
+        None => rayon::scope(|_| f()),
     }
 }
 
@@ -298,22 +343,33 @@ impl LayerPool for CpuPool {
     fn write_slot(&mut self, slot: usize, state: &[f32], hist: &[f32]) -> Result<()> {
         check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
         let (sl, hl) = (state.len(), hist.len());
-        self.state[slot * sl..(slot + 1) * sl].copy_from_slice(state);
-        self.hist[slot * hl..(slot + 1) * hl].copy_from_slice(hist);
+        let sh = *self.layer.shape();
+        let dst = &mut self.state[slot * sl..(slot + 1) * sl];
+        for_each_row(&sh, |spec, pool| {
+            dst[pool..pool + LANES].copy_from_slice(&state[spec..spec + LANES])
+        });
+        self.hist[slot * hl..(slot + 1) * hl].copy_from_slice(&to_lanes(hist, 3));
         Ok(())
     }
 
     fn read_slot(&mut self, slot: usize, state: &mut [f32], hist: &mut [f32]) -> Result<()> {
         check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
         let (sl, hl) = (state.len(), hist.len());
-        state.copy_from_slice(&self.state[slot * sl..(slot + 1) * sl]);
-        hist.copy_from_slice(&self.hist[slot * hl..(slot + 1) * hl]);
+        let sh = *self.layer.shape();
+        let src = &self.state[slot * sl..(slot + 1) * sl];
+        for_each_row(&sh, |spec, pool| {
+            state[spec..spec + LANES].copy_from_slice(&src[pool..pool + LANES])
+        });
+        hist.copy_from_slice(&from_lanes(&self.hist[slot * hl..(slot + 1) * hl], 3));
         Ok(())
     }
 
     fn step(&mut self, args: &StepArgs<'_>, out: &mut [f32]) -> Result<()> {
         let (layout, commit_at) = args.validate(&self.layer, self.slots, out.len())?;
-        self.run_step(args, layout, commit_at, out);
+        // the whole step on one pool thread: its phases' parallel loops then split work among the pool's threads
+        // without a hand-off from the calling thread for each
+        let threads = self.threads.clone();
+        in_pool(&threads, || self.run_step(args, layout, commit_at, out));
         Ok(())
     }
 }

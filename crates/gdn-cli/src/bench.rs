@@ -1,0 +1,203 @@
+//! `gdn bench`: the step at the seed's shape, timed the backend's own way, beside a memory-copy ceiling of the
+//! same backend measured in the same run on a buffer the size of the case's state.
+
+use std::time::Duration;
+
+use gdn::synth::Synth;
+use gdn::{Commit, Config, Gate, HeadMap, LayerPool, Result, Shape, StepArgs};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::backends;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(long, default_value = "cpu")]
+    backend: String,
+    /// Batch sizes (default: 1,8 on the CPU; 1,8,32,128,256 on a GPU).
+    #[arg(long, value_delimiter = ',')]
+    batch: Option<Vec<usize>>,
+    /// Window lengths (default: 1,4,8,64 on the CPU; 1,4,8 on a GPU).
+    #[arg(long, value_delimiter = ',')]
+    tokens: Option<Vec<usize>>,
+    #[arg(long, default_value = "sigmoid")]
+    gate: Gate,
+    #[arg(long, default_value = "tiled")]
+    head_map: HeadMap,
+    /// Wall time to aim for per timing round, in milliseconds.
+    #[arg(long, default_value_t = 40)]
+    round_ms: u64,
+}
+
+/// One measured case.
+pub struct Row {
+    pub b: usize,
+    pub t: usize,
+    pub per_call: Duration,
+    pub host_per_call: Option<Duration>,
+    pub copy_bytes_per_s: f64,
+}
+
+/// Bytes a step must move at least: S and H read and written, inputs read, y written, parameters read.
+pub fn bytes_moved(sh: &Shape, b: usize, t: usize) -> f64 {
+    let state = 2 * b * (sh.state_len() + sh.hist_len());
+    let inputs = b * t * (sh.channels() + 2 * sh.h_v + sh.n());
+    let outputs = b * t * sh.n();
+    let params = sh.channels() * 4 + 2 * sh.h_v + sh.d;
+    4.0 * (state + inputs + outputs + params) as f64
+}
+
+/// Floating-point operations of a step: 7 d^2 per value head and token (kv, the update, the readout), the rest
+/// is O(d).
+pub fn flops(sh: &Shape, b: usize, t: usize) -> f64 {
+    (b * t * sh.h_v * 7 * sh.d * sh.d) as f64
+}
+
+pub fn state_bytes_per_call(sh: &Shape, b: usize) -> f64 {
+    (2 * b * sh.state_len() * 4) as f64
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let backend = backends::make(&args.backend)?;
+    let device = backends::is_device(&args.backend);
+    let batches = args.batch.unwrap_or_else(|| {
+        if device {
+            vec![1, 8, 32, 128, 256]
+        } else {
+            vec![1, 8]
+        }
+    });
+    let tokens = args.tokens.unwrap_or_else(|| {
+        if device {
+            vec![1, 4, 8]
+        } else {
+            vec![1, 4, 8, 64]
+        }
+    });
+    let shape = Shape::SEED;
+    let config = Config {
+        shape,
+        head_map: args.head_map,
+        gate: args.gate,
+        eps: 1e-6,
+    };
+    let mut rng = Synth::new(2026);
+    let layer = rng.layer(config)?;
+    let progress = ProgressBar::new((batches.len() * tokens.len()) as u64);
+    progress.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut rows = Vec::new();
+    for &b in &batches {
+        progress.set_message(format!("copy ceiling, B {b}"));
+        let copy = backend.copy_ceiling(b * shape.state_len() * 4)?;
+        let mut pool = backend.create_pool(&layer, b)?;
+        for s in 0..b {
+            let (st, h) = rng.seq_state(&layer);
+            pool.write_slot(s, &st, &h)?;
+        }
+        for &t in &tokens {
+            progress.set_message(format!("B {b} T {t}"));
+            let batch = rng.batch(&layer, b, t);
+            let slots: Vec<i32> = (0..b as i32).collect();
+            let step = StepArgs {
+                batch: batch.view(),
+                slots: &slots,
+                commit: Commit::All,
+                plane_stride: None,
+            };
+            let timing = time_case(pool.as_mut(), &step, args.round_ms)?;
+            rows.push(Row {
+                b,
+                t,
+                per_call: timing.per_call,
+                host_per_call: timing.host_per_call,
+                copy_bytes_per_s: copy,
+            });
+            progress.inc(1);
+        }
+    }
+    progress.finish_and_clear();
+    print_table(
+        &backend.name(),
+        &config,
+        &rows,
+        &timing_method(&mut *backend.create_pool(&layer, 1)?)?,
+    );
+    Ok(())
+}
+
+fn timing_method(pool: &mut dyn LayerPool) -> Result<String> {
+    let mut rng = Synth::new(1);
+    let batch = rng.batch(pool.layer(), 1, 1);
+    let t = pool.time_step(
+        &StepArgs {
+            batch: batch.view(),
+            slots: &[0],
+            commit: Commit::All,
+            plane_stride: None,
+        },
+        1,
+    )?;
+    Ok(t.method)
+}
+
+/// Times a case with enough calls per round to last about `round_ms`.
+fn time_case(
+    pool: &mut dyn LayerPool,
+    step: &StepArgs<'_>,
+    round_ms: u64,
+) -> Result<gdn::StepTiming> {
+    let probe = pool.time_step(step, 1)?;
+    let per = probe.per_call.as_secs_f64().max(1e-7);
+    let iters = ((round_ms as f64 / 1000.0) / per).clamp(1.0, 20000.0) as usize;
+    pool.time_step(step, iters)
+}
+
+pub fn print_table(backend: &str, config: &Config, rows: &[Row], method: &str) {
+    let sh = config.shape;
+    println!(
+        "gdn bench: {backend}; d {} h_k {} h_v {}, {} map, {} gate, commit all; timing: {method}",
+        sh.d,
+        sh.h_k,
+        sh.h_v,
+        config.head_map.name(),
+        config.gate.name()
+    );
+    println!(
+        "{:>4} {:>3} {:>11} {:>12} {:>11} {:>10} {:>7} {:>9} {:>8} {:>10}",
+        "B",
+        "T",
+        "us/call",
+        "tokens/s",
+        "state GB/s",
+        "copy GB/s",
+        "% copy",
+        "MB moved",
+        "GFLOP/s",
+        "host us"
+    );
+    for r in rows {
+        let secs = r.per_call.as_secs_f64();
+        let state_bw = state_bytes_per_call(&sh, r.b) / secs;
+        println!(
+            "{:>4} {:>3} {:>11.2} {:>12.0} {:>11.1} {:>10.1} {:>6.1}% {:>9.2} {:>8.1} {:>10}",
+            r.b,
+            r.t,
+            secs * 1e6,
+            (r.b * r.t) as f64 / secs,
+            state_bw / 1e9,
+            r.copy_bytes_per_s / 1e9,
+            100.0 * state_bw / r.copy_bytes_per_s,
+            bytes_moved(&sh, r.b, r.t) / 1e6,
+            flops(&sh, r.b, r.t) / secs / 1e9,
+            r.host_per_call.map_or_else(
+                || "-".to_string(),
+                |h| format!("{:.2}", h.as_secs_f64() * 1e6)
+            ),
+        );
+    }
+    println!(
+        "state GB/s counts one read and one write of S per call; % copy is that over the copy ceiling of a buffer of the same size, measured in this run."
+    );
+}

@@ -1,0 +1,41 @@
+//! Runs a fixed number of steps at the seed's shape, for counting cycles with `perf stat` on a busy machine:
+//! `cargo run --release -p gdn --example fixed_steps -- B T STEPS THREADS`.
+
+use gdn::synth::Synth;
+use gdn::{Backend, Commit, Config, Cpu, Shape, StepArgs};
+
+fn main() -> gdn::Result<()> {
+    let a: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|x| x.parse().expect("numbers"))
+        .collect();
+    let (b, t, steps, threads) = (a[0], a[1], a[2], a[3]);
+    let backend = Cpu::with_threads(threads)?;
+    let mut rng = Synth::new(1);
+    let layer = rng.layer(Config::new(Shape::SEED))?;
+    let mut pool = backend.create_pool(&layer, b)?;
+    for s in 0..b {
+        let (st, h) = rng.seq_state(&layer);
+        pool.write_slot(s, &st, &h)?;
+    }
+    let batch = rng.batch(&layer, b, t);
+    let slots: Vec<i32> = (0..b as i32).collect();
+    let mut out = vec![0.0; b * t * layer.shape().n()];
+    let t0 = std::time::Instant::now();
+    for _ in 0..steps {
+        pool.step(
+            &StepArgs {
+                batch: batch.view(),
+                slots: &slots,
+                commit: Commit::All,
+                plane_stride: None,
+            },
+            &mut out,
+        )?;
+    }
+    eprintln!(
+        "{:.1} us per step (wall)",
+        t0.elapsed().as_secs_f64() * 1e6 / steps as f64
+    );
+    Ok(())
+}
