@@ -4,6 +4,41 @@
 //! device; [`CudaPool::step_device`] takes inputs already there and can be captured into a CUDA graph.
 //!
 //! With no driver, no GPU or no libnvrtc, [`Cuda::new`] returns [`gdn::Error::Unavailable`].
+//!
+//! The device-native step, inputs already on the device (a decode step of 4 sequences at the seed shape):
+//!
+//! ```no_run
+//! use gdn::{Commit, Config, OutputLayout, Shape};
+//! use gdn_cuda::{Cuda, DeviceBatch};
+//!
+//! # fn main() -> gdn::Result<()> {
+//! let cuda = Cuda::new()?;
+//! let layer = gdn::synth::Synth::new(1).layer(Config::new(Shape::SEED))?;
+//! let mut pool = cuda.create_cuda_pool(&layer, 16)?;
+//! let (b, t) = (4, 1);
+//! let sh = Shape::SEED;
+//! let s = cuda.stream();
+//! let drv = |e| gdn::Error::Backend(format!("{e:?}"));
+//! let qkv = s.alloc_zeros::<f32>(b * t * sh.channels()).map_err(drv)?;
+//! let alpha = s.alloc_zeros::<f32>(b * t * sh.h_v).map_err(drv)?;
+//! let beta = s.alloc_zeros::<f32>(b * t * sh.h_v).map_err(drv)?;
+//! let z = s.alloc_zeros::<f32>(b * t * sh.n()).map_err(drv)?;
+//! let slots = s.clone_htod(&[3i32, 0, 7, -1]).map_err(drv)?; // the last sequence is skipped
+//! let mut out = s.alloc_zeros::<f32>(OutputLayout::new(&sh, b, t, None)?.len()).map_err(drv)?;
+//! pool.prepare(b, t, Commit::All, false)?; // compile before a graph capture
+//! let batch = DeviceBatch {
+//!     b,
+//!     t,
+//!     qkv: qkv.as_view(),
+//!     alpha: alpha.as_view(),
+//!     beta: beta.as_view(),
+//!     z: z.as_view(),
+//!     slots: slots.as_view(),
+//! };
+//! pool.step_device(&batch, Commit::All, None, &mut out.as_view_mut())?; // no allocation, no sync
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod pool;
 pub mod spec;
