@@ -92,6 +92,18 @@ impl Cuda {
                 "the CUDA driver library (libcuda) is not installed".into(),
             ));
         }
+        let mut version: std::ffi::c_int = 0;
+        // SAFETY: libcuda is loadable (checked above); cuDriverGetVersion needs no cuInit and only writes through
+        // its out-pointer, a live local.
+        let r = unsafe { sys::cuDriverGetVersion(&mut version) };
+        if r != sys::cudaError_enum::CUDA_SUCCESS || version < 13000 {
+            // cudarc's bindings are CUDA 13.0's: an older driver may lack symbols it loads (a panic), so stop here
+            return Err(Error::Unavailable(format!(
+                "the CUDA driver supports CUDA {}.{}, this backend needs 13.0 or newer ({r:?})",
+                version / 1000,
+                version % 1000 / 10
+            )));
+        }
         if !spec::nvrtc_present() {
             return Err(Error::Unavailable(
                 "libnvrtc (CUDA 13) not found: install nvidia-cuda-nvrtc and put its lib folder on LD_LIBRARY_PATH"
