@@ -3,11 +3,12 @@
 use gdn::{Backend, Error, Result};
 
 /// Names accepted by `--backend`.
-pub const NAMES: &[&str] = &["cpu"];
+pub const NAMES: &[&str] = &["cpu", "cuda"];
 
 pub fn make(name: &str) -> Result<Box<dyn Backend>> {
     match name {
         "cpu" => Ok(Box::new(gdn::Cpu::new())),
+        "cuda" => Ok(Box::new(gdn_cuda::Cuda::new()?)),
         other => Err(Error::Unavailable(format!(
             "no backend '{other}' in this build (known: {})",
             NAMES.join(", ")

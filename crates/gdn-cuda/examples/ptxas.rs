@@ -1,0 +1,59 @@
+//! Prints the plan and ptxas's resource report of the main seed-shape specialisations (no GPU needed).
+use gdn::{Commit, Config, Shape};
+use gdn_cuda::spec::{compiled, resource_line, Plan, Spec, CLUSTER_SIZES};
+
+fn main() {
+    let cfg = Config::new(Shape::SEED);
+    for ncb in CLUSTER_SIZES {
+        let Some(p) = Plan::for_ncb(128, ncb) else {
+            continue;
+        };
+        for t in [1, 8] {
+            let s = Spec::new((9, 0), &cfg, t, Commit::All, false, p);
+            match compiled(&s) {
+                Ok(c) => println!(
+                    "plan {}/{}/{} ({} threads) T {t}: {}",
+                    p.ncb,
+                    p.rg,
+                    p.minb,
+                    s.threads(),
+                    resource_line(&c.log)
+                ),
+                Err(e) => println!("plan {p:?} T {t}: {e}"),
+            }
+        }
+    }
+    for p in [
+        Plan {
+            ncb: 1,
+            rg: 4,
+            minb: 1,
+        },
+        Plan {
+            ncb: 1,
+            rg: 4,
+            minb: 2,
+        },
+        Plan {
+            ncb: 1,
+            rg: 2,
+            minb: 1,
+        },
+    ] {
+        for t in [1, 8] {
+            let s = Spec::new((9, 0), &cfg, t, Commit::All, false, p);
+            if let Ok(c) = compiled(&s) {
+                println!(
+                    "plan {}/{}/{} T {t}: {}",
+                    p.ncb,
+                    p.rg,
+                    p.minb,
+                    resource_line(&c.log)
+                );
+            }
+        }
+    }
+    for b in [1usize, 2, 4, 8, 256] {
+        println!("B {b}: {:?}", Plan::choose(128, 48, b, 132));
+    }
+}

@@ -1,0 +1,305 @@
+//! Kernel specialisations: what a compiled `gdn_step` is specialised on, the launch plan that picks one for a
+//! batch, and NVRTC compilation with a per-process cache of the machine code.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, CString};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
+use gdn::{Commit, Config, Error, Gate, HeadMap, Result, Shape};
+
+/// The kernel source: macros select the specialisation (see the comment at its top).
+pub const KERNEL_SRC: &str = include_str!("../kernels/gdn_step.cu");
+
+/// Longest window compiled with its length as a constant; longer windows use a run-time length.
+pub const MAX_CONST_T: usize = 8;
+
+/// Cluster sizes the planner may choose (8 is the portable cluster limit).
+pub const CLUSTER_SIZES: [usize; 4] = [1, 2, 4, 8];
+
+/// Rows of one column a thread may hold in registers.
+const MAX_ROWS_PER_THREAD: usize = 64;
+
+/// Everything one compiled kernel is specialised on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Spec {
+    /// Compute capability (major, minor) the machine code is for.
+    pub arch: (i32, i32),
+    pub shape: Shape,
+    /// Window length, or 0 for a run-time length.
+    pub t: usize,
+    pub silu: bool,
+    pub grouped: bool,
+    pub planes: bool,
+    /// false: verify; true: commit at a run-time token count.
+    pub commit: bool,
+    pub plan: Plan,
+}
+
+/// How one value head's state is split over threads and blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Plan {
+    /// Column blocks per head (the cluster size).
+    pub ncb: usize,
+    /// Row groups: a thread holds d / rg rows of one column.
+    pub rg: usize,
+    /// Minimum resident blocks per multiprocessor, the register budget given to the compiler.
+    pub minb: usize,
+}
+
+impl Plan {
+    pub fn cols(&self, d: usize) -> usize {
+        d / self.ncb
+    }
+    pub fn threads(&self, d: usize) -> usize {
+        self.cols(d) * self.rg
+    }
+    /// Whether this split is valid for head dim `d` (the kernel's static assertions, checked first).
+    pub fn valid_for(&self, d: usize) -> bool {
+        if self.ncb == 0
+            || self.rg == 0
+            || !d.is_multiple_of(self.ncb)
+            || !d.is_multiple_of(self.rg)
+        {
+            return false;
+        }
+        let cols = d / self.ncb;
+        let rpt = d / self.rg;
+        let nt = cols * self.rg;
+        cols.is_multiple_of(16)
+            && 32usize.is_multiple_of(self.rg)
+            && cols.is_multiple_of(32 / self.rg)
+            && rpt.is_multiple_of(4)
+            && rpt <= MAX_ROWS_PER_THREAD
+            && nt.is_multiple_of(32)
+            && nt <= 1024
+            && self.minb >= 1
+            && self.minb * nt <= 2048
+    }
+
+    /// A register budget for a split: enough blocks per multiprocessor to overlap one block's loads with
+    /// another's arithmetic, as far as the state (rpt registers a thread) leaves room.
+    pub fn with_rg(d: usize, ncb: usize, rg: usize) -> Plan {
+        let nt = ((d / ncb) * rg).max(1);
+        let rpt = d / rg.max(1);
+        // conv channels a thread carries across tokens: 2 d of q/k plus its block's v columns
+        let nch = (2 * d + d / ncb.max(1)).div_ceil(nt);
+        let regs = rpt + 40 + 16 * (nch - 1);
+        let minb = (65536 / (nt * regs)).clamp(1, (2048 / nt).max(1));
+        Plan { ncb, rg, minb }
+    }
+
+    /// The split the planner would choose for `ncb` column blocks: the fewest row groups (at most 8, so a
+    /// warp reads at least 16 bytes of a state row) that keep a thread within MAX_ROWS_PER_THREAD rows: the
+    /// fewer row groups, the fewer butterfly steps and the more of the state each load instruction moves.
+    pub fn for_ncb(d: usize, ncb: usize) -> Option<Plan> {
+        if ncb == 0 || !d.is_multiple_of(ncb) {
+            return None;
+        }
+        [1usize, 2, 4, 8]
+            .into_iter()
+            .map(|rg| Plan::with_rg(d, ncb, rg))
+            .find(|p| p.valid_for(d))
+    }
+
+    /// The plan for `b` sequences of `h_v` heads on a device with `sms` multiprocessors: one block a head
+    /// (no cluster) wherever the shape allows it. Kernel v2's sweeps (NOTES.md) found no batch size where
+    /// splitting a head over a cluster paid, so the plan does not depend on `b` or `sms`, and a sequence's
+    /// bits do not depend on the batch it runs in.
+    pub fn choose(d: usize, h_v: usize, b: usize, sms: usize) -> Result<Plan> {
+        let _ = (h_v, b, sms);
+        CLUSTER_SIZES
+            .into_iter()
+            .find_map(|ncb| Plan::for_ncb(d, ncb))
+            .ok_or_else(|| {
+                Error::Unavailable(format!(
+                    "the CUDA backend holds the state in registers and has no thread split for d = {d}"
+                ))
+            })
+    }
+}
+
+impl Spec {
+    /// The specialisation for a layer config, window and commit mode under a plan.
+    pub fn new(
+        arch: (i32, i32),
+        config: &Config,
+        t: usize,
+        commit: Commit,
+        planes: bool,
+        plan: Plan,
+    ) -> Spec {
+        Spec {
+            arch,
+            shape: config.shape,
+            t: if t <= MAX_CONST_T { t } else { 0 },
+            silu: config.gate == Gate::Silu,
+            grouped: config.head_map == HeadMap::Grouped,
+            planes,
+            commit: commit != Commit::Verify,
+            plan,
+        }
+    }
+
+    /// The macro lines that select this specialisation, put before the kernel source.
+    pub fn header(&self) -> String {
+        let s = &self.shape;
+        format!(
+            "#define GDN_D {}\n#define GDN_HK {}\n#define GDN_HV {}\n#define GDN_T {}\n#define GDN_SILU {}\n\
+             #define GDN_GROUPED {}\n#define GDN_PLANES {}\n#define GDN_COMMIT {}\n#define GDN_NCB {}\n\
+             #define GDN_RG {}\n#define GDN_MINB {}\n",
+            s.d,
+            s.h_k,
+            s.h_v,
+            self.t,
+            self.silu as u8,
+            self.grouped as u8,
+            self.planes as u8,
+            self.commit as u8,
+            self.plan.ncb,
+            self.plan.rg,
+            self.plan.minb,
+        )
+    }
+
+    pub fn source(&self) -> String {
+        format!("{}{}", self.header(), KERNEL_SRC)
+    }
+
+    /// The threads of one block.
+    pub fn threads(&self) -> usize {
+        self.plan.threads(self.shape.d)
+    }
+}
+
+/// Machine code of one specialisation and the compiler's log (with ptxas's resource report).
+#[derive(Debug)]
+pub struct Compiled {
+    pub cubin: Vec<u8>,
+    pub log: String,
+}
+
+/// Whether libnvrtc can be loaded.
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to open the library by its candidate names; no symbol is called.
+    unsafe { nvrtc_sys::is_culib_present() }
+}
+
+type Slot = Arc<OnceLock<std::result::Result<Arc<Compiled>, String>>>;
+
+fn cache() -> &'static Mutex<HashMap<Spec, Slot>> {
+    static CACHE: OnceLock<Mutex<HashMap<Spec, Slot>>> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The machine code for `spec`, compiled by NVRTC on first use and cached for the process. Different
+/// specialisations compile in parallel; a second caller of the same one waits for the first.
+pub fn compiled(spec: &Spec) -> Result<Arc<Compiled>> {
+    if !nvrtc_present() {
+        return Err(Error::Unavailable(
+            "libnvrtc (CUDA 13) not found: install nvidia-cuda-nvrtc and put its lib folder on LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    let slot: Slot = {
+        let mut map = cache()
+            .lock()
+            .map_err(|_| Error::Backend("kernel cache lock poisoned".into()))?;
+        map.entry(*spec).or_default().clone()
+    };
+    slot.get_or_init(|| compile(spec).map(Arc::new))
+        .clone()
+        .map_err(Error::Backend)
+}
+
+fn log_of(prog: nvrtc_sys::nvrtcProgram) -> String {
+    // SAFETY: `prog` is a live program created by `compile` below.
+    match unsafe { nvrtc_result::get_program_log(prog) } {
+        Ok(raw) => {
+            let bytes: Vec<u8> = raw
+                .iter()
+                .take_while(|&&c| c != 0)
+                .map(|&c| c as u8)
+                .collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        }
+        Err(e) => format!("(no log: {e:?})"),
+    }
+}
+
+/// Compiles one specialisation to a cubin for its architecture.
+fn compile(spec: &Spec) -> std::result::Result<Compiled, String> {
+    let src = CString::new(spec.source()).map_err(|e| e.to_string())?;
+    let name = CString::new("gdn_step.cu").map_err(|e| e.to_string())?;
+    let prog = nvrtc_result::create_program(&src, Some(&name)).map_err(|e| format!("{e:?}"))?;
+    let arch = format!("--gpu-architecture=sm_{}{}", spec.arch.0, spec.arch.1);
+    let opts = [
+        arch.as_str(),
+        "--std=c++17",
+        "--fmad=false",
+        "--ptxas-options=--verbose",
+        "-default-device",
+    ];
+    // SAFETY: `prog` is live until destroyed at the end of this function; the option strings outlive the call.
+    let compiled = unsafe { nvrtc_result::compile_program(prog, &opts) };
+    let log = log_of(prog);
+    let out = match compiled {
+        Err(e) => Err(format!(
+            "NVRTC failed on {spec:?} ({e:?}):\n{log}\n(the source starts with:\n{})",
+            spec.header()
+        )),
+        Ok(()) => {
+            let mut size = 0usize;
+            // SAFETY: `prog` compiled successfully; `size` is a valid out-pointer.
+            let r = unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size) };
+            if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
+                Err(format!("nvrtcGetCUBINSize failed: {r:?}"))
+            } else {
+                let mut cubin = vec![0u8; size];
+                // SAFETY: `cubin` has exactly the size NVRTC reported for this program's cubin.
+                let r =
+                    unsafe { nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut c_char) };
+                if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+                    Err(format!("nvrtcGetCUBIN failed: {r:?}"))
+                } else {
+                    Ok(Compiled { cubin, log })
+                }
+            }
+        }
+    };
+    // SAFETY: `prog` was created above and is not used after this.
+    let _ = unsafe { nvrtc_result::destroy_program(prog) };
+    out
+}
+
+/// ptxas's one-line resource summary ("Used N registers, ...") out of a compile log.
+pub fn resource_line(log: &str) -> String {
+    log.lines()
+        .filter(|l| l.contains("registers") || l.contains("spill"))
+        .map(|l| l.trim())
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Every specialisation the planner can produce for `config` on `arch` at batch sizes `batches`, for windows
+/// 1..=MAX_CONST_T and the run-time length: all gates/maps are taken from `config`.
+pub fn all_specs(arch: (i32, i32), config: &Config, sms: usize, batches: &[usize]) -> Vec<Spec> {
+    let mut plans: Vec<Plan> = batches
+        .iter()
+        .filter_map(|&b| Plan::choose(config.shape.d, config.shape.h_v, b, sms).ok())
+        .collect();
+    plans.sort_by_key(|p| (p.ncb, p.rg));
+    plans.dedup();
+    let mut out = Vec::new();
+    for plan in plans {
+        for t in (1..=MAX_CONST_T).chain([0]) {
+            for planes in [false, true] {
+                for commit in [Commit::Verify, Commit::All] {
+                    let tt = if t == 0 { MAX_CONST_T + 1 } else { t };
+                    out.push(Spec::new(arch, config, tt, commit, planes, plan));
+                }
+            }
+        }
+    }
+    out
+}
