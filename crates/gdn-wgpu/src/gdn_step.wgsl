@@ -66,8 +66,8 @@ var<workgroup> kh: array<vec4<f32>, D / 4>;
 // per row block partials of kv and of the readout
 var<workgroup> red: array<f32, IB * D>;
 var<workgroup> red2: array<f32, IB * D>;
-// gate and write strength of the token
-var<workgroup> gb: array<f32, 2>;
+// gate and write strength of the window's tokens, W at a time (token t at t % W)
+var<workgroup> gates: array<vec2<f32>, W>;
 // y of the previous token, for the group sums
 var<workgroup> ys: array<f32, D>;
 //#if !SUBGROUPS
@@ -229,11 +229,13 @@ fn gdn_step(
     let dt_h = lw[4u * cc + h];
     let a_h = lw[4u * cc + h_v + h];
     let gam = lw[4u * cc + 2u * h_v + j];
-    var ab = 0.0;
-    if (tid == W - 1u) {
-        ab = inp[prm.alpha_off + row0 * h_v + h];
-    } else if (tid == W - 2u) {
-        ab = inp[prm.beta_off + row0 * h_v + h];
+    // alpha and beta of the first W tokens, issued before the state's loads (see the token loop)
+    let gp = W - 1u - tid;
+    var alpha0 = 0.0;
+    var beta0 = 0.0;
+    if (gp < nt) {
+        alpha0 = inp[prm.alpha_off + (row0 + gp) * h_v + h];
+        beta0 = inp[prm.beta_off + (row0 + gp) * h_v + h];
     }
 
     // the state rows, once, four rows a vector
@@ -257,6 +259,20 @@ fn gdn_step(
 
     for (var t = 0u; t < nt; t++) {
         let commit = t + 1u == commit_at;
+        // the gates of the next W tokens in parallel, from the last thread down (past the conv threads where
+        // the workgroup has more than 3 D threads), so that their exp/log chain is paid once per W tokens
+        if (t % W == 0u) {
+            let k = t + gp;
+            if (k < nt) {
+                var al = alpha0;
+                var be = beta0;
+                if (t > 0u) {
+                    al = inp[prm.alpha_off + (row0 + k) * h_v + h];
+                    be = inp[prm.beta_off + (row0 + k) * h_v + h];
+                }
+                gates[gp] = vec2<f32>(decay(al, dt_h, a_h), sigmoid(be));
+            }
+        }
         // conv + SiLU of token t; the history shifted, and written back at the commit point
         //#for m CPT
         {
@@ -283,18 +299,6 @@ fn gdn_step(
             }
         }
         //#endfor
-        if (tid == W - 1u) {
-            gb[0] = decay(ab, dt_h, a_h);
-        } else if (tid == W - 2u) {
-            gb[1] = sigmoid(ab);
-        }
-        if (t + 1u < nt) {
-            if (tid == W - 1u) {
-                ab = inp[prm.alpha_off + (row0 + t + 1u) * h_v + h];
-            } else if (tid == W - 2u) {
-                ab = inp[prm.beta_off + (row0 + t + 1u) * h_v + h];
-            }
-        }
         workgroupBarrier();
 
         // L2 norms of q and k; the readout norm of the previous token
@@ -351,8 +355,9 @@ fn gdn_step(
             kvs += red[$k * D + j];
         }
         //#endfor
-        let gate = gb[0];
-        let delta = (val(2u * D + j) - gate * kvs) * gb[1];
+        let gbeta = gates[t % W];
+        let gate = gbeta.x;
+        let delta = (val(2u * D + j) - gate * kvs) * gbeta.y;
         let gate4 = vec4<f32>(gate);
         var o4 = vec4<f32>(0.0);
         //#for q RPT4

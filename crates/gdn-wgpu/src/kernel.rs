@@ -41,7 +41,7 @@ impl KernelKey {
         let floats = 4 * d // vals
             + 2 * d // qh, kh
             + 2 * self.row_blocks * d // red, red2
-            + 2 // gb
+            + 2 * self.workgroup_size() // gates
             + d // ys
             + if self.subgroups { 0 } else { 3 * d / 16 };
         4 * floats
