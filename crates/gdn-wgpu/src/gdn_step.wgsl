@@ -1,8 +1,8 @@
 // The fused GDN window step (SPEC.md), one workgroup per (sequence, value head).
 //
-// This file is a template: `kernel.rs` prepends the launch constants (D, IB, RPT, W, CPT) and expands the
-// directives below before handing the text to wgpu, so every loop over state rows has constant bounds and
-// constant indices and the state array lives in registers. The head counts, conventions and planes are
+// This file is a template: `kernel.rs` prepends the launch constants (D, IB, RPT, RPT4, W, CPT, SCALE) and
+// expands the directives below before handing the text to wgpu, so every loop over state rows has constant
+// bounds and constant indices and the state array lives in registers. The head counts, conventions and planes are
 // uniforms: one pipeline serves every layer of a head dim.
 //   //#if NAME / //#else / //#endif       kept or dropped by a host flag (SUBGROUPS)
 //   //#for v COUNT ... //#endfor         the block repeated COUNT times with `$v` replaced by 0, 1, ...
@@ -10,7 +10,8 @@
 //
 // Thread layout: thread `tid = ib * D + j` owns column j of the head's state and the RPT rows
 // `ib * RPT .. + RPT`. The first 3 D threads (or all of them, several channels each when the workgroup is
-// smaller) run the conv of one channel: q and k of the value head's q/k head, then its own v.
+// smaller) run the conv of one channel: q and k of the value head's q/k head, then its own v. The gates and
+// write strengths are computed W tokens at a time, one token a thread from the last thread down.
 //
 // The q/k conv history is private to each value head (layout [slot][h_v][3][D][3], see pool.rs), so the
 // workgroup owns everything it reads and writes its committed history in place: no double buffer and no
