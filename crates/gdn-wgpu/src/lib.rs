@@ -490,12 +490,12 @@ impl Gpu {
         host.sort_by(f64::total_cmp);
         let method = if ts.is_some() {
             format!(
-                "wgpu timestamps around {n} back-to-back calls, median of {} rounds",
+                "GPU timestamps around back-to-back calls in one submission, median of {} rounds",
                 per_call.len()
             )
         } else {
             format!(
-                "host clock around {n} back-to-back calls (submit and wait), median of {} rounds",
+                "host clock around back-to-back calls in one submission (submit and wait), median of {} rounds",
                 per_call.len()
             )
         };
