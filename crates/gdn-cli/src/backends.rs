@@ -3,12 +3,13 @@
 use gdn::{Backend, Error, Result};
 
 /// Names accepted by `--backend`.
-pub const NAMES: &[&str] = &["cpu", "cuda"];
+pub const NAMES: &[&str] = &["cpu", "cuda", "wgpu"];
 
 pub fn make(name: &str) -> Result<Box<dyn Backend>> {
     match name {
         "cpu" => Ok(Box::new(gdn::Cpu::new())),
         "cuda" => Ok(Box::new(gdn_cuda::Cuda::new()?)),
+        "wgpu" => Ok(Box::new(gdn_wgpu::Wgpu::new()?)),
         other => Err(Error::Unavailable(format!(
             "no backend '{other}' in this build (known: {})",
             NAMES.join(", ")
