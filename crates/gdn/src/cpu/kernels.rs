@@ -121,34 +121,33 @@ pub fn conv_block(
     normalize: Option<f32>,
     commit_at: usize,
 ) {
-    for c0 in (0..d).step_by(LANES) {
-        // the 16 channels' taps and history, one vector each (the pool's lane layout)
-        let lanes = |x: &[f32], k: usize| -> [f32; LANES] {
-            x[k * LANES..(k + 1) * LANES].try_into().expect("lanes")
-        };
-        let (wg, hg) = (
-            &w[c0 * 4..(c0 + LANES) * 4],
-            &hist[c0 * 3..(c0 + LANES) * 3],
-        );
-        let taps = [lanes(wg, 0), lanes(wg, 1), lanes(wg, 2), lanes(wg, 3)];
-        let mut x = [lanes(hg, 0), lanes(hg, 1), lanes(hg, 2)];
-        for tok in 0..t {
-            let cur: [f32; LANES] = qkv[tok * qkv_stride + c0..tok * qkv_stride + c0 + LANES]
-                .try_into()
-                .expect("block");
+    // token by token (each token's inputs are one contiguous row), 16 channels at a time; the history of every
+    // group of 16 channels rides in `x` between tokens (d <= 1024: at most 64 groups)
+    let groups = d / LANES;
+    let lanes = |v: &[f32], k: usize| -> [f32; LANES] {
+        v[k * LANES..(k + 1) * LANES].try_into().expect("lanes")
+    };
+    let mut x = [[[0.0f32; LANES]; 3]; 64];
+    for (g, xg) in x.iter_mut().enumerate().take(groups) {
+        let hg = &hist[g * 3 * LANES..(g + 1) * 3 * LANES];
+        *xg = [lanes(hg, 0), lanes(hg, 1), lanes(hg, 2)];
+    }
+    for tok in 0..t {
+        let row = &qkv[tok * qkv_stride..tok * qkv_stride + d];
+        for (g, xg) in x.iter_mut().enumerate().take(groups) {
+            let wg = &w[g * 4 * LANES..(g + 1) * 4 * LANES];
+            let cur = lanes(row, g);
             let mut s = [0.0f32; LANES];
             for l in 0..LANES {
-                s[l] = x[0][l].mul_add(taps[0][l], s[l]);
-                s[l] = x[1][l].mul_add(taps[1][l], s[l]);
-                s[l] = x[2][l].mul_add(taps[2][l], s[l]);
-                s[l] = cur[l].mul_add(taps[3][l], s[l]);
+                s[l] = xg[0][l].mul_add(wg[l], s[l]);
+                s[l] = xg[1][l].mul_add(wg[LANES + l], s[l]);
+                s[l] = xg[2][l].mul_add(wg[2 * LANES + l], s[l]);
+                s[l] = cur[l].mul_add(wg[3 * LANES + l], s[l]);
             }
-            out[tok * d + c0..tok * d + c0 + LANES].copy_from_slice(&silu_lanes(&s));
-            x = [x[1], x[2], cur];
+            out[tok * d + g * LANES..tok * d + (g + 1) * LANES].copy_from_slice(&silu_lanes(&s));
+            *xg = [xg[1], xg[2], cur];
             if tok + 1 == commit_at {
-                for (k, xk) in x.iter().enumerate() {
-                    hist[c0 * 3 + k * LANES..c0 * 3 + (k + 1) * LANES].copy_from_slice(xk);
-                }
+                hist[g * 3 * LANES..(g + 1) * 3 * LANES].copy_from_slice(xg.as_flattened());
             }
         }
     }
