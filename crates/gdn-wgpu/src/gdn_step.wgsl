@@ -353,46 +353,50 @@ fn gdn_step(
         }
         workgroupBarrier();
 
-        // L2 norms of q and k of token t and their dot product; the readout norm of token t - 2
-//#if SUBGROUPS
-        let sums = sums4(lane, sg_size);
-        let ssq = sums.x;
-        let ssk = sums.y;
-        let sso = sums.z;
-        let sqk = sums.w;
-//#else
-        partial_sums4(tid);
-        workgroupBarrier();
-        let ssq = sum_parts(0u);
-        let ssk = sum_parts(D / 16u);
-        let sso = sum_parts(2u * D / 16u);
-        let sqk = sum_parts(3u * D / 16u);
-//#endif
+        // L2 norms of q and k of token t and their dot product; the readout norm of token t - 2 (nothing of
+        // this in the extra iteration of a one-token window)
         let par = t % 2u;
         var v_nxt = 0.0;
         var g_nxt = vec2<f32>(0.0);
         var kq_nxt = 0.0;
-        if (t < nt) {
-            let rq = inverseSqrt(ssq / f32(D) + prm.eps / f32(D));
-            let rk = inverseSqrt(ssk / f32(D) + prm.eps / f32(D));
-            if (tid < 2u * D) {
-                var r = rq;
-                if (tid >= D) {
-                    r = rk;
+        if (t < nt || t >= 2u) {
+//#if SUBGROUPS
+            let sums = sums4(lane, sg_size);
+            let ssq = sums.x;
+            let ssk = sums.y;
+            let sso = sums.z;
+            let sqk = sums.w;
+//#else
+            partial_sums4(tid);
+            workgroupBarrier();
+            let ssq = sum_parts(0u);
+            let ssk = sum_parts(D / 16u);
+            let sso = sum_parts(2u * D / 16u);
+            let sqk = sum_parts(3u * D / 16u);
+//#endif
+            if (t < nt) {
+                let rq = inverseSqrt(ssq / f32(D) + prm.eps / f32(D));
+                let rk = inverseSqrt(ssk / f32(D) + prm.eps / f32(D));
+                if (tid < 2u * D) {
+                    var r = rq;
+                    if (tid >= D) {
+                        r = rk;
+                    }
+                    let xh = (r * val(tid)) * SCALE;
+                    if (tid < D) {
+                        qh[par * (D / 4u) + tid / 4u][tid % 4u] = xh;
+                    } else {
+                        kh[par * (D / 4u) + (tid - D) / 4u][tid % 4u] = xh;
+                    }
                 }
-                let xh = (r * val(tid)) * SCALE;
-                if (tid < D) {
-                    qh[par * (D / 4u) + tid / 4u][tid % 4u] = xh;
-                } else {
-                    kh[par * (D / 4u) + (tid - D) / 4u][tid % 4u] = xh;
-                }
+                kq_nxt = ((rq * SCALE) * (rk * SCALE)) * sqk;
+                v_nxt = val(2u * D + j);
+                g_nxt = gates[t % W];
             }
-            kq_nxt = ((rq * SCALE) * (rk * SCALE)) * sqk;
-            v_nxt = val(2u * D + j);
-            g_nxt = gates[t % W];
-        }
-        if (t >= 2u) {
-            emit_y(sso, ib, j, h, row0 + t - 2u, z_emit, gam);
+            if (t >= 2u) {
+                emit_y(sso, ib, j, h, row0 + t - 2u, z_emit, gam);
+            }
+            workgroupBarrier();
         }
         if (ib == 0u && t >= 1u) {
             z_emit = z_load;
@@ -400,7 +404,6 @@ fn gdn_step(
                 z_load = inp[z_base + t * prm.n];
             }
         }
-        workgroupBarrier();
 
         // token t - 1: delta and readout from the sums over the row blocks
         let old = (1u - par) * (IB * D);
