@@ -62,18 +62,30 @@ struct Params {
 // four values a vector (element x at vals[x / 4][x % 4]), so the norms read them four at a time
 var<workgroup> vals: array<vec4<f32>, D>;
 // normalized q and k, four rows a vector
+//#if ONEPASS
+// two tokens' worth (by token parity) of the normalized q and k, and of the per row block partials (kv, sq)
+var<workgroup> qh: array<vec4<f32>, D / 2>;
+var<workgroup> kh: array<vec4<f32>, D / 2>;
+var<workgroup> red: array<vec2<f32>, 2 * IB * D>;
+//#else
 var<workgroup> qh: array<vec4<f32>, D / 4>;
 var<workgroup> kh: array<vec4<f32>, D / 4>;
 // per row block partials of kv and of the readout
 var<workgroup> red: array<f32, IB * D>;
 var<workgroup> red2: array<f32, IB * D>;
+//#endif
 // gate and write strength of the window's tokens, W at a time (token t at t % W)
 var<workgroup> gates: array<vec2<f32>, W>;
 // y of the previous token, for the group sums
 var<workgroup> ys: array<f32, D>;
 //#if !SUBGROUPS
+//#if ONEPASS
+// 16-element partial sums: squares of q [0, D/16), k [D/16, 2D/16), o [2D/16, 3D/16); q . k [3D/16, 4D/16)
+var<workgroup> parts: array<f32, 4 * D / 16>;
+//#else
 // 16-element partial sums of squares: q [0, D/16), k [D/16, 2D/16), o [2D/16, 3D/16)
 var<workgroup> parts: array<f32, 3 * D / 16>;
+//#endif
 //#endif
 
 fn sigmoid(x: f32) -> f32 {
@@ -140,6 +152,19 @@ fn sumsq3(lane: u32, sg: u32) -> vec3<f32> {
     }
     return subgroupAdd(acc);
 }
+//#if ONEPASS
+// as sumsq3, and q . k in w
+fn sums4(lane: u32, sg: u32) -> vec4<f32> {
+    var acc = vec4<f32>(0.0);
+    for (var c = lane; c < D / 4u; c += sg) {
+        let q = vals[c];
+        let k = vals[D / 4u + c];
+        let o = vals[3u * D / 4u + c];
+        acc += vec4<f32>(dot(q, q), dot(k, k), dot(o, o), dot(q, k));
+    }
+    return subgroupAdd(acc);
+}
+//#endif
 //#else
 // thread p < 3 D / 16 sums the squares of 16 consecutive values of q, k or o
 fn partial_sumsq(p: u32) {
@@ -157,6 +182,22 @@ fn partial_sumsq(p: u32) {
         parts[p] = (acc.x + acc.y) + (acc.z + acc.w);
     }
 }
+
+//#if ONEPASS
+// as partial_sumsq, and threads 3 D / 16 .. 4 D / 16 sum 16 products q_i k_i
+fn partial_sums4(p: u32) {
+    if (p < 3u * D / 16u) {
+        partial_sumsq(p);
+    } else if (p < 4u * D / 16u) {
+        let base = 4u * (p - 3u * D / 16u);
+        var acc = vec4<f32>(0.0);
+        for (var e = 0u; e < 4u; e++) {
+            acc = fma(vals[base + e], vals[D / 4u + base + e], acc);
+        }
+        parts[p] = (acc.x + acc.y) + (acc.z + acc.w);
+    }
+}
+//#endif
 
 // the sum of the D / 16 partials from `first`, in order
 fn sum_parts(first: u32) -> f32 {
@@ -258,6 +299,181 @@ fn gdn_step(
         z_load = inp[z_base];
     }
 
+//#if ONEPASS
+    // One pass over the state a token (NOTES.md, "one-pass variant"). Iteration t runs the conv and norms of
+    // token t, then one sweep over the state registers: the update of token t - 1 fused with the partial sums
+    // kv = S^T k and sq = S^T q of token t, both against the state before token t's update. Token t - 1's
+    // readout comes from the state before its update: o = g (S^T q) + delta (k . q). An extra iteration
+    // t = nt finishes the last token (its update only where the window commits after it). Two barriers a
+    // token (three without subgroups). Parities: qh/kh and red alternate between two halves by token.
+    var v_cur = 0.0;
+    var g_cur = vec2<f32>(0.0);
+    var kq_cur = 0.0;
+    for (var t = 0u; t <= nt; t++) {
+        if (t % W == 0u) {
+            let k = t + gp;
+            if (k < nt) {
+                var al = alpha0;
+                var be = beta0;
+                if (t > 0u) {
+                    al = inp[prm.alpha_off + (row0 + k) * h_v + h];
+                    be = inp[prm.beta_off + (row0 + k) * h_v + h];
+                }
+                gates[gp] = vec2<f32>(decay(al, dt_h, a_h), sigmoid(be));
+            }
+        }
+        // conv + SiLU of token t; the history shifted, and written back at the commit point
+        if (t < nt) {
+            let commit = t + 1u == commit_at;
+            //#for m CPT
+            {
+                let cl = tid + $m * W;
+                if (cl < 3u * D) {
+                    let w = cw[$m];
+                    var s = fma(h0[$m], w.x, 0.0);
+                    s = fma(h1[$m], w.y, s);
+                    s = fma(h2[$m], w.z, s);
+                    s = fma(xin[$m], w.w, s);
+                    set_val(cl, s / (1.0 + exp(-s)));
+                    h0[$m] = h1[$m];
+                    h1[$m] = h2[$m];
+                    h2[$m] = xin[$m];
+                    if (commit) {
+                        let hb = hist_base + 3u * cl;
+                        hist[hb] = h0[$m];
+                        hist[hb + 1u] = h1[$m];
+                        hist[hb + 2u] = h2[$m];
+                    }
+                    if (t + 1u < nt) {
+                        xin[$m] = inp[prm.qkv_off + (row0 + t + 1u) * cc + chan[$m]];
+                    }
+                }
+            }
+            //#endfor
+        }
+        workgroupBarrier();
+
+        // L2 norms of q and k of token t and their dot product; the readout norm of token t - 2 (nothing of
+        // this in the extra iteration of a one-token window)
+        let par = t % 2u;
+        var v_nxt = 0.0;
+        var g_nxt = vec2<f32>(0.0);
+        var kq_nxt = 0.0;
+        if (t < nt || t >= 2u) {
+//#if SUBGROUPS
+            let sums = sums4(lane, sg_size);
+            let ssq = sums.x;
+            let ssk = sums.y;
+            let sso = sums.z;
+            let sqk = sums.w;
+//#else
+            partial_sums4(tid);
+            workgroupBarrier();
+            let ssq = sum_parts(0u);
+            let ssk = sum_parts(D / 16u);
+            let sso = sum_parts(2u * D / 16u);
+            let sqk = sum_parts(3u * D / 16u);
+//#endif
+            if (t < nt) {
+                let rq = inverseSqrt(ssq / f32(D) + prm.eps / f32(D));
+                let rk = inverseSqrt(ssk / f32(D) + prm.eps / f32(D));
+                if (tid < 2u * D) {
+                    var r = rq;
+                    if (tid >= D) {
+                        r = rk;
+                    }
+                    let xh = (r * val(tid)) * SCALE;
+                    if (tid < D) {
+                        qh[par * (D / 4u) + tid / 4u][tid % 4u] = xh;
+                    } else {
+                        kh[par * (D / 4u) + (tid - D) / 4u][tid % 4u] = xh;
+                    }
+                }
+                kq_nxt = ((rq * SCALE) * (rk * SCALE)) * sqk;
+                v_nxt = val(2u * D + j);
+                g_nxt = gates[t % W];
+            }
+            if (t >= 2u) {
+                emit_y(sso, ib, j, h, row0 + t - 2u, z_emit, gam);
+            }
+            workgroupBarrier();
+        }
+        if (ib == 0u && t >= 1u) {
+            z_emit = z_load;
+            if (t < nt) {
+                z_load = inp[z_base + t * prm.n];
+            }
+        }
+
+        // token t - 1: delta and readout from the sums over the row blocks
+        let old = (1u - par) * (IB * D);
+        var delta = 0.0;
+        if (t > 0u) {
+            var r = vec2<f32>(0.0);
+            //#for k IB
+            {
+                r += red[old + $k * D + j];
+            }
+            //#endfor
+            let gate = g_cur.x;
+            delta = (v_cur - gate * r.x) * g_cur.y;
+            if (ib == 0u) {
+                set_val(3u * D + j, fma(delta, kq_cur, gate * r.y) * SCALE);
+            }
+        }
+        let gate4 = vec4<f32>(g_cur.x);
+        let ko = (1u - par) * (D / 4u) + i0 / 4u;
+        let kn = par * (D / 4u) + i0 / 4u;
+        var kv4 = vec4<f32>(0.0);
+        var sq4 = vec4<f32>(0.0);
+        if (t > 0u && t < nt) {
+            // token t - 1's update fused with token t's partial sums
+            //#for q RPT4
+            {
+                st[$q] = fma(gate4, st[$q], kh[ko + $q] * delta);
+                kv4 = fma(st[$q], kh[kn + $q], kv4);
+                sq4 = fma(st[$q], qh[kn + $q], sq4);
+            }
+            //#endfor
+        } else if (t == 0u) {
+            //#for q RPT4
+            {
+                kv4 = fma(st[$q], kh[kn + $q], kv4);
+                sq4 = fma(st[$q], qh[kn + $q], sq4);
+            }
+            //#endfor
+        } else if (t == commit_at) {
+            // the last token's update, only where the window commits after it
+            //#for q RPT4
+            {
+                st[$q] = fma(gate4, st[$q], kh[ko + $q] * delta);
+            }
+            //#endfor
+        }
+        if (t < nt) {
+            red[par * (IB * D) + tid] =
+                vec2<f32>((kv4.x + kv4.y) + (kv4.z + kv4.w), (sq4.x + sq4.y) + (sq4.z + sq4.w));
+        }
+        if (t > 0u && t == commit_at) {
+            //#for q RPT4
+            {
+                let at = s_base + (i0 + 4u * $q) * s_stride;
+                let v = st[$q];
+                state[at] = v.x;
+                state[at + s_stride] = v.y;
+                state[at + 2u * s_stride] = v.z;
+                state[at + 3u * s_stride] = v.w;
+            }
+            //#endfor
+        }
+        if (t >= 2u && plane != 0u) {
+            emit_group_sums(tid, h, row0 + t - 2u);
+        }
+        v_cur = v_nxt;
+        g_cur = g_nxt;
+        kq_cur = kq_nxt;
+    }
+//#else
     for (var t = 0u; t < nt; t++) {
         let commit = t + 1u == commit_at;
         // the gates of the next W tokens in parallel, from the last thread down (past the conv threads where
@@ -393,6 +609,8 @@ fn gdn_step(
             set_val(3u * D + j, os * SCALE);
         }
     }
+
+//#endif
 
     // the tail: the last token's output norm, y and planes
     workgroupBarrier();

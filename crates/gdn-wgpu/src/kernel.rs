@@ -22,6 +22,8 @@ pub struct KernelKey {
     pub row_blocks: usize,
     /// wgpu's runtime checks (bounds checks, loop bounding) kept in the shader.
     pub checked: bool,
+    /// The one-pass token loop (`Kernel::OnePass`): one sweep over the state and one reduction a token.
+    pub onepass: bool,
 }
 
 impl KernelKey {
@@ -38,12 +40,18 @@ impl KernelKey {
     /// Bytes of workgroup memory the kernel declares.
     pub fn workgroup_bytes(&self) -> usize {
         let d = self.d;
+        // the one-pass loop keeps two tokens of qh, kh and of the (kv, sq) partials
+        let (qk, red, parts) = if self.onepass {
+            (4 * d, 4 * self.row_blocks * d, 4 * d / 16)
+        } else {
+            (2 * d, 2 * self.row_blocks * d, 3 * d / 16)
+        };
         let floats = 4 * d // vals
-            + 2 * d // qh, kh
-            + 2 * self.row_blocks * d // red, red2
+            + qk // qh, kh
+            + red // red, red2
             + 2 * self.workgroup_size() // gates
             + d // ys
-            + if self.subgroups { 0 } else { 3 * d / 16 };
+            + if self.subgroups { 0 } else { parts };
         4 * floats
     }
 
@@ -106,7 +114,7 @@ impl KernelKey {
             header.push_str(&format!("const {name}: u32 = {v}u;\n"));
         }
         header.push_str(&format!("const SCALE: f32 = {};\n", wgsl_f32(scale)));
-        let flags = [("SUBGROUPS", self.subgroups)];
+        let flags = [("SUBGROUPS", self.subgroups), ("ONEPASS", self.onepass)];
         let counts = [("RPT", rpt), ("RPT4", rpt / 4), ("IB", ib), ("CPT", cpt)];
         header + &expand(TEMPLATE, &flags, &counts)
     }
@@ -249,6 +257,7 @@ mod tests {
             subgroups: false,
             row_blocks,
             checked: true,
+            onepass: false,
         };
         assert!(key(128, 2).check_limits(&web).is_ok());
         let err = key(128, 4).check_limits(&web).unwrap_err().to_string();
@@ -276,12 +285,15 @@ mod tests {
                 if !d.is_multiple_of(4 * ib) || (d == 1024 && ib > 1) {
                     continue;
                 }
-                for subgroups in [false, true] {
+                for (subgroups, onepass) in
+                    [(false, false), (true, false), (false, true), (true, true)]
+                {
                     let key = KernelKey {
                         d,
                         subgroups,
                         row_blocks: ib,
                         checked: true,
+                        onepass,
                     };
                     let src = key.source();
                     let module = naga::front::wgsl::parse_str(&src)

@@ -38,9 +38,33 @@ pub enum Subgroups {
     Require,
 }
 
-/// How to set the backend up. `Default` reads three environment variables: `GDN_WGPU_ADAPTER` (a part of the
-/// adapter's name, case-insensitive, e.g. `nvidia` or `llvmpipe`), `GDN_WGPU_ROW_BLOCKS` (1, 2, 4 or 8) and
-/// `GDN_WGPU_CHECKS` (1: keep wgpu's runtime checks in the kernel).
+/// The token loop of the kernel.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// Two sweeps over the state a token (kv, then the update fused with the readout), two reductions over
+    /// the row blocks.
+    #[default]
+    TwoPass,
+    /// One sweep a token: the update of token t - 1 fused with token t's kv and S^T q, the readout taken from
+    /// the state before the update (`o = g S^T q + delta (k . q)`), one reduction (NOTES.md).
+    OnePass,
+}
+
+impl Kernel {
+    /// `GDN_WGPU_KERNEL`: `onepass` or `twopass` (the default where unset or unknown), read once per process.
+    pub fn from_env() -> Kernel {
+        static KERNEL: OnceLock<Kernel> = OnceLock::new();
+        *KERNEL.get_or_init(|| match std::env::var("GDN_WGPU_KERNEL").as_deref() {
+            Ok("onepass") => Kernel::OnePass,
+            _ => Kernel::TwoPass,
+        })
+    }
+}
+
+/// How to set the backend up. `Default` reads four environment variables: `GDN_WGPU_ADAPTER` (a part of the
+/// adapter's name, case-insensitive, e.g. `nvidia` or `llvmpipe`), `GDN_WGPU_ROW_BLOCKS` (1, 2, 4 or 8),
+/// `GDN_WGPU_CHECKS` (1: keep wgpu's runtime checks in the kernel) and `GDN_WGPU_KERNEL` (`onepass`: the
+/// one-pass token loop).
 #[derive(Clone, Debug)]
 pub struct Options {
     pub subgroups: Subgroups,
@@ -54,6 +78,8 @@ pub struct Options {
     /// (`GDN_WGPU_CHECKS=1`). Off by default: every index the kernel computes is derived from sizes the pool
     /// checked on the host (NOTES.md lists them), and the checks cost up to 7 % of the step on an H200.
     pub runtime_checks: bool,
+    /// The token loop (`GDN_WGPU_KERNEL`).
+    pub kernel: Kernel,
 }
 
 impl Default for Options {
@@ -69,6 +95,7 @@ impl Default for Options {
                 .filter(|&n: &usize| [1, 2, 4, 8].contains(&n))
                 .unwrap_or(4),
             runtime_checks: std::env::var("GDN_WGPU_CHECKS").is_ok_and(|v| v == "1"),
+            kernel: Kernel::from_env(),
         }
     }
 }
@@ -82,6 +109,7 @@ pub struct Wgpu {
     gpu: Arc<Gpu>,
     row_blocks: usize,
     runtime_checks: bool,
+    kernel: Kernel,
 }
 
 type DeviceKey = (Option<String>, Subgroups);
@@ -139,6 +167,7 @@ impl Wgpu {
             gpu,
             row_blocks: options.row_blocks,
             runtime_checks: options.runtime_checks,
+            kernel: options.kernel,
         })
     }
 
@@ -544,13 +573,18 @@ impl Backend for Wgpu {
     fn name(&self) -> String {
         let i = &self.gpu.info;
         format!(
-            "wgpu ({}, {:?}, {})",
+            "wgpu ({}, {:?}, {}{})",
             i.name,
             i.backend,
             if self.gpu.subgroups {
                 format!("subgroups {}..{}", i.subgroup_min_size, i.subgroup_max_size)
             } else {
                 "workgroup-memory reductions".to_string()
+            },
+            if self.kernel == Kernel::OnePass {
+                ", one-pass kernel"
+            } else {
+                ""
             }
         )
     }
@@ -562,6 +596,7 @@ impl Backend for Wgpu {
             slots,
             self.row_blocks,
             self.runtime_checks,
+            self.kernel == Kernel::OnePass,
         )?))
     }
 

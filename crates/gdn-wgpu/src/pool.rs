@@ -124,6 +124,7 @@ impl WgpuPool {
         slots: usize,
         row_blocks: usize,
         checked: bool,
+        onepass: bool,
     ) -> Result<Self> {
         layer.validate()?;
         let sh = *layer.shape();
@@ -137,6 +138,7 @@ impl WgpuPool {
             subgroups: gpu.subgroups && full,
             row_blocks,
             checked,
+            onepass,
         };
         // build the pipeline now, so that a shape the adapter cannot run fails here
         gpu.pipeline(key)?;
