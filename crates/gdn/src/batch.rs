@@ -20,11 +20,25 @@ impl Batch<'_> {
         if self.t == 0 {
             return Err(Error::EmptyWindow);
         }
-        let bt = self.b * self.t;
-        check_len("qkv", self.qkv, bt * shape.channels())?;
-        check_len("alpha", self.alpha, bt * shape.h_v)?;
-        check_len("beta", self.beta, bt * shape.h_v)?;
-        check_len("z", self.z, bt * shape.n())?;
+        // products checked: a huge b or t must be an error, not a wrapped length that happens to match
+        let bt = self.b.checked_mul(self.t);
+        for (name, v, width) in [
+            ("qkv", self.qkv, shape.channels()),
+            ("alpha", self.alpha, shape.h_v),
+            ("beta", self.beta, shape.h_v),
+            ("z", self.z, shape.n()),
+        ] {
+            match bt.and_then(|bt| bt.checked_mul(width)) {
+                Some(expected) => check_len(name, v, expected)?,
+                None => {
+                    return Err(Error::Length {
+                        name,
+                        expected: usize::MAX,
+                        got: v.len(),
+                    })
+                }
+            }
+        }
         Ok(())
     }
 }
@@ -66,16 +80,27 @@ pub struct OutputLayout {
 }
 
 impl OutputLayout {
+    /// A checked layout: the plane stride holds y, and every length fits in `usize` (so `len` cannot wrap).
     pub fn new(shape: &Shape, b: usize, t: usize, plane_stride: Option<usize>) -> Result<Self> {
-        let rows = b * t;
         let n = shape.n();
+        let too_large = || {
+            Error::Param {
+            name: "output",
+            why: format!("{b} sequences of {t} tokens (plane stride {plane_stride:?}) overflow the address space"),
+        }
+        };
+        let rows = b.checked_mul(t).ok_or_else(too_large)?;
+        let y_len = rows.checked_mul(n).ok_or_else(too_large)?;
         if let Some(p) = plane_stride {
-            if p < rows * n {
+            if p < y_len {
                 return Err(Error::PlaneStride {
                     stride: p,
-                    min: rows * n,
+                    min: y_len,
                 });
             }
+            p.checked_mul(4)
+                .and_then(|x| x.checked_add(y_len / 16))
+                .ok_or_else(too_large)?;
         }
         Ok(OutputLayout {
             rows,
@@ -84,11 +109,12 @@ impl OutputLayout {
         })
     }
 
-    /// Floats the output buffer must hold.
+    /// Floats the output buffer must hold (saturating for a layout not made by `new`).
     pub fn len(&self) -> usize {
+        let y_len = self.rows.saturating_mul(self.n);
         match self.plane_stride {
-            None => self.rows * self.n,
-            Some(p) => 4 * p + self.rows * self.n / 16,
+            None => y_len,
+            Some(p) => p.saturating_mul(4).saturating_add(y_len / 16),
         }
     }
 
@@ -167,5 +193,31 @@ pub fn plane_scale(p: usize, m: usize) -> f32 {
             }
         }
         _ => 1.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plane_scales_are_specs_table() {
+        // SPEC.md: 4^-(m mod 8), 256^-(m mod 4), and 1 or 1/256 by parity
+        assert_eq!(plane_scale(1, 0), 1.0);
+        assert_eq!(plane_scale(1, 7), 2.0f32.powi(-14));
+        assert_eq!(plane_scale(1, 9), 0.25);
+        assert_eq!(plane_scale(2, 3), 2.0f32.powi(-24));
+        assert_eq!(plane_scale(2, 6), 2.0f32.powi(-16));
+        assert_eq!(plane_scale(3, 1), 1.0 / 256.0);
+        assert_eq!(plane_scale(3, 10), 1.0);
+    }
+
+    #[test]
+    fn layouts_that_overflow_are_errors() {
+        let sh = Shape::SEED;
+        assert!(OutputLayout::new(&sh, 2, 3, Some(usize::MAX / 2)).is_err());
+        assert!(OutputLayout::new(&sh, usize::MAX / 2, 3, None).is_err());
+        let ok = OutputLayout::new(&sh, 2, 3, Some(6 * sh.n())).unwrap();
+        assert_eq!(ok.len(), 4 * 6 * sh.n() + 6 * sh.n() / 16);
     }
 }

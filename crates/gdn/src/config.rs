@@ -246,6 +246,26 @@ impl Layer {
         check_len("dt", &p.dt, s.h_v)?;
         check_len("a", &p.a, s.h_v)?;
         check_len("gamma", &p.gamma, s.d)?;
+        for (name, v) in [
+            ("conv_w", &p.conv_w),
+            ("dt", &p.dt),
+            ("a", &p.a),
+            ("gamma", &p.gamma),
+        ] {
+            if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                return Err(Error::Param {
+                    name,
+                    why: format!("element {i} is {}", v[i]),
+                });
+            }
+        }
+        // the decay rate is -exp(A_log): passing A_log itself (usually positive) would make the gate exceed 1
+        if let Some(i) = p.a.iter().position(|&x| x >= 0.0) {
+            return Err(Error::Param {
+                name: "a",
+                why: format!("a[{i}] = {} must be negative (a = -exp(A_log))", p.a[i]),
+            });
+        }
         Ok(())
     }
 

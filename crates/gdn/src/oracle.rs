@@ -133,6 +133,14 @@ pub fn step(
     let sh = layer.shape();
     let (t, c_n, h_v, n) = (batch.t, sh.channels(), sh.h_v, sh.n());
     let layout = OutputLayout::new(sh, batch.b, t, plane_stride)?;
+    // the reference rejects what every backend rejects
+    let args = crate::StepArgs {
+        batch: *batch,
+        slots,
+        commit,
+        plane_stride,
+    };
+    args.validate(layer, states.len(), layout.len())?;
     let mut out = vec![0.0; layout.len()];
     for (b, &slot) in slots.iter().enumerate() {
         if slot < 0 {

@@ -92,11 +92,17 @@ impl Backend for Cpu {
     fn create_pool(&self, layer: &Layer, slots: usize) -> Result<Box<dyn LayerPool>> {
         layer.validate()?;
         let sh = layer.shape();
+        let floats = |per: usize| {
+            slots.checked_mul(per).ok_or_else(|| Error::Param {
+                name: "slots",
+                why: format!("{slots} slots overflow the address space"),
+            })
+        };
         Ok(Box::new(CpuPool {
             layer: layer.clone(),
             slots,
-            state: vec![0.0; slots * sh.state_len()],
-            hist: vec![0.0; slots * sh.hist_len()],
+            state: vec![0.0; floats(sh.state_len())?],
+            hist: vec![0.0; floats(sh.hist_len())?],
             conv_w_lanes: to_lanes(&layer.params.conv_w, 4),
             conv: Vec::new(),
             heads_y: Vec::new(),
