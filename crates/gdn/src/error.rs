@@ -27,6 +27,11 @@ pub enum Error {
     EmptyWindow,
     #[error("malformed step file: {0}")]
     File(String),
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("backend unavailable: {0}")]
     Unavailable(String),
     #[error("backend error: {0}")]

@@ -83,7 +83,10 @@ fn expect_shape(name: &str, got: &[usize], want: &[usize]) -> Result<()> {
 impl StepInput {
     /// Reads and checks a window file.
     pub fn read(path: &Path, overrides: Overrides) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|e| bad(format!("{}: {e}", path.display())))?;
+        let bytes = std::fs::read(path).map_err(|source| Error::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
         Self::parse(&bytes, overrides)
     }
 
@@ -257,6 +260,8 @@ impl StepInput {
         }
         Ok(StepOutput {
             shape: sh,
+            config: self.layer.config,
+            commit,
             b,
             t,
             batched: self.batched,
@@ -272,6 +277,9 @@ impl StepInput {
 #[derive(Clone, Debug)]
 pub struct StepOutput {
     pub shape: Shape,
+    /// The conventions the step ran with, and its commit mode: written to the file's metadata.
+    pub config: Config,
+    pub commit: Commit,
     pub b: usize,
     pub t: usize,
     pub batched: bool,
@@ -329,24 +337,56 @@ impl StepOutput {
         ts
     }
 
-    /// Writes the output file atomically: a temporary file beside it, renamed into place once complete.
+    /// Writes the output file atomically: a temporary file in the same folder, synced, then renamed into place;
+    /// on any error nothing is left behind. The metadata records the conventions and the commit mode used.
     pub fn write(&self, path: &Path) -> Result<()> {
         let ts = self.tensors();
-        let bytes: Vec<Vec<u8>> = ts.iter().map(|(_, _, v)| le_bytes(v)).collect();
-        let mut views = Vec::with_capacity(ts.len());
-        for ((name, shape, _), data) in ts.iter().zip(&bytes) {
-            let view =
-                TensorView::new(Dtype::F32, shape.clone(), data).map_err(|e| bad(e.to_string()))?;
-            views.push((name.clone(), view));
-        }
-        let buf = safetensors::serialize(views, None).map_err(|e| bad(e.to_string()))?;
-        let tmp = path.with_extension("partial");
-        std::fs::write(&tmp, buf)?;
-        std::fs::rename(&tmp, path).inspect_err(|_| {
-            let _ = std::fs::remove_file(&tmp);
-        })?;
+        let c = &self.config;
+        let commit = match self.commit {
+            Commit::Verify => "verify".to_string(),
+            Commit::All => "all".to_string(),
+            Commit::First(k) => k.to_string(),
+        };
+        let meta = [
+            ("head_map", c.head_map.name().to_string()),
+            ("gate", c.gate.name().to_string()),
+            ("eps", format!("{:e}", c.eps)),
+            ("commit", commit),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let buf = serialize(
+            ts.iter()
+                .map(|(n, s, v)| (n.as_str(), s.clone(), v.as_slice())),
+            Some(meta),
+        )?;
+        let dir = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
+        std::io::Write::write_all(&mut tmp, &buf)?;
+        tmp.as_file().sync_all()?;
+        tmp.persist(path).map_err(|e| Error::Io(e.error))?;
         Ok(())
     }
+}
+
+/// Serializes f32 tensors (name, shape, data) with optional metadata.
+fn serialize<'a>(
+    tensors: impl Iterator<Item = (&'a str, Vec<usize>, &'a [f32])>,
+    metadata: Option<HashMap<String, String>>,
+) -> Result<Vec<u8>> {
+    let owned: Vec<(&str, Vec<usize>, Vec<u8>)> =
+        tensors.map(|(n, s, v)| (n, s, le_bytes(v))).collect();
+    let mut views = Vec::with_capacity(owned.len());
+    for (name, shape, data) in &owned {
+        let view =
+            TensorView::new(Dtype::F32, shape.clone(), data).map_err(|e| bad(e.to_string()))?;
+        views.push((name.to_string(), view));
+    }
+    safetensors::serialize(views, metadata).map_err(|e| bad(e.to_string()))
 }
 
 /// Writes a window file (the input format), e.g. for tests and for dumping windows from an engine.
@@ -377,13 +417,155 @@ pub fn write_input(
     if let Some(h) = hist {
         ts.push(("hist", vec![b, sh.channels(), 3], h));
     }
-    let bytes: Vec<Vec<u8>> = ts.iter().map(|(_, _, v)| le_bytes(v)).collect();
-    let mut views = Vec::new();
-    for ((name, shape, _), data) in ts.iter().zip(&bytes) {
-        views.push((
-            name.to_string(),
-            TensorView::new(Dtype::F32, shape.clone(), data).map_err(|e| bad(e.to_string()))?,
-        ));
+    let buf = serialize(ts.into_iter(), metadata)?;
+    std::fs::write(path, buf)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::Synth;
+
+    fn layer() -> Layer {
+        Synth::new(3)
+            .layer(Config::new(Shape::new(16, 1, 2).unwrap()))
+            .unwrap()
     }
-    safetensors::serialize_to_file(views, metadata, path).map_err(|e| bad(e.to_string()))
+
+    /// A window file's bytes with the given tensors replacing or dropping the defaults.
+    fn file(
+        layer: &Layer,
+        b: Option<usize>,
+        t: usize,
+        edit: impl FnOnce(&mut Vec<(&str, Vec<usize>, Vec<f32>)>),
+    ) -> Vec<u8> {
+        let sh = layer.shape();
+        let batch = Synth::new(4).batch(layer, b.unwrap_or(1), t);
+        let lead = |w: &[usize]| -> Vec<usize> {
+            b.map_or(vec![t], |b| vec![b, t])
+                .into_iter()
+                .chain(w.iter().copied())
+                .collect()
+        };
+        let p = &layer.params;
+        let mut ts = vec![
+            ("qkv", lead(&[sh.channels()]), batch.qkv.clone()),
+            ("alpha", lead(&[sh.h_v]), batch.alpha.clone()),
+            ("beta", lead(&[sh.h_v]), batch.beta.clone()),
+            ("z", lead(&[sh.n()]), batch.z.clone()),
+            ("conv_w", vec![sh.channels(), 4], p.conv_w.clone()),
+            ("dt", vec![sh.h_v], p.dt.clone()),
+            ("a", vec![sh.h_v], p.a.clone()),
+            ("gamma", vec![sh.d], p.gamma.clone()),
+        ];
+        edit(&mut ts);
+        serialize(
+            ts.iter().map(|(n, s, v)| (*n, s.clone(), v.as_slice())),
+            None,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn an_unbatched_file_without_state_reads_as_one_sequence_from_zeros() {
+        let l = layer();
+        let inp = StepInput::parse(&file(&l, None, 3, |_| {}), Overrides::default()).unwrap();
+        assert!(!inp.batched);
+        assert_eq!((inp.batch.b, inp.batch.t), (1, 3));
+        assert!(inp.state.iter().all(|&x| x == 0.0) && inp.state.len() == l.shape().state_len());
+        assert!(inp.hist.iter().all(|&x| x == 0.0) && inp.hist.len() == l.shape().hist_len());
+        assert_eq!(
+            inp.layer.config,
+            Config::new(*l.shape()),
+            "seed defaults: tiled, sigmoid, 1e-6"
+        );
+    }
+
+    #[test]
+    fn wrong_shapes_and_dtypes_are_named() {
+        let l = layer();
+        let cases: Vec<(&str, Box<dyn Fn(&mut Vec<(&str, Vec<usize>, Vec<f32>)>)>)> = vec![
+            (
+                "'z'",
+                Box::new(|ts| ts[3] = ("z", vec![2, 3, 31], vec![0.0; 2 * 3 * 31])),
+            ),
+            (
+                "'alpha'",
+                Box::new(|ts| ts[1] = ("alpha", vec![2, 3, 3], vec![0.0; 18])),
+            ),
+            (
+                "'state'",
+                Box::new(|ts| ts.push(("state", vec![2, 16, 2, 15], vec![0.0; 2 * 16 * 2 * 15]))),
+            ),
+            (
+                "'hist'",
+                Box::new(|ts| ts.push(("hist", vec![1, 64, 3], vec![0.0; 192]))),
+            ),
+            (
+                "'gamma' is missing",
+                Box::new(|ts| ts.retain(|t| t.0 != "gamma")),
+            ),
+            (
+                "channels",
+                Box::new(|ts| ts[4] = ("conv_w", vec![65, 4], vec![0.0; 260])),
+            ),
+        ];
+        for (needle, edit) in cases {
+            let err =
+                StepInput::parse(&file(&l, Some(2), 3, edit), Overrides::default()).unwrap_err();
+            assert!(err.to_string().contains(needle), "{needle}: {err}");
+        }
+        let err = StepInput::parse(b"\x08\x00\x00\x00\x00\x00\x00\x00{}", Overrides::default());
+        assert!(err.is_err());
+    }
+
+    #[test]
+    fn metadata_sets_conventions_and_flags_override_it() {
+        let l = layer();
+        let mut bytes = file(&l, Some(1), 2, |_| {});
+        // rewrite with metadata
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let names: Vec<String> = st.names().into_iter().map(|s| s.to_string()).collect();
+        let data: Vec<(String, Vec<usize>, Vec<f32>)> = names
+            .iter()
+            .map(|n| {
+                let v = st.tensor(n).unwrap();
+                let f = v
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect();
+                (n.clone(), v.shape().to_vec(), f)
+            })
+            .collect();
+        let meta = [("head_map", "grouped"), ("gate", "silu"), ("eps", "1e-5")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        bytes = serialize(
+            data.iter()
+                .map(|(n, s, v)| (n.as_str(), s.clone(), v.as_slice())),
+            Some(meta),
+        )
+        .unwrap();
+        let c = StepInput::parse(&bytes, Overrides::default())
+            .unwrap()
+            .layer
+            .config;
+        assert_eq!(
+            (c.head_map, c.gate, c.eps),
+            (HeadMap::Grouped, Gate::Silu, 1e-5)
+        );
+        let o = Overrides {
+            head_map: Some(HeadMap::Tiled),
+            gate: Some(Gate::Sigmoid),
+            eps: Some(2e-6),
+        };
+        let c = StepInput::parse(&bytes, o).unwrap().layer.config;
+        assert_eq!(
+            (c.head_map, c.gate, c.eps),
+            (HeadMap::Tiled, Gate::Sigmoid, 2e-6)
+        );
+    }
 }
