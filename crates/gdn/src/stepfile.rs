@@ -485,7 +485,8 @@ mod tests {
     #[test]
     fn wrong_shapes_and_dtypes_are_named() {
         let l = layer();
-        let cases: Vec<(&str, Box<dyn Fn(&mut Vec<(&str, Vec<usize>, Vec<f32>)>)>)> = vec![
+        type Edit = Box<dyn Fn(&mut Vec<(&str, Vec<usize>, Vec<f32>)>)>;
+        let cases: Vec<(&str, Edit)> = vec![
             (
                 "'z'",
                 Box::new(|ts| ts[3] = ("z", vec![2, 3, 31], vec![0.0; 2 * 3 * 31])),
