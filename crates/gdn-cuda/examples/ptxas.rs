@@ -8,11 +8,14 @@ fn main() {
         let Some(p) = Plan::for_ncb(128, ncb) else {
             continue;
         };
-        for t in [1, 8] {
-            let s = Spec::new((9, 0), &cfg, t, Commit::All, false, p);
+        for (t, kernel) in [1, 8]
+            .into_iter()
+            .flat_map(|t| [(t, Kernel::V2b), (t, Kernel::V3)])
+        {
+            let s = Spec::new((9, 0), &cfg, t, Commit::All, false, p).with_kernel(kernel);
             match compiled(&s) {
                 Ok(c) => println!(
-                    "plan {}/{}/{} ({} threads) T {t}: {}",
+                    "{kernel:?} plan {}/{}/{} ({} threads) T {t}: {}",
                     p.ncb,
                     p.rg,
                     p.minb,
@@ -40,11 +43,14 @@ fn main() {
             minb: 1,
         },
     ] {
-        for t in [1, 8] {
-            let s = Spec::new((9, 0), &cfg, t, Commit::All, false, p);
+        for (t, kernel) in [1, 8]
+            .into_iter()
+            .flat_map(|t| [(t, Kernel::V2b), (t, Kernel::V3)])
+        {
+            let s = Spec::new((9, 0), &cfg, t, Commit::All, false, p).with_kernel(kernel);
             if let Ok(c) = compiled(&s) {
                 println!(
-                    "plan {}/{}/{} T {t}: {}",
+                    "{kernel:?} plan {}/{}/{} T {t}: {}",
                     p.ncb,
                     p.rg,
                     p.minb,
@@ -59,6 +65,7 @@ fn main() {
         (Commit::All, false),
         (Commit::Verify, false),
         (Commit::All, true),
+        (Commit::Verify, true),
     ] {
         for t in [1, 2, 4, 8, 9] {
             let s = Spec::new((9, 0), &cfg, t, commit, planes, p).with_kernel(Kernel::V3);

@@ -233,8 +233,13 @@ gdn_step(float* __restrict__ state, float* __restrict__ hist, const float* __res
     // fmaf whether or not token u's sums ride along, and the last token's update runs only when it commits.
     float kv0 = 0.0f, kv1 = 0.0f, sq0 = 0.0f, sq1 = 0.0f;  // partial S^T k and S^T q of the token prepared
     float kq = 0.0f;                                       // k . q of the token prepared
-#if GDN_COMMIT
-    float hdrop[NCH];  // the history value the last conv shifted out (the committed history may need it)
+    // The history after token t is committed before the conv of token u shifts it once more. With one block a
+    // head each thread writes back only the entries it read itself (before the loop): it writes them right
+    // there, in the conv. A cluster's blocks share the q/k history, so they wait for a cluster barrier (in
+    // step 4), and carry the value the shift dropped until then.
+#define V3_HIST_IN_CONV (GDN_NCB == 1)
+#if GDN_COMMIT && !V3_HIST_IN_CONV
+    float hdrop[NCH];
 #pragma unroll
     for (int m = 0; m < NCH; ++m) hdrop[m] = 0.0f;
 #endif
@@ -268,7 +273,14 @@ gdn_step(float* __restrict__ state, float* __restrict__ hist, const float* __res
                     s = fmaf(hst[m][2], w.z, s);
                     s = fmaf(in[m], w.w, s);
                     cv = s / (1.0f + expf(-s));
-#if GDN_COMMIT
+#if GDN_COMMIT && V3_HIST_IN_CONV
+                    if (u == commit_at) {
+                        const int o3 = hist_off(e, rank);
+                        hist_head[o3] = hst[m][0];
+                        hist_head[o3 + 1] = hst[m][1];
+                        hist_head[o3 + 2] = hst[m][2];
+                    }
+#elif GDN_COMMIT
                     hdrop[m] = hst[m][0];
 #endif
                     hst[m][0] = hst[m][1];
@@ -364,18 +376,25 @@ gdn_step(float* __restrict__ state, float* __restrict__ hist, const float* __res
 #endif
             }
 #if GDN_COMMIT
-            // the history after token t (the conv of token u above has shifted it once more when prep), once
-            // every block of the cluster has read its own (before the loop; a cluster barrier lies between)
-            if (u == commit_at) {
+            // the history after token t, unless the conv of token u wrote it already (one block a head); in a
+            // cluster, after the barrier above (every block has read its own before the loop), taking the value
+            // the conv of token u shifted out when there was one
+            if (u == commit_at && (!V3_HIST_IN_CONV || !prep)) {
 #pragma unroll
                 for (int m = 0; m < NCH; ++m) {
                     const int e = tid + m * NT;
                     const bool mine = e < 2 * D ? (e / QK_PER_RANK) == rank : chan[m] >= 0;
                     if (mine) {
                         const int o3 = hist_off(e, rank);
+#if V3_HIST_IN_CONV
+                        hist_head[o3] = hst[m][0];
+                        hist_head[o3 + 1] = hst[m][1];
+                        hist_head[o3 + 2] = hst[m][2];
+#else
                         hist_head[o3] = prep ? hdrop[m] : hst[m][0];
                         hist_head[o3 + 1] = prep ? hst[m][0] : hst[m][1];
                         hist_head[o3 + 2] = prep ? hst[m][1] : hst[m][2];
+#endif
                     }
                 }
             }
