@@ -60,6 +60,10 @@ fn main() -> gdn::Result<()> {
     let table = std::env::args().any(|a| a == "table");
     let cuda = Cuda::new()?;
     println!("backend: {}", cuda.name());
+    println!(
+        "kernel: {:?} (GDN_CUDA_KERNEL=v3 selects v3)",
+        spec::Kernel::from_env()
+    );
     let copy = cuda.copy_ceiling(1 << 30)?;
     println!(
         "copy ceiling: {:.3} TB/s (read + write, 1 GiB, events, median)",
@@ -152,7 +156,8 @@ fn main() -> gdn::Result<()> {
         if seen.insert(s) {
             if let Ok(c) = spec::compiled(&s) {
                 println!(
-                    "T {} {:?} plan {}/{}/{}: {}",
+                    "{:?} T {} {:?} plan {}/{}/{}: {}",
+                    s.kernel,
                     r.t,
                     r.gate,
                     r.plan.ncb,

@@ -1,6 +1,6 @@
 //! Prints the plan and ptxas's resource report of the main seed-shape specialisations (no GPU needed).
 use gdn::{Commit, Config, Shape};
-use gdn_cuda::spec::{compiled, resource_line, Plan, Spec, CLUSTER_SIZES};
+use gdn_cuda::spec::{compiled, resource_line, Kernel, Plan, Spec, CLUSTER_SIZES};
 
 fn main() {
     let cfg = Config::new(Shape::SEED);
@@ -8,11 +8,14 @@ fn main() {
         let Some(p) = Plan::for_ncb(128, ncb) else {
             continue;
         };
-        for t in [1, 8] {
-            let s = Spec::new((9, 0), &cfg, t, Commit::All, false, p);
+        for (t, kernel) in [1, 8]
+            .into_iter()
+            .flat_map(|t| [(t, Kernel::V2b), (t, Kernel::V3)])
+        {
+            let s = Spec::new((9, 0), &cfg, t, Commit::All, false, p).with_kernel(kernel);
             match compiled(&s) {
                 Ok(c) => println!(
-                    "plan {}/{}/{} ({} threads) T {t}: {}",
+                    "{kernel:?} plan {}/{}/{} ({} threads) T {t}: {}",
                     p.ncb,
                     p.rg,
                     p.minb,
@@ -40,16 +43,46 @@ fn main() {
             minb: 1,
         },
     ] {
-        for t in [1, 8] {
-            let s = Spec::new((9, 0), &cfg, t, Commit::All, false, p);
+        for (t, kernel) in [1, 8]
+            .into_iter()
+            .flat_map(|t| [(t, Kernel::V2b), (t, Kernel::V3)])
+        {
+            let s = Spec::new((9, 0), &cfg, t, Commit::All, false, p).with_kernel(kernel);
             if let Ok(c) = compiled(&s) {
                 println!(
-                    "plan {}/{}/{} T {t}: {}",
+                    "{kernel:?} plan {}/{}/{} T {t}: {}",
                     p.ncb,
                     p.rg,
                     p.minb,
                     resource_line(&c.log)
                 );
+            }
+        }
+    }
+    // kernel v3 at the planner's split: commit-all and verify without planes, commit-all with planes
+    let p = Plan::choose(128, 48, 256, 132).expect("a split for d 128");
+    for (commit, planes) in [
+        (Commit::All, false),
+        (Commit::Verify, false),
+        (Commit::All, true),
+        (Commit::Verify, true),
+    ] {
+        for t in [1, 2, 4, 8, 9] {
+            let s = Spec::new((9, 0), &cfg, t, commit, planes, p).with_kernel(Kernel::V3);
+            match compiled(&s) {
+                Ok(c) => println!(
+                    "v3 plan {}/{}/{} {commit:?} planes {planes} T {}: {}",
+                    p.ncb,
+                    p.rg,
+                    p.minb,
+                    if t > 8 {
+                        "run-time".to_string()
+                    } else {
+                        t.to_string()
+                    },
+                    resource_line(&c.log)
+                ),
+                Err(e) => println!("v3 plan {p:?} T {t}: {e}"),
             }
         }
     }

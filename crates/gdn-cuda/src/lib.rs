@@ -50,7 +50,7 @@ use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, DriverError};
 use gdn::{Backend, Error, Layer, LayerPool, Result};
 
 pub use pool::{CudaPool, DeviceBatch};
-pub use spec::{Plan, Spec};
+pub use spec::{Kernel, Plan, Spec};
 
 pub(crate) fn drv(e: DriverError) -> Error {
     Error::Backend(format!("CUDA driver: {e:?}"))
@@ -77,6 +77,8 @@ pub struct Cuda {
     pub(crate) plan_override: Option<Plan>,
     /// Launch with programmatic dependent launch (the default; `GDN_CUDA_PDL=0` turns it off).
     pub(crate) pdl: bool,
+    /// The token loop's variant (`GDN_CUDA_KERNEL=v3`; default v2b).
+    pub(crate) kernel: Kernel,
 }
 
 impl Cuda {
@@ -149,6 +151,7 @@ impl Cuda {
             functions: Arc::new(Mutex::new(HashMap::new())),
             plan_override,
             pdl: std::env::var("GDN_CUDA_PDL").map_or(true, |v| v != "0"),
+            kernel: Kernel::from_env(),
         })
     }
 
@@ -175,6 +178,16 @@ impl Cuda {
     /// Turns programmatic dependent launch on or off for launches from now on.
     pub fn set_pdl(&mut self, on: bool) {
         self.pdl = on;
+    }
+
+    /// Selects the kernel variant for pools created afterwards (the default comes from `GDN_CUDA_KERNEL`).
+    pub fn set_kernel(&mut self, kernel: Kernel) {
+        self.kernel = kernel;
+    }
+
+    /// The kernel variant pools created from now on run.
+    pub fn kernel(&self) -> Kernel {
+        self.kernel
     }
 
     /// Sets (or with `None` clears) a fixed launch plan for pools created afterwards.

@@ -130,7 +130,8 @@ impl CudaPool {
             commit,
             planes,
             self.plan(b)?,
-        ))
+        )
+        .with_kernel(self.cuda.kernel))
     }
 
     /// Compiles and loads the kernel a step of this kind needs, so that a later step (for instance one

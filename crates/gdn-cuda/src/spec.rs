@@ -20,6 +20,28 @@ pub const CLUSTER_SIZES: [usize; 4] = [1, 2, 4, 8];
 /// Rows of one column a thread may hold in registers.
 const MAX_ROWS_PER_THREAD: usize = 64;
 
+/// Which token loop the kernel runs (NOTES.md, "Kernel versions").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// Kernel v2b: kv sweep, butterfly, update + readout sweep, butterfly; three block barriers a token.
+    #[default]
+    V2b,
+    /// Kernel v3: the readout from the state before the update; one sweep a token that updates by the
+    /// previous token and accumulates S^T k and S^T q of the next, one butterfly phase, two block barriers.
+    V3,
+}
+
+impl Kernel {
+    /// The variant chosen by `GDN_CUDA_KERNEL` (`v3`; anything else or unset: `v2b`), read once a process.
+    pub fn from_env() -> Kernel {
+        static CHOICE: OnceLock<Kernel> = OnceLock::new();
+        *CHOICE.get_or_init(|| match std::env::var("GDN_CUDA_KERNEL") {
+            Ok(v) if v.trim().eq_ignore_ascii_case("v3") => Kernel::V3,
+            _ => Kernel::V2b,
+        })
+    }
+}
+
 /// Everything one compiled kernel is specialised on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Spec {
@@ -34,6 +56,8 @@ pub struct Spec {
     /// false: verify; true: commit at a run-time token count.
     pub commit: bool,
     pub plan: Plan,
+    /// The token loop's variant.
+    pub kernel: Kernel,
 }
 
 /// How one value head's state is split over threads and blocks.
@@ -120,7 +144,8 @@ impl Plan {
 }
 
 impl Spec {
-    /// The specialisation for a layer config, window and commit mode under a plan.
+    /// The specialisation for a layer config, window and commit mode under a plan, with the kernel variant
+    /// `GDN_CUDA_KERNEL` selects (see [`Kernel::from_env`]; [`Spec::with_kernel`] picks another).
     pub fn new(
         arch: (i32, i32),
         config: &Config,
@@ -138,7 +163,13 @@ impl Spec {
             planes,
             commit: commit != Commit::Verify,
             plan,
+            kernel: Kernel::from_env(),
         }
+    }
+
+    /// The same specialisation with another kernel variant.
+    pub fn with_kernel(self, kernel: Kernel) -> Spec {
+        Spec { kernel, ..self }
     }
 
     /// The macro lines that select this specialisation, put before the kernel source.
@@ -147,7 +178,7 @@ impl Spec {
         format!(
             "#define GDN_D {}\n#define GDN_HK {}\n#define GDN_HV {}\n#define GDN_T {}\n#define GDN_SILU {}\n\
              #define GDN_GROUPED {}\n#define GDN_PLANES {}\n#define GDN_COMMIT {}\n#define GDN_NCB {}\n\
-             #define GDN_RG {}\n#define GDN_MINB {}\n",
+             #define GDN_RG {}\n#define GDN_MINB {}\n#define GDN_V3 {}\n",
             s.d,
             s.h_k,
             s.h_v,
@@ -159,6 +190,7 @@ impl Spec {
             self.plan.ncb,
             self.plan.rg,
             self.plan.minb,
+            (self.kernel == Kernel::V3) as u8,
         )
     }
 
@@ -282,7 +314,7 @@ pub fn resource_line(log: &str) -> String {
 }
 
 /// Every specialisation the planner can produce for `config` on `arch` at batch sizes `batches`, for windows
-/// 1..=MAX_CONST_T and the run-time length: all gates/maps are taken from `config`.
+/// 1..=MAX_CONST_T and the run-time length, for both kernel variants: all gates/maps are taken from `config`.
 pub fn all_specs(arch: (i32, i32), config: &Config, sms: usize, batches: &[usize]) -> Vec<Spec> {
     let mut plans: Vec<Plan> = batches
         .iter()
@@ -296,7 +328,10 @@ pub fn all_specs(arch: (i32, i32), config: &Config, sms: usize, batches: &[usize
             for planes in [false, true] {
                 for commit in [Commit::Verify, Commit::All] {
                     let tt = if t == 0 { MAX_CONST_T + 1 } else { t };
-                    out.push(Spec::new(arch, config, tt, commit, planes, plan));
+                    let s = Spec::new(arch, config, tt, commit, planes, plan);
+                    for kernel in [Kernel::V2b, Kernel::V3] {
+                        out.push(s.with_kernel(kernel));
+                    }
                 }
             }
         }

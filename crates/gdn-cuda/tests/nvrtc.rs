@@ -2,7 +2,7 @@
 //! a message only when libnvrtc cannot be loaded and `GDN_REQUIRE_NVRTC` is unset (CI sets it).
 
 use gdn::{Config, Gate, HeadMap, Shape};
-use gdn_cuda::spec::{self, all_specs, compiled, Plan, CLUSTER_SIZES};
+use gdn_cuda::spec::{self, all_specs, compiled, Kernel, Plan, CLUSTER_SIZES};
 
 fn nvrtc_or_skip(test: &str) -> bool {
     if spec::nvrtc_present() {
@@ -71,7 +71,7 @@ fn every_seed_specialisation_compiles() {
 }
 
 /// Every cluster size's split (the planner's and the `GDN_CUDA_PLAN` overrides' kind) for the small shapes the
-/// conformance suite uses, the seed shape and larger heads, T 1 and run-time.
+/// conformance suite uses, the seed shape and larger heads, T 1 and run-time, commit and verify, both kernels.
 #[test]
 fn every_split_compiles_for_other_shapes() {
     if !nvrtc_or_skip("every_split_compiles_for_other_shapes") {
@@ -90,14 +90,12 @@ fn every_split_compiles_for_other_shapes() {
         for ncb in CLUSTER_SIZES {
             if let Some(plan) = Plan::for_ncb(d, ncb) {
                 for t in [1, 9] {
-                    specs.push(spec::Spec::new(
-                        (9, 0),
-                        &cfg,
-                        t,
-                        gdn::Commit::All,
-                        true,
-                        plan,
-                    ));
+                    for commit in [gdn::Commit::All, gdn::Commit::Verify] {
+                        let s = spec::Spec::new((9, 0), &cfg, t, commit, true, plan);
+                        for kernel in [Kernel::V2b, Kernel::V3] {
+                            specs.push(s.with_kernel(kernel));
+                        }
+                    }
                 }
             }
         }
