@@ -42,29 +42,27 @@ pub trait Backend {
     fn name(&self) -> String;
     /// Loads a layer's parameters and makes a state pool of `slots` zeroed slots for it.
     fn create_pool(&self, layer: &Layer, slots: usize) -> Result<Box<dyn LayerPool>>;
-    /// The memory-copy ceiling of this backend's memory, in bytes read plus bytes written per second, measured
-    /// now with the footprint of a state of `bytes` bytes read and written in place: the first half of a buffer
-    /// of `bytes` bytes copied onto its second half. Like with like: at small sizes both live in the same cache.
+    /// The memory ceiling of this backend for a state of `bytes` bytes updated in place, in bytes read plus
+    /// bytes written per second, measured now: one read-modify-write pass over a buffer of `bytes` bytes, the
+    /// access pattern of the step's state (a copy into a second buffer would also pay, on x86, a read for
+    /// ownership of every destination line). Device backends measure a large device copy instead.
     fn copy_ceiling(&self, bytes: usize) -> Result<f64> {
-        let mut buf = vec![1.0f32; (bytes / 8).max(1) * 2];
-        let half = buf.len() / 2;
+        let mut buf = vec![1.0f32; (bytes / 4).max(1)];
         let t = time_host(7, 8, || {
-            let (src, dst) = buf.split_at_mut(half);
-            cached_copy(src, dst);
+            touch_in_place(&mut buf);
             Ok(())
         })?;
-        Ok((buf.len() * 4) as f64 / t.as_secs_f64())
+        Ok(2.0 * (buf.len() * 4) as f64 / t.as_secs_f64())
     }
 }
 
-/// `dst = src` with ordinary (cached) stores, as a step's stores are. glibc's memcpy switches to non-temporal
-/// stores on large buffers, which bypass the cache a state of that size sits in and would understate the
-/// ceiling; adding 0.0 keeps the compiler from turning this loop into a memcpy call (and is exact).
-pub fn cached_copy(src: &[f32], dst: &mut [f32]) {
-    for (d, s) in dst.iter_mut().zip(std::hint::black_box(src)) {
-        *d = *s + 0.0;
+/// One read-modify-write pass: every element read and written back (adding 0.0 is exact and keeps the compiler
+/// from removing the pass).
+pub fn touch_in_place(buf: &mut [f32]) {
+    for x in std::hint::black_box(&mut *buf).iter_mut() {
+        *x += 0.0;
     }
-    std::hint::black_box(dst);
+    std::hint::black_box(buf);
 }
 
 /// One layer on one backend: its parameters and its pool of per-sequence states (S and the conv history),
