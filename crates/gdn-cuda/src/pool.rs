@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{
     sys, CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
 };
-use gdn::backend::check_slot_io;
+use gdn::backend::{check_slot_io, head_history};
 use gdn::{Commit, Error, Layer, LayerPool, OutputLayout, Result, StepArgs, StepTiming};
 
 use crate::spec::{self, Plan, Spec};
@@ -356,44 +356,6 @@ impl CudaPool {
         }
         Ok(())
     }
-
-    /// The history of one slot from SPEC.md's [C][3] to the pool's [h_v][3][d][3].
-    fn hist_to_pool(&self, hist: &[f32]) -> Vec<f32> {
-        let sh = self.layer.shape();
-        let (d, h_k, h_v) = (sh.d, sh.h_k, sh.h_v);
-        let mut out = vec![0.0f32; h_v * 9 * d];
-        for h in 0..h_v {
-            let g = self.layer.config.head_map.qk_head(sh, h);
-            let first = [g * d, h_k * d + g * d, 2 * h_k * d + h * d];
-            for (part, &c0) in first.iter().enumerate() {
-                let dst = &mut out[(h * 3 + part) * 3 * d..(h * 3 + part + 1) * 3 * d];
-                dst.copy_from_slice(&hist[c0 * 3..(c0 + d) * 3]);
-            }
-        }
-        out
-    }
-
-    /// The pool's [h_v][3][d][3] history of one slot back to SPEC.md's [C][3]: a q/k head's history from the
-    /// first value head that reads it (all copies are equal).
-    fn hist_from_pool(&self, pooled: &[f32], hist: &mut [f32]) {
-        let sh = self.layer.shape();
-        let (d, h_k, h_v) = (sh.d, sh.h_k, sh.h_v);
-        let mut done = vec![false; h_k];
-        for h in 0..h_v {
-            let g = self.layer.config.head_map.qk_head(sh, h);
-            let src = |part: usize| &pooled[(h * 3 + part) * 3 * d..(h * 3 + part + 1) * 3 * d];
-            if !std::mem::replace(&mut done[g], true) {
-                hist[g * d * 3..(g + 1) * d * 3].copy_from_slice(src(0));
-                hist[(h_k + g) * d * 3..(h_k + g + 1) * d * 3].copy_from_slice(src(1));
-            }
-            hist[(2 * h_k + h) * d * 3..(2 * h_k + h + 1) * d * 3].copy_from_slice(src(2));
-        }
-    }
-
-    fn hist_len_pool(&self) -> usize {
-        let sh = self.layer.shape();
-        sh.h_v * 9 * sh.d
-    }
 }
 
 impl LayerPool for CudaPool {
@@ -408,8 +370,9 @@ impl LayerPool for CudaPool {
     fn write_slot(&mut self, slot: usize, state: &[f32], hist: &[f32]) -> Result<()> {
         check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
         let sl = state.len();
-        let hl = self.hist_len_pool();
-        let pooled = self.hist_to_pool(hist);
+        let hl = head_history::len(&self.layer);
+        let mut pooled = vec![0.0f32; hl];
+        head_history::from_spec(&self.layer, hist, &mut pooled);
         let s = self.cuda.stream.clone();
         s.memcpy_htod(state, &mut self.state.slice_mut(slot * sl..(slot + 1) * sl))
             .map_err(drv)?;
@@ -424,7 +387,7 @@ impl LayerPool for CudaPool {
     fn read_slot(&mut self, slot: usize, state: &mut [f32], hist: &mut [f32]) -> Result<()> {
         check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
         let sl = state.len();
-        let hl = self.hist_len_pool();
+        let hl = head_history::len(&self.layer);
         let mut pooled = vec![0.0f32; hl];
         let s = self.cuda.stream.clone();
         s.memcpy_dtoh(&self.state.slice(slot * sl..(slot + 1) * sl), state)
@@ -432,7 +395,7 @@ impl LayerPool for CudaPool {
         s.memcpy_dtoh(&self.hist.slice(slot * hl..(slot + 1) * hl), &mut pooled)
             .map_err(drv)?;
         s.synchronize().map_err(drv)?;
-        self.hist_from_pool(&pooled, hist);
+        head_history::to_spec(&self.layer, &pooled, hist);
         Ok(())
     }
 

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use gdn::backend::check_slot_io;
+use gdn::backend::{check_slot_io, head_history};
 use gdn::{Error, Gate, HeadMap, Layer, LayerPool, OutputLayout, Result, StepArgs, StepTiming};
 
 use crate::kernel::{choose_row_blocks, KernelKey};
@@ -206,23 +206,6 @@ impl WgpuPool {
         })
     }
 
-    /// Floats of one slot's history in the pool's layout.
-    fn hist_slot_len(&self) -> usize {
-        let sh = self.layer.shape();
-        sh.h_v * 9 * sh.d
-    }
-
-    /// The conv channel of SPEC.md's [C] order that value head `h`'s copy holds at (role, e).
-    fn channel(&self, h: usize, role: usize, e: usize) -> usize {
-        let sh = self.layer.shape();
-        let g = self.layer.config.head_map.qk_head(sh, h);
-        match role {
-            0 => g * sh.d + e,
-            1 => (sh.h_k + g) * sh.d + e,
-            _ => (2 * sh.h_k + h) * sh.d + e,
-        }
-    }
-
     /// Uploads a step's inputs and job list and records its arguments; returns the number of live sequences
     /// and the pipeline.
     fn prepare(
@@ -350,19 +333,11 @@ impl LayerPool for WgpuPool {
     fn write_slot(&mut self, slot: usize, state: &[f32], hist: &[f32]) -> Result<()> {
         check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
         let sh = *self.layer.shape();
-        let hl = self.hist_slot_len();
+        let hl = head_history::len(&self.layer);
         let mut own = std::mem::take(&mut self.scratch);
         own.clear();
         own.resize(hl, 0.0);
-        for h in 0..sh.h_v {
-            for role in 0..3 {
-                for e in 0..sh.d {
-                    let c = self.channel(h, role, e);
-                    let at = ((h * 3 + role) * sh.d + e) * 3;
-                    own[at..at + 3].copy_from_slice(&hist[c * 3..c * 3 + 3]);
-                }
-            }
-        }
+        head_history::from_spec(&self.layer, hist, &mut own);
         let gpu = &self.gpu;
         gpu.queue.write_buffer(
             &self.state,
@@ -382,7 +357,7 @@ impl LayerPool for WgpuPool {
     fn read_slot(&mut self, slot: usize, state: &mut [f32], hist: &mut [f32]) -> Result<()> {
         check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
         let sh = *self.layer.shape();
-        let hl = self.hist_slot_len();
+        let hl = head_history::len(&self.layer);
         let gpu = self.gpu.clone();
         let sb = (sh.state_len() * 4) as u64;
         let hb = (hl * 4) as u64;
@@ -402,22 +377,7 @@ impl LayerPool for WgpuPool {
             bytemuck::cast_slice_mut::<f32, u8>(state).copy_from_slice(s);
             bytemuck::cast_slice_mut::<f32, u8>(&mut own).copy_from_slice(h);
         })?;
-        // q/k channels from the first value head that reads them (every copy is the same), v from its head
-        let mut done = vec![false; sh.h_k];
-        for h in 0..sh.h_v {
-            let g = self.layer.config.head_map.qk_head(&sh, h);
-            let first = !std::mem::replace(&mut done[g], true);
-            for role in 0..3 {
-                if role < 2 && !first {
-                    continue;
-                }
-                for e in 0..sh.d {
-                    let c = self.channel(h, role, e);
-                    let at = ((h * 3 + role) * sh.d + e) * 3;
-                    hist[c * 3..c * 3 + 3].copy_from_slice(&own[at..at + 3]);
-                }
-            }
-        }
+        head_history::to_spec(&self.layer, &own, hist);
         self.scratch = own;
         gpu.take_errors()
     }

@@ -125,3 +125,91 @@ pub fn check_slot_io(
     }
     Ok(())
 }
+
+/// The conv history laid out with a private copy per value head, `[h_v][3 (q, k, v)][d][3]`, as the GPU
+/// backends keep it: every head's block then owns all the history it reads and can commit it in place (SPEC.md
+/// forbids updating a q/k channel in place that other heads' blocks may still read). All copies of a q/k
+/// channel stay equal because every value head of a slot is stepped together.
+pub mod head_history {
+    use crate::Layer;
+
+    /// Floats of one slot's history in this layout.
+    pub fn len(layer: &Layer) -> usize {
+        let sh = layer.shape();
+        sh.h_v * 9 * sh.d
+    }
+
+    /// The channel (SPEC.md's order) that value head `h`'s copy holds in `role` (0 q, 1 k, 2 v) at offset `e`.
+    fn channel(layer: &Layer, h: usize, role: usize, e: usize) -> usize {
+        let sh = layer.shape();
+        let g = layer.config.head_map.qk_head(sh, h);
+        match role {
+            0 => g * sh.d + e,
+            1 => (sh.h_k + g) * sh.d + e,
+            _ => (2 * sh.h_k + h) * sh.d + e,
+        }
+    }
+
+    /// SPEC.md's `[C][3]` history of one slot into `out` (`len(layer)` floats).
+    pub fn from_spec(layer: &Layer, hist: &[f32], out: &mut [f32]) {
+        let sh = layer.shape();
+        for h in 0..sh.h_v {
+            for role in 0..3 {
+                for e in 0..sh.d {
+                    let (c, at) = (channel(layer, h, role, e), ((h * 3 + role) * sh.d + e) * 3);
+                    out[at..at + 3].copy_from_slice(&hist[c * 3..c * 3 + 3]);
+                }
+            }
+        }
+    }
+
+    /// Back to SPEC.md's `[C][3]`: a q/k channel from the first value head that reads it, v from its own head.
+    pub fn to_spec(layer: &Layer, pooled: &[f32], hist: &mut [f32]) {
+        let sh = layer.shape();
+        let mut done = vec![false; sh.h_k];
+        for h in 0..sh.h_v {
+            let first = !std::mem::replace(&mut done[layer.config.head_map.qk_head(sh, h)], true);
+            for role in 0..3 {
+                if role < 2 && !first {
+                    continue;
+                }
+                for e in 0..sh.d {
+                    let (c, at) = (channel(layer, h, role, e), ((h * 3 + role) * sh.d + e) * 3);
+                    hist[c * 3..c * 3 + 3].copy_from_slice(&pooled[at..at + 3]);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::head_history;
+    use crate::synth::Synth;
+    use crate::{Config, HeadMap, Shape};
+
+    #[test]
+    fn head_history_round_trips_and_copies_each_qk_channel_per_head() {
+        for map in [HeadMap::Tiled, HeadMap::Grouped] {
+            let mut config = Config::new(Shape::new(16, 2, 6).unwrap());
+            config.head_map = map;
+            let mut rng = Synth::new(9);
+            let layer = rng.layer(config).unwrap();
+            let (_, hist) = rng.seq_state(&layer);
+            let mut pooled = vec![0.0; head_history::len(&layer)];
+            head_history::from_spec(&layer, &hist, &mut pooled);
+            let mut back = vec![0.0; hist.len()];
+            head_history::to_spec(&layer, &pooled, &mut back);
+            assert_eq!(back, hist, "{map:?}");
+            // value head h's q copy is q/k head g(h)'s history
+            let (d, sh) = (16, *layer.shape());
+            for h in 0..sh.h_v {
+                let g = map.qk_head(&sh, h);
+                assert_eq!(
+                    &pooled[h * 9 * d..h * 9 * d + 3 * d],
+                    &hist[g * d * 3..(g + 1) * d * 3]
+                );
+            }
+        }
+    }
+}
