@@ -276,6 +276,66 @@ pub fn untouched_slots_stay_untouched(backend: &dyn Backend) {
     check_against_oracle(backend, &case);
 }
 
+/// `reset_slot` zeroes one slot and `copy_slot` duplicates one, bitwise, touching no other slot; a forked
+/// sequence then steps exactly like its original.
+pub fn reset_and_copy_slots(backend: &dyn Backend) {
+    let mut spec = CaseSpec::new(Shape::new(32, 2, 4).unwrap(), 2, 3, 71);
+    spec.spare_slots = 2;
+    let case = spec.build();
+    let mut pool = case.pool(backend);
+    pool.copy_slot(0, 3).unwrap();
+    pool.reset_slot(2).unwrap();
+    assert!(matches!(pool.copy_slot(0, 4), Err(Error::SlotRange { .. })));
+    assert!(matches!(pool.copy_slot(4, 0), Err(Error::SlotRange { .. })));
+    assert!(matches!(pool.reset_slot(4), Err(Error::SlotRange { .. })));
+    let slots = read_slots(pool.as_mut());
+    for (i, (s, h)) in slots.iter().enumerate() {
+        let (ws, wh) = match i {
+            2 => (vec![0.0; s.len()], vec![0.0; h.len()]),
+            3 => case.init[0].clone(),
+            _ => case.init[i].clone(),
+        };
+        assert!(
+            bits(s) == bits(&ws) && bits(h) == bits(&wh),
+            "slot {i} after reset_slot(2), copy_slot(0, 3)"
+        );
+    }
+    // the fork steps like the original, bit for bit
+    let batch = gdn::synth::Synth::new(72).batch(&case.layer, 2, 3);
+    let mut out = vec![0.0; 2 * 3 * case.layer.shape().n()];
+    let args = StepArgs {
+        batch: batch.view(),
+        slots: &[0, 3],
+        commit: Commit::All,
+        plane_stride: None,
+    };
+    // both sequences get the same window
+    let mut same = batch.clone();
+    let (c, hv, n) = (
+        case.layer.shape().channels(),
+        case.layer.shape().h_v,
+        case.layer.shape().n(),
+    );
+    same.qkv.copy_within(0..3 * c, 3 * c);
+    same.alpha.copy_within(0..3 * hv, 3 * hv);
+    same.beta.copy_within(0..3 * hv, 3 * hv);
+    same.z.copy_within(0..3 * n, 3 * n);
+    let args = StepArgs {
+        batch: same.view(),
+        ..args
+    };
+    pool.step(&args, &mut out).unwrap();
+    assert!(
+        bits(&out[..3 * n]) == bits(&out[3 * n..]),
+        "a forked sequence stepped differently"
+    );
+    let after = read_slots(pool.as_mut());
+    assert!(
+        bits(&after[0].0) == bits(&after[3].0),
+        "a forked state diverged"
+    );
+}
+
 /// The head map matters: a backend run with one map matches the oracle with that map and not with the other.
 pub fn head_map_is_honoured(backend: &dyn Backend) {
     for map in [HeadMap::Tiled, HeadMap::Grouped] {
@@ -550,6 +610,7 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!(@one $make, identical_inputs_identical_bits, $crate::checks::identical_inputs_identical_bits);
         $crate::conformance_tests!(@one $make, untouched_slots_stay_untouched, $crate::checks::untouched_slots_stay_untouched);
         $crate::conformance_tests!(@one $make, head_map_is_honoured, $crate::checks::head_map_is_honoured);
+        $crate::conformance_tests!(@one $make, reset_and_copy_slots, $crate::checks::reset_and_copy_slots);
         $crate::conformance_tests!(@one $make, planes_and_group_sums_follow_y, $crate::checks::planes_and_group_sums_follow_y);
         $crate::conformance_tests!(@one $make, nan_inputs_are_not_hidden, $crate::checks::nan_inputs_are_not_hidden);
         $crate::conformance_tests!(@one $make, bad_input_is_rejected_and_changes_nothing, $crate::checks::bad_input_is_rejected_and_changes_nothing);

@@ -74,6 +74,20 @@ pub trait LayerPool {
     fn write_slot(&mut self, slot: usize, state: &[f32], hist: &[f32]) -> Result<()>;
     /// Reads one slot's S and H in SPEC.md's layouts.
     fn read_slot(&mut self, slot: usize, state: &mut [f32], hist: &mut [f32]) -> Result<()>;
+    /// Zeroes one slot's S and H: a new sequence starts there. Backends may override this to stay on the device.
+    fn reset_slot(&mut self, slot: usize) -> Result<()> {
+        let sh = *self.layer().shape();
+        self.write_slot(slot, &vec![0.0; sh.state_len()], &vec![0.0; sh.hist_len()])
+    }
+    /// Copies slot `from` onto slot `to` (a sequence forked, e.g. for beam or tree speculation). Backends may
+    /// override this to stay on the device.
+    fn copy_slot(&mut self, from: usize, to: usize) -> Result<()> {
+        let sh = *self.layer().shape();
+        let (mut s, mut h) = (vec![0.0; sh.state_len()], vec![0.0; sh.hist_len()]);
+        check_slot_io(self.layer(), self.slots(), to, s.len(), h.len())?;
+        self.read_slot(from, &mut s, &mut h)?;
+        self.write_slot(to, &s, &h)
+    }
     /// Advances the named slots by their windows and writes `out` (see [`crate::OutputLayout`]). Every check
     /// runs before any state is touched: on error, the pool and `out` are as they were.
     fn step(&mut self, args: &StepArgs<'_>, out: &mut [f32]) -> Result<()>;
