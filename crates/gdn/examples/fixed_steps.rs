@@ -1,5 +1,5 @@
 //! Runs a fixed number of steps at the seed's shape, for counting cycles with `perf stat` on a busy machine:
-//! `cargo run --release -p gdn --example fixed_steps -- B T STEPS THREADS`.
+//! `cargo run --release -p gdn --example fixed_steps -- B T STEPS THREADS [H_K H_V]`.
 
 use gdn::synth::Synth;
 use gdn::{Backend, Commit, Config, Cpu, Shape, StepArgs};
@@ -12,7 +12,12 @@ fn main() -> gdn::Result<()> {
     let (b, t, steps, threads) = (a[0], a[1], a[2], a[3]);
     let backend = Cpu::with_threads(threads)?;
     let mut rng = Synth::new(1);
-    let layer = rng.layer(Config::new(Shape::SEED))?;
+    // optional 5th and 6th arguments: h_k and h_v (default the seed's), e.g. a small state that stays in L2
+    let shape = match (a.get(4), a.get(5)) {
+        (Some(&h_k), Some(&h_v)) => Shape::new(Shape::SEED.d, h_k, h_v)?,
+        _ => Shape::SEED,
+    };
+    let layer = rng.layer(Config::new(shape))?;
     let mut pool = backend.create_pool(&layer, b)?;
     for s in 0..b {
         let (st, h) = rng.seq_state(&layer);

@@ -122,19 +122,27 @@ pub fn conv_block(
     commit_at: usize,
 ) {
     // token by token (each token's inputs are one contiguous row), 16 channels at a time; the history of every
-    // group of 16 channels rides in `x` between tokens (d <= 1024: at most 64 groups)
+    // group of 16 channels rides in `x` between tokens
     let groups = d / LANES;
     let lanes = |v: &[f32], k: usize| -> [f32; LANES] {
         v[k * LANES..(k + 1) * LANES].try_into().expect("lanes")
     };
-    let mut x = [[[0.0f32; LANES]; 3]; 64];
-    for (g, xg) in x.iter_mut().enumerate().take(groups) {
+    // on the stack up to d 256 (zeroing a fixed 64-group array cost ~7% of a B 1 T 1 step)
+    let mut x_stack = [[[0.0f32; LANES]; 3]; 16];
+    let mut x_heap = Vec::new();
+    let x: &mut [[Lanes; 3]] = if groups <= x_stack.len() {
+        &mut x_stack[..groups]
+    } else {
+        x_heap.resize(groups, [[0.0f32; LANES]; 3]);
+        &mut x_heap
+    };
+    for (g, xg) in x.iter_mut().enumerate() {
         let hg = &hist[g * 3 * LANES..(g + 1) * 3 * LANES];
         *xg = [lanes(hg, 0), lanes(hg, 1), lanes(hg, 2)];
     }
     for tok in 0..t {
         let row = &qkv[tok * qkv_stride..tok * qkv_stride + d];
-        for (g, xg) in x.iter_mut().enumerate().take(groups) {
+        for (g, xg) in x.iter_mut().enumerate() {
             let wg = &w[g * 4 * LANES..(g + 1) * 4 * LANES];
             let cur = lanes(row, g);
             let mut s = [0.0f32; LANES];
@@ -170,9 +178,11 @@ pub struct HeadInputs<'a> {
     pub q: &'a [f32],
     pub k: &'a [f32],
     pub v: &'a [f32],
-    /// Per token: alpha, beta logit ([t], already picked out for this head), and z [t][d].
+    /// Per token: alpha and the beta logit at `[tok * gate_stride]` (slices starting at this head's entry of the
+    /// first token), and z [t][d].
     pub alpha: &'a [f32],
     pub beta: &'a [f32],
+    pub gate_stride: usize,
     pub z: &'a [f32],
     pub z_stride: usize,
     pub dt: f32,
@@ -326,8 +336,8 @@ pub fn head_window<'a>(inp: &HeadInputs<'a>, pool: &mut [f32], scratch: &mut [f3
     let (betas, rest) = rest.split_at_mut(t);
     let kqs = &mut rest[..t];
     for tok in 0..t {
-        gates[tok] = decay(inp.alpha[tok], inp.dt, inp.a);
-        betas[tok] = sigmoid(inp.beta[tok]);
+        gates[tok] = decay(inp.alpha[tok * inp.gate_stride], inp.dt, inp.a);
+        betas[tok] = sigmoid(inp.beta[tok * inp.gate_stride]);
         kqs[tok] = dot(
             &inp.k[tok * d..(tok + 1) * d],
             &inp.q[tok * d..(tok + 1) * d],

@@ -210,20 +210,16 @@ impl CpuPool {
                           work: &mut [f32]| {
             let g = layer.config.head_map.qk_head(&sh, h);
             let blk = |x: usize| &conv[((b * blocks) + x) * t * d..((b * blocks) + x + 1) * t * d];
-            let (alpha, beta): (Vec<f32>, Vec<f32>) = (0..t)
-                .map(|tok| {
-                    let i = (b * t + tok) * h_v + h;
-                    (batch.alpha[i], batch.beta[i])
-                })
-                .unzip();
+            let first = b * t * h_v + h;
             let inp = HeadInputs {
                 d,
                 t,
                 q: blk(g),
                 k: blk(h_k + g),
                 v: blk(2 * h_k + h),
-                alpha: &alpha,
-                beta: &beta,
+                alpha: &batch.alpha[first..],
+                beta: &batch.beta[first..],
+                gate_stride: h_v,
                 z: &batch.z[b * t * n + h * d..],
                 z_stride: n,
                 dt: p.dt[h],
