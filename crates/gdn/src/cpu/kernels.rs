@@ -277,8 +277,12 @@ fn column_block(
     let inv_sqrt_d = 1.0 / (d as f32).sqrt();
     let (k0, q0) = (&inp.k[..d], &inp.q[..d]);
     let (mut kv2, mut sq2) = ([[0.0f32; LANES]; 2], [[0.0f32; LANES]; 2]);
+    // the next block in memory (past a head's last block: the next head's first, which this thread likely runs
+    // next) is fetched row by row during this block's first read, so memory streams while this block computes
+    let ahead = pool.as_ptr().wrapping_add(d);
     for i in (0..d).step_by(2) {
         for r in 0..2 {
+            prefetch(ahead.wrapping_add(i + r));
             let s = &pool[i + r];
             for l in 0..LANES {
                 kv2[r][l] = s[l].mul_add(k0[i + r], kv2[r][l]);
@@ -361,6 +365,19 @@ pub fn head_window<'a>(inp: &HeadInputs<'a>, pool: &mut [f32], scratch: &mut [f3
             }
         }
     }
+}
+
+/// A hint to bring the cache line at `p` into L1.
+#[inline(always)]
+fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: PREFETCHT0 belongs to SSE, which every x86_64 CPU has; it is a hint that neither reads memory in the
+    // language's sense nor faults, whatever the address, so any pointer (even one past an allocation) is sound.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p.cast())
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
 }
 
 /// `x . y` with 16 partial sums in a fixed order.
