@@ -210,7 +210,7 @@ pub fn print_table(backend: &str, config: &Config, rows: &[Row], method: &str, d
         if device {
             "a device copy of a 1 GiB footprint (or the state's, if larger)"
         } else {
-            "one in-place read-modify-write pass over a buffer of the state's size, all threads"
+            "one in-place read-modify-write pass over a buffer of the state's size, all threads, with the step's software prefetch"
         }
     );
 }

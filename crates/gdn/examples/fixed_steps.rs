@@ -10,7 +10,12 @@ fn main() -> gdn::Result<()> {
         .map(|x| x.parse().expect("numbers"))
         .collect();
     let (b, t, steps, threads) = (a[0], a[1], a[2], a[3]);
-    let backend = Cpu::with_threads(threads)?;
+    // 0 threads: the default backend on rayon's global pool, as `gdn bench` runs it
+    let backend = if threads == 0 {
+        Cpu::new()
+    } else {
+        Cpu::with_threads(threads)?
+    };
     let mut rng = Synth::new(1);
     // optional 5th and 6th arguments: h_k and h_v (default the seed's), e.g. a small state that stays in L2
     let shape = match (a.get(4), a.get(5)) {

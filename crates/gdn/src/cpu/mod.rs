@@ -71,15 +71,16 @@ impl Backend for Cpu {
         format!("cpu ({}, {} threads)", Cpu::isa(), self.thread_count())
     }
 
-    /// The trait's in-place pass, by all the backend's threads, each on its own contiguous part, timed inside
-    /// the pool (the ceiling is the memory's, not a thread hand-off's).
+    /// An in-place read-modify-write pass with the step's software prefetch (`touch_in_place_prefetched`), by all
+    /// the backend's threads, each on its own contiguous part, timed inside the pool (the ceiling is the
+    /// memory's, not a thread hand-off's).
     fn copy_ceiling(&self, bytes: usize) -> Result<f64> {
         let mut buf = vec![1.0f32; (bytes / 4).max(1)];
         let chunk = buf.len().div_ceil(self.thread_count().max(1)).max(1);
         let t = in_pool(&self.threads, || {
             crate::backend::time_host(7, 8, || {
                 buf.par_chunks_mut(chunk)
-                    .for_each(crate::backend::touch_in_place);
+                    .for_each(kernels::touch_in_place_prefetched);
                 Ok(())
             })
         })?;
