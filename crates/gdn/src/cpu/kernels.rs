@@ -191,6 +191,8 @@ pub struct HeadInputs<'a> {
     pub gate: Gate,
     pub eps: f32,
     pub commit_at: usize,
+    /// Whether to fetch the next column block in software while a block computes (see `run_step`).
+    pub prefetch: bool,
 }
 
 /// Floats of scratch `head_window` needs for a window of `t` tokens.
@@ -282,7 +284,9 @@ fn column_block(
     let ahead = pool.as_ptr().wrapping_add(d);
     for i in (0..d).step_by(2) {
         for r in 0..2 {
-            prefetch(ahead.wrapping_add(i + r));
+            if inp.prefetch {
+                prefetch(ahead.wrapping_add(i + r));
+            }
             let s = &pool[i + r];
             for l in 0..LANES {
                 kv2[r][l] = s[l].mul_add(k0[i + r], kv2[r][l]);
