@@ -12,3 +12,11 @@ fn cpu_matches_oracle_at_a_large_head_dim() {
         gdn_conformance::check_against_oracle(&backend, &spec.build());
     }
 }
+
+/// Three sequences at the seed's shape (9.4 MiB of state) take the CPU's software-prefetch path (8 MiB and up).
+#[test]
+fn cpu_matches_oracle_with_software_prefetch() {
+    let backend = gdn::Cpu::new();
+    let spec = gdn_conformance::CaseSpec::new(gdn::Shape::SEED, 3, 2, 9);
+    gdn_conformance::check_against_oracle(&backend, &spec.build());
+}
