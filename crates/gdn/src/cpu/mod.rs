@@ -148,8 +148,9 @@ impl CpuPool {
         let eps = layer.config.eps;
         let p = &layer.params;
         // software prefetch of the next column block pays when the step's state does not stay in cache between
-        // calls (B 8, 25 MiB: 1.3x at T 1 on the development VM) and costs ~8% where it does (B 1, 3 MiB, in a
-        // server L3 and left to the hardware prefetcher); 8 MiB is a common L3 share per core complex
+        // calls (B 8, 25 MiB: 1.3x at T 1 on the development VM); where it does (B 1, 3 MiB, in a server L3, left
+        // to the hardware prefetcher) it gained nothing measurable and some series ran ~8% slower. 8 MiB is a
+        // common L3 share per core complex.
         let live = args.slots.iter().filter(|&&s| s >= 0).count();
         let prefetch = live * sh.state_len() * 4 >= 8 << 20;
         self.conv.resize(b_n * blocks * t * d, 0.0);
