@@ -4,6 +4,7 @@
 
 use multiversion::multiversion;
 
+use crate::backend::prefetch;
 use crate::Gate;
 
 /// Lanes of the fixed-order partial sums.
@@ -369,43 +370,6 @@ pub fn head_window<'a>(inp: &HeadInputs<'a>, pool: &mut [f32], scratch: &mut [f3
             }
         }
     }
-}
-
-/// One read-modify-write pass over `buf` (adding 0.0: exact, and the pass cannot be removed) with the same
-/// software prefetch as the step (8 KiB ahead): the ceiling the step's state traffic is compared with, so the
-/// comparison is with the best streaming this machine does, not with what its hardware prefetcher alone does.
-#[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
-pub fn touch_in_place_prefetched(buf: &mut [f32]) {
-    const AHEAD: usize = 8192 / 4;
-    let buf = std::hint::black_box(buf);
-    let end = buf.as_ptr_range().end;
-    let (lines, rest) = buf.as_chunks_mut::<LANES>();
-    for line in lines.iter_mut() {
-        let p = line.as_ptr().wrapping_add(AHEAD);
-        if p < end {
-            prefetch(p);
-        }
-        for x in line.iter_mut() {
-            *x += 0.0;
-        }
-    }
-    for x in rest {
-        *x += 0.0;
-    }
-    std::hint::black_box(buf);
-}
-
-/// A hint to bring the cache line at `p` into L1.
-#[inline(always)]
-fn prefetch<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: PREFETCHT0 belongs to SSE, which every x86_64 CPU has; it is a hint that neither reads memory in the
-    // language's sense nor faults, whatever the address, so any pointer (even one past an allocation) is sound.
-    unsafe {
-        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p.cast())
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
 }
 
 /// `x . y` with 16 partial sums in a fixed order.

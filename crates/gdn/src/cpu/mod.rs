@@ -71,16 +71,15 @@ impl Backend for Cpu {
         format!("cpu ({}, {} threads)", Cpu::isa(), self.thread_count())
     }
 
-    /// An in-place read-modify-write pass with the step's software prefetch (`touch_in_place_prefetched`), by all
-    /// the backend's threads, each on its own contiguous part, timed inside the pool (the ceiling is the
-    /// memory's, not a thread hand-off's).
+    /// The trait's in-place pass (with the step's software prefetch), by all the backend's threads, each on its
+    /// own contiguous part, timed inside the pool (the ceiling is the memory's, not a thread hand-off's).
     fn copy_ceiling(&self, bytes: usize) -> Result<f64> {
         let mut buf = vec![1.0f32; (bytes / 4).max(1)];
         let chunk = buf.len().div_ceil(self.thread_count().max(1)).max(1);
         let t = in_pool(&self.threads, || {
             crate::backend::time_host(7, 8, || {
                 buf.par_chunks_mut(chunk)
-                    .for_each(kernels::touch_in_place_prefetched);
+                    .for_each(crate::backend::touch_in_place);
                 Ok(())
             })
         })?;
