@@ -8,16 +8,7 @@
 #   wgpu_conformance}, strip them, add ../shared/anchors/fla_*.py; FLA wheels in .whl, Vulkan loaders in .gl
 #   device run from the repo root, carry [".devbin/final", ".whl", ".gl"]: bash tools/device/h200_all.sh
 set -u
-B=.devbin/final
-S=$OUT/summary.txt
-t0=$(date +%s)
-stamp() { echo "-- t=$(( $(date +%s) - t0 ))s $*" | tee -a "$S"; }
-for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
-icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-[ -f "$icd" ] && export VK_DRIVER_FILES="$icd"
-export XDG_RUNTIME_DIR=/tmp GDN_WGPU_ADAPTER=nvidia GDN_WGPU_REQUIRE=1
-L=$(dirname "$(find / -name 'libnvrtc.so.13*' -not -path '/proc/*' 2>/dev/null | grep -v builtins | head -1)")
-export LD_LIBRARY_PATH="$L:${LD_LIBRARY_PATH:-}"
+. tools/device/setup.sh
 # the test binaries find the HF fixtures through the path they were built at
 mkdir -p /work && ln -sfn "$PWD" /work/main
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$S"

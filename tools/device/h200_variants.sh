@@ -4,16 +4,7 @@
 # reduction paths), compute-sanitizer on v3, `gdn bench` for each kernel, and two more FLA cases. Prepared as
 # tools/device/h200_all.sh says; run from the repo root, carry [".devbin/final", ".whl", ".gl"].
 set -u
-B=.devbin/final
-S=$OUT/summary.txt
-t0=$(date +%s)
-stamp() { echo "-- t=$(( $(date +%s) - t0 ))s $*" | tee -a "$S"; }
-for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
-icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-[ -f "$icd" ] && export VK_DRIVER_FILES="$icd"
-export XDG_RUNTIME_DIR=/tmp GDN_WGPU_ADAPTER=nvidia GDN_WGPU_REQUIRE=1
-L=$(dirname "$(find / -name 'libnvrtc.so.13*' -not -path '/proc/*' 2>/dev/null | grep -v builtins | head -1)")
-export LD_LIBRARY_PATH="$L:${LD_LIBRARY_PATH:-}"
+. tools/device/setup.sh
 mkdir -p /work && ln -sfn "$PWD" /work/main
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$S"
 
