@@ -21,8 +21,9 @@ fn nvrtc_or_skip(test: &str) -> bool {
     false
 }
 
-/// Compiles `specs` on a few threads; returns the failures.
-fn compile_all(specs: Vec<spec::Spec>) -> Vec<String> {
+/// Compiles `specs` on a few threads and fails with every failure listed.
+fn assert_all_compile(specs: Vec<spec::Spec>) -> usize {
+    let n = specs.len();
     let threads = std::thread::available_parallelism()
         .map_or(2, |n| n.get())
         .min(8);
@@ -39,7 +40,14 @@ fn compile_all(specs: Vec<spec::Spec>) -> Vec<String> {
             });
         }
     });
-    failures.into_inner().unwrap()
+    let failures = failures.into_inner().unwrap();
+    assert!(
+        failures.is_empty(),
+        "{} of {n} failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    n
 }
 
 /// Every specialisation for the seed shape: both gates, both head maps, planes on/off, verify/commit, windows
@@ -59,14 +67,7 @@ fn every_seed_specialisation_compiles() {
             specs.extend(all_specs((9, 0), &cfg, 132, &[1, 2, 4, 8, 16, 256]));
         }
     }
-    let n = specs.len();
-    let failures = compile_all(specs);
-    assert!(
-        failures.is_empty(),
-        "{} of {n} failed:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    let n = assert_all_compile(specs);
     eprintln!("compiled {n} seed specialisations");
 }
 
@@ -100,14 +101,7 @@ fn every_split_compiles_for_other_shapes() {
             }
         }
     }
-    let n = specs.len();
-    let failures = compile_all(specs);
-    assert!(
-        failures.is_empty(),
-        "{} of {n} failed:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    assert_all_compile(specs);
 }
 
 /// The planner finds a valid split for the usual head dims, and for any other d either a valid split or a clean
