@@ -1,12 +1,23 @@
 //! The conformance suite on the CPU backend.
 gdn_conformance::conformance_tests!(|| Ok(Box::new(gdn::Cpu::new())));
 
-/// Head dims above 256 take the CPU conv's heap path for its per-group history (the suite's shapes stay small).
+/// The CPU conv takes a token's taps from the history while they reach back before the window (its first three
+/// tokens) and from the input rows after that, and writes the history from both: windows shorter and longer than
+/// the history, committed inside it, at its edge and past it, and a head dim above the suite's (d 320).
 #[test]
 fn cpu_matches_oracle_at_a_large_head_dim() {
     use gdn::{Commit, Shape};
     let backend = gdn::Cpu::new();
-    for (t, commit) in [(1, Commit::All), (3, Commit::First(2))] {
+    let cases = [
+        (1, Commit::All),
+        (2, Commit::First(1)),
+        (3, Commit::First(2)),
+        (4, Commit::First(3)),
+        (5, Commit::First(4)),
+        (6, Commit::All),
+        (5, Commit::Verify),
+    ];
+    for (t, commit) in cases {
         let mut spec = gdn_conformance::CaseSpec::new(Shape::new(320, 1, 2).unwrap(), 2, t, 7);
         spec.commit = commit;
         gdn_conformance::check_against_oracle(&backend, &spec.build());

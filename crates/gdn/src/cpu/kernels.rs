@@ -105,10 +105,26 @@ fn gate_lanes(z: &[f32; LANES], gate: Gate) -> [f32; LANES] {
     out
 }
 
+/// Position `pos` of a conv block's input sequence (3 history entries, then the window's input rows) from
+/// group 0 on, and the distance between groups of 16 channels: the history is [g][3][16], an input row [g][16].
+#[inline(always)]
+fn conv_input<'a>(
+    hist: &'a [f32],
+    qkv: &'a [f32],
+    stride: usize,
+    d: usize,
+    pos: usize,
+) -> (&'a [f32], usize) {
+    if pos < 3 {
+        (&hist[pos * LANES..], 3 * LANES)
+    } else {
+        (&qkv[(pos - 3) * stride..(pos - 3) * stride + d], LANES)
+    }
+}
+
 /// Conv + SiLU of one head block (`d` channels, 16 at a time) over a window, SPEC.md step 1, and for q/k
 /// blocks the L2 norm of step 2. `w` and `hist` are the block's taps and history in lanes ([d / 16][4 or 3][16]);
-/// `hist` is replaced by the history after
-/// `commit_at` tokens when that is non-zero; `out` gets [t][d].
+/// `hist` is replaced by the history after `commit_at` tokens when that is non-zero; `out` gets [t][d].
 #[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
 #[allow(clippy::too_many_arguments)]
 pub fn conv_block(
@@ -122,41 +138,33 @@ pub fn conv_block(
     normalize: Option<f32>,
     commit_at: usize,
 ) {
-    // token by token (each token's inputs are one contiguous row), 16 channels at a time; the history of every
-    // group of 16 channels rides in `x` between tokens
-    let groups = d / LANES;
-    let lanes = |v: &[f32], k: usize| -> [f32; LANES] {
-        v[k * LANES..(k + 1) * LANES].try_into().expect("lanes")
-    };
-    // on the stack up to d 256 (zeroing a fixed 64-group array cost ~7% of a B 1 T 1 step)
-    let mut x_stack = [[[0.0f32; LANES]; 3]; 16];
-    let mut x_heap = Vec::new();
-    let x: &mut [[Lanes; 3]] = if groups <= x_stack.len() {
-        &mut x_stack[..groups]
-    } else {
-        x_heap.resize(groups, [[0.0f32; LANES]; 3]);
-        &mut x_heap
-    };
-    for (g, xg) in x.iter_mut().enumerate() {
-        let hg = &hist[g * 3 * LANES..(g + 1) * 3 * LANES];
-        *xg = [lanes(hg, 0), lanes(hg, 1), lanes(hg, 2)];
-    }
+    // The conv reads the sequence x = [history (3 entries), the window's inputs (t rows)] at positions tok..tok + 4
+    // for token tok: the taps come straight from the history or from the input rows (still in cache), so there
+    // is no shift register to zero, fill and move. Token by token, each token's inputs being one contiguous row.
     for tok in 0..t {
-        let row = &qkv[tok * qkv_stride..tok * qkv_stride + d];
-        for (g, xg) in x.iter_mut().enumerate() {
+        let taps = [0, 1, 2, 3].map(|j| conv_input(hist, qkv, qkv_stride, d, tok + j));
+        for g in 0..d / LANES {
             let wg = &w[g * 4 * LANES..(g + 1) * 4 * LANES];
-            let cur = lanes(row, g);
+            let x: [&[f32; LANES]; 4] = taps
+                .map(|(v, stride)| v[g * stride..g * stride + LANES].try_into().expect("lanes"));
             let mut s = [0.0f32; LANES];
             for l in 0..LANES {
-                s[l] = xg[0][l].mul_add(wg[l], s[l]);
-                s[l] = xg[1][l].mul_add(wg[LANES + l], s[l]);
-                s[l] = xg[2][l].mul_add(wg[2 * LANES + l], s[l]);
-                s[l] = cur[l].mul_add(wg[3 * LANES + l], s[l]);
+                s[l] = x[0][l].mul_add(wg[l], s[l]);
+                s[l] = x[1][l].mul_add(wg[LANES + l], s[l]);
+                s[l] = x[2][l].mul_add(wg[2 * LANES + l], s[l]);
+                s[l] = x[3][l].mul_add(wg[3 * LANES + l], s[l]);
             }
             out[tok * d + g * LANES..tok * d + (g + 1) * LANES].copy_from_slice(&silu_lanes(&s));
-            *xg = [xg[1], xg[2], cur];
-            if tok + 1 == commit_at {
-                hist[g * 3 * LANES..(g + 1) * 3 * LANES].copy_from_slice(xg.as_flattened());
+        }
+    }
+    // the history after `commit_at` tokens is x at positions commit_at..commit_at + 3; written in increasing
+    // order, each entry reads a position at or past the one it overwrites, so no old entry is lost too early
+    if commit_at > 0 {
+        for g in 0..d / LANES {
+            for m in 0..3 {
+                let (v, stride) = conv_input(hist, qkv, qkv_stride, d, commit_at + m);
+                let e: [f32; LANES] = v[g * stride..g * stride + LANES].try_into().expect("lanes");
+                hist[(g * 3 + m) * LANES..(g * 3 + m + 1) * LANES].copy_from_slice(&e);
             }
         }
     }
