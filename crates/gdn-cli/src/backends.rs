@@ -7,7 +7,7 @@ pub const NAMES: &[&str] = &["cpu", "cuda", "wgpu"];
 
 pub fn make(name: &str) -> Result<Box<dyn Backend>> {
     match name {
-        "cpu" => Ok(Box::new(gdn::Cpu::new())),
+        "cpu" => Ok(Box::new(cpu())),
         "cuda" => Ok(Box::new(gdn_cuda::Cuda::new()?)),
         "wgpu" => Ok(Box::new(gdn_wgpu::Wgpu::new()?)),
         other => Err(Error::Unavailable(format!(
@@ -15,6 +15,13 @@ pub fn make(name: &str) -> Result<Box<dyn Backend>> {
             NAMES.join(", ")
         ))),
     }
+}
+
+/// The CPU backend as this binary drives it, from its main thread: a pool of one thread per core with the main
+/// thread one of them (no hand-off per call), or rayon's global pool where that cannot be built.
+fn cpu() -> gdn::Cpu {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    gdn::Cpu::with_calling_thread(cores).unwrap_or_default()
 }
 
 /// Whether a backend computes on a device with its own memory (the benchmark then uses the GPU grid).

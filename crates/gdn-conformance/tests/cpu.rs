@@ -1,6 +1,11 @@
 //! The conformance suite on the CPU backend.
 gdn_conformance::conformance_tests!(|| Ok(Box::new(gdn::Cpu::new())));
 
+/// The whole suite again with the calling thread in the backend's pool (each test runs on its own thread).
+mod calling_thread {
+    gdn_conformance::conformance_tests!(|| Ok(Box::new(gdn::Cpu::with_calling_thread(2)?)));
+}
+
 /// The CPU conv takes a token's taps from the history while they reach back before the window (its first three
 /// tokens) and from the input rows after that, and writes the history from both: windows shorter and longer than
 /// the history, committed inside it, at its edge and past it, and a head dim above the suite's (d 320).
@@ -30,4 +35,23 @@ fn cpu_matches_oracle_with_software_prefetch() {
     let backend = gdn::Cpu::new();
     let spec = gdn_conformance::CaseSpec::new(gdn::Shape::SEED, 3, 2, 9);
     gdn_conformance::check_against_oracle(&backend, &spec.build());
+}
+
+/// A pool with the calling thread in it: one per thread (a second is a clear error, not a panic), and a step
+/// called from another thread is still right (the pool's other threads compute it).
+#[test]
+fn calling_thread_pool_is_one_per_thread_and_serves_other_threads() {
+    let backend = gdn::Cpu::with_calling_thread(2).unwrap();
+    assert!(matches!(
+        gdn::Cpu::with_calling_thread(2),
+        Err(gdn::Error::Backend(_))
+    ));
+    let spec = gdn_conformance::CaseSpec::new(gdn::Shape::new(32, 2, 4).unwrap(), 2, 3, 11);
+    let case = spec.build();
+    gdn_conformance::check_against_oracle(&backend, &case);
+    std::thread::scope(|s| {
+        s.spawn(|| gdn_conformance::check_against_oracle(&backend, &case))
+            .join()
+            .expect("step from another thread");
+    });
 }

@@ -1,20 +1,22 @@
 //! Runs a fixed number of steps at the seed's shape, for counting cycles with `perf stat` on a busy machine:
-//! `cargo run --release -p gdn --example fixed_steps -- B T STEPS THREADS [H_K H_V]`.
+//! `cargo run --release -p gdn --example fixed_steps -- B T STEPS THREADS [H_K H_V]`; THREADS `0` is rayon's
+//! global pool, `N` a pool of N threads, `Nc` a pool of N threads with this thread one of them.
 
 use gdn::synth::Synth;
 use gdn::{Backend, Commit, Config, Cpu, Shape, StepArgs};
 
 fn main() -> gdn::Result<()> {
-    let a: Vec<usize> = std::env::args()
-        .skip(1)
-        .map(|x| x.parse().expect("numbers"))
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let calling = args[3].ends_with('c');
+    let a: Vec<usize> = args
+        .iter()
+        .map(|x| x.trim_end_matches('c').parse().expect("numbers"))
         .collect();
     let (b, t, steps, threads) = (a[0], a[1], a[2], a[3]);
-    // 0 threads: the default backend on rayon's global pool, as `gdn bench` runs it
-    let backend = if threads == 0 {
-        Cpu::new()
-    } else {
-        Cpu::with_threads(threads)?
+    let backend = match (threads, calling) {
+        (0, _) => Cpu::new(),
+        (n, false) => Cpu::with_threads(n)?,
+        (n, true) => Cpu::with_calling_thread(n)?,
     };
     let mut rng = Synth::new(1);
     // optional 5th and 6th arguments: h_k and h_v (default the seed's), e.g. a small state that stays in L2

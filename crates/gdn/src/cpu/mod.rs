@@ -16,6 +16,8 @@ use kernels::{HeadInputs, LANES};
 #[derive(Clone, Default)]
 pub struct Cpu {
     threads: Option<Arc<rayon::ThreadPool>>,
+    /// Whether the thread that built the backend is one of its pool's threads (`with_calling_thread`).
+    calling_thread: bool,
 }
 
 impl Cpu {
@@ -31,6 +33,26 @@ impl Cpu {
             .map_err(|e| Error::Backend(e.to_string()))?;
         Ok(Cpu {
             threads: Some(Arc::new(pool)),
+            calling_thread: false,
+        })
+    }
+
+    /// A backend with its own pool of `n` threads, the calling thread being one of them (rayon's
+    /// `use_current_thread`). A step called from this thread runs on it and the `n - 1` others without handing
+    /// the call to the pool: on the development VM that hand-off, waking a pool thread and then the caller, cost
+    /// 10-20 us per call, about a tenth of a B 1 T 1 step (see CPU-NOTES.md). For engines that drive their layers
+    /// from one thread. Two costs: from any other thread a step still works but only the `n - 1` other threads
+    /// compute it; and rayon cannot yet release such a pool, so its threads stay (asleep) until the process
+    /// exits and this thread cannot be part of another pool (a second call on the same thread is an error).
+    pub fn with_calling_thread(n: usize) -> Result<Self> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .use_current_thread()
+            .build()
+            .map_err(|e| Error::Backend(e.to_string()))?;
+        Ok(Cpu {
+            threads: Some(Arc::new(pool)),
+            calling_thread: true,
         })
     }
 
@@ -68,7 +90,16 @@ impl Cpu {
 
 impl Backend for Cpu {
     fn name(&self) -> String {
-        format!("cpu ({}, {} threads)", Cpu::isa(), self.thread_count())
+        let caller = if self.calling_thread {
+            ", the caller one of them"
+        } else {
+            ""
+        };
+        format!(
+            "cpu ({}, {} threads{caller})",
+            Cpu::isa(),
+            self.thread_count()
+        )
     }
 
     /// The trait's in-place pass (with the step's software prefetch), by all the backend's threads, each on its
