@@ -92,8 +92,8 @@ pub fn matches_oracle_at_seed_shape(backend: &dyn Backend) {
     }
 }
 
-/// A 256-token window, then hundreds of consecutive steps of 1 to 4 tokens against the oracle carried in
-/// float64 alongside: the error must not grow.
+/// A 256-token window, then hundreds of consecutive steps of 1 to 4 tokens (committed in full, in part or not at
+/// all, with a slot forked now and then) against the oracle carried in float64 alongside: the error must not grow.
 pub fn no_drift_over_long_runs(backend: &dyn Backend, steps: usize) {
     let shape = Shape::new(32, 2, 4).unwrap();
     let mut spec = CaseSpec::new(shape, 2, 256, 7);
@@ -110,12 +110,24 @@ pub fn no_drift_over_long_runs(backend: &dyn Backend, steps: usize) {
     let mut worst: f64 = 0.0;
     for step in 0..=steps {
         let t = if step == 0 { 256 } else { rng.index(1, 4) };
+        // mostly decode-like commits, with verifies and partial commits in between (a backend that defers a
+        // one-token update must apply it before whatever comes next), and now and then a fork
+        let commit = match rng.index(0, 7) {
+            _ if step == 0 => Commit::All,
+            0 | 1 => Commit::Verify,
+            2 => Commit::First(rng.index(1, t)),
+            _ => Commit::All,
+        };
+        if step % 61 == 60 {
+            pool.copy_slot(0, 1).unwrap();
+            states[1] = states[0].clone();
+        }
         let batch = rng.batch(&case.layer, 2, t);
         let slots = [1, 0];
         let args = StepArgs {
             batch: batch.view(),
             slots: &slots,
-            commit: Commit::All,
+            commit,
             plane_stride: None,
         };
         let mut out = vec![0.0; 2 * t * shape.n()];
@@ -125,7 +137,7 @@ pub fn no_drift_over_long_runs(backend: &dyn Backend, steps: usize) {
             &mut states,
             &batch.view(),
             &slots,
-            Commit::All,
+            commit,
             None,
         )
         .unwrap();
@@ -215,6 +227,72 @@ pub fn verify_mutates_nothing(backend: &dyn Backend) {
         );
     }
     assert!(got.out.iter().all(|&x| x != POISON && x.is_finite()));
+}
+
+/// The bitwise invariants again on slots that have just committed a one-token window (a backend may keep that
+/// update deferred until the next window reads the state): a verify then changes no slot, and a window committed
+/// after k tokens equals a k-token window, in S, H and y.
+pub fn invariants_hold_after_a_one_token_commit(backend: &dyn Backend) {
+    let mut spec = CaseSpec::new(Shape::new(32, 2, 4).unwrap(), 2, 5, 23);
+    spec.spare_slots = 0;
+    let case = spec.build();
+    let n = case.layer.shape().n();
+    let mut rng = gdn::synth::Synth::new(77);
+    let decode = rng.batch(&case.layer, 2, 1);
+    let window = rng.batch(&case.layer, 2, 5);
+    let slots = [1, 0];
+    let run = |pool: &mut dyn LayerPool, batch: &BatchData, commit: Commit| -> Vec<f32> {
+        let mut out = vec![POISON; batch.b * batch.t * n];
+        let args = StepArgs {
+            batch: batch.view(),
+            slots: &slots,
+            commit,
+            plane_stride: None,
+        };
+        pool.step(&args, &mut out).expect("step");
+        out
+    };
+    let (mut a, mut b) = (case.pool(backend), case.pool(backend));
+    for pool in [&mut a, &mut b] {
+        run(pool.as_mut(), &decode, Commit::All);
+    }
+    let before = read_slots(a.as_mut());
+    for verify in [&decode, &window] {
+        let y = run(a.as_mut(), verify, Commit::Verify);
+        assert!(y.iter().all(|&x| x != POISON && x.is_finite()));
+        let after = read_slots(a.as_mut());
+        for (i, (g, w)) in after.iter().zip(&before).enumerate() {
+            assert!(
+                bits(&g.0) == bits(&w.0) && bits(&g.1) == bits(&w.1),
+                "a {}-token verify after a one-token commit changed slot {i}",
+                verify.t
+            );
+        }
+    }
+    let k = 2;
+    let got = run(a.as_mut(), &window, Commit::First(k));
+    let want = run(
+        b.as_mut(),
+        &truncate(&window, k, case.layer.shape()),
+        Commit::All,
+    );
+    for (i, (g, w)) in read_slots(a.as_mut())
+        .iter()
+        .zip(&read_slots(b.as_mut()))
+        .enumerate()
+    {
+        assert!(
+            bits(&g.0) == bits(&w.0) && bits(&g.1) == bits(&w.1),
+            "slot {i}: commit first {k} after a one-token commit differs from a {k}-token step"
+        );
+    }
+    for row in 0..2 {
+        assert!(
+            bits(&got[row * 5 * n..(row * 5 + k) * n])
+                == bits(&want[row * k * n..(row + 1) * k * n]),
+            "row {row}: y of the first {k} tokens differs"
+        );
+    }
 }
 
 /// The same inputs give the same bits, run after run and pool after pool.
@@ -607,6 +685,7 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!(@one $make, no_drift_over_long_runs, |b| $crate::checks::no_drift_over_long_runs(b, 300));
         $crate::conformance_tests!(@one $make, commit_first_k_equals_k_token_step, $crate::checks::commit_first_k_equals_k_token_step);
         $crate::conformance_tests!(@one $make, verify_mutates_nothing, $crate::checks::verify_mutates_nothing);
+        $crate::conformance_tests!(@one $make, invariants_hold_after_a_one_token_commit, $crate::checks::invariants_hold_after_a_one_token_commit);
         $crate::conformance_tests!(@one $make, identical_inputs_identical_bits, $crate::checks::identical_inputs_identical_bits);
         $crate::conformance_tests!(@one $make, untouched_slots_stay_untouched, $crate::checks::untouched_slots_stay_untouched);
         $crate::conformance_tests!(@one $make, head_map_is_honoured, $crate::checks::head_map_is_honoured);

@@ -202,11 +202,25 @@ pub struct HeadInputs<'a> {
     pub commit_at: usize,
     /// Whether to fetch the next column block in software while a block computes (see `run_step`).
     pub prefetch: bool,
+    /// Whether the head's stored rows still owe a deferred update (see `head_window`).
+    pub pending: bool,
+}
+
+/// Floats of one head's deferred update: the gate, then k [d], then delta [d].
+pub fn pending_len(d: usize) -> usize {
+    1 + 2 * d
+}
+
+/// A row with the deferred update `S = g S + k delta^T` applied: the same operations as a token's update in
+/// `update_rows`, so a deferred update gives the bits an applied one would have.
+#[inline(always)]
+pub fn apply_pending(g: f32, src: &[f32; LANES], ki: f32, delta: &[f32; LANES]) -> [f32; LANES] {
+    std::array::from_fn(|l| g.mul_add(src[l], ki * delta[l]))
 }
 
 /// Floats of scratch `head_window` needs for a window of `t` tokens.
 pub fn head_scratch_len(d: usize, t: usize) -> usize {
-    d * LANES + t * d + 3 * t
+    d * LANES + t * d + 3 * t + d
 }
 
 type Lanes = [f32; LANES];
@@ -238,11 +252,7 @@ fn update_rows<const FROM_POOL: bool, const MORE: bool, const COMMIT: bool>(
             } else {
                 &work[i + r]
             };
-            let ki = k[i + r];
-            let mut x = [0.0f32; LANES];
-            for l in 0..LANES {
-                x[l] = g.mul_add(src[l], ki * delta[l]);
-            }
+            let x = apply_pending(g, src, k[i + r], delta);
             if MORE {
                 let (kni, qni) = (kn[i + r], qn[i + r]);
                 for l in 0..LANES {
@@ -264,6 +274,56 @@ fn add_lanes(a: &Lanes, b: &Lanes) -> Lanes {
     std::array::from_fn(|l| a[l] + b[l])
 }
 
+/// 16 lanes of `x` from `c0`.
+#[inline(always)]
+fn block_lanes(x: &[f32], c0: usize) -> Lanes {
+    x[c0..c0 + LANES].try_into().expect("block")
+}
+
+/// The window's first read of a block: `S^T k` and `S^T q` of its first token, two rows at a time with an
+/// accumulator pair each. With `APPLY` the rows first get the deferred update `owed` (gate, k, the block's
+/// delta); `TO_POOL` writes the updated rows back, `TO_WORK` keeps them for the window's later tokens. The next
+/// block in memory (past a head's last block: the next head's first, which this thread likely runs next) is
+/// fetched row by row when `inp.prefetch`, so memory streams while this block computes.
+#[inline(always)]
+fn first_read<const APPLY: bool, const TO_POOL: bool, const TO_WORK: bool>(
+    inp: &HeadInputs<'_>,
+    pool: &mut [Lanes],
+    work: &mut [Lanes],
+    owed: Option<(f32, &[f32], Lanes)>,
+) -> ([Lanes; 2], [Lanes; 2]) {
+    let d = inp.d;
+    let (k0, q0) = (&inp.k[..d], &inp.q[..d]);
+    let (g, k_owed, delta) = owed.unwrap_or((1.0, k0, [0.0; LANES]));
+    let (k_owed, work) = (&k_owed[..d], &mut work[..d]);
+    let (mut kv2, mut sq2) = ([[0.0f32; LANES]; 2], [[0.0f32; LANES]; 2]);
+    let ahead = pool.as_ptr().wrapping_add(d);
+    for i in (0..d).step_by(2) {
+        for r in 0..2 {
+            let row = i + r;
+            if inp.prefetch {
+                prefetch(ahead.wrapping_add(row));
+            }
+            let s = if APPLY {
+                apply_pending(g, &pool[row], k_owed[row], &delta)
+            } else {
+                pool[row]
+            };
+            for l in 0..LANES {
+                kv2[r][l] = s[l].mul_add(k0[row], kv2[r][l]);
+                sq2[r][l] = s[l].mul_add(q0[row], sq2[r][l]);
+            }
+            if TO_POOL {
+                pool[row] = s;
+            }
+            if TO_WORK {
+                work[row] = s;
+            }
+        }
+    }
+    (kv2, sq2)
+}
+
 /// One block of 16 columns of one head over the whole window. Columns are independent until the output norm,
 /// so the block reads its rows from the pool once (the pool keeps them contiguous, [d][16]), keeps them in
 /// `work` (8 KiB at d 128, in L1) between tokens with kv, sq and delta in registers, writes them back after token
@@ -283,26 +343,21 @@ fn column_block(
     work: &mut [Lanes],
     o: &mut [f32],
     c0: usize,
+    pending: Option<(f32, &[f32], &[f32])>,
+    new_delta: &mut [f32],
 ) {
     let d = inp.d;
     let inv_sqrt_d = 1.0 / (d as f32).sqrt();
-    let (k0, q0) = (&inp.k[..d], &inp.q[..d]);
-    let (mut kv2, mut sq2) = ([[0.0f32; LANES]; 2], [[0.0f32; LANES]; 2]);
-    // the next block in memory (past a head's last block: the next head's first, which this thread likely runs
-    // next) is fetched row by row during this block's first read, so memory streams while this block computes
-    let ahead = pool.as_ptr().wrapping_add(d);
-    for i in (0..d).step_by(2) {
-        for r in 0..2 {
-            if inp.prefetch {
-                prefetch(ahead.wrapping_add(i + r));
-            }
-            let s = &pool[i + r];
-            for l in 0..LANES {
-                kv2[r][l] = s[l].mul_add(k0[i + r], kv2[r][l]);
-                sq2[r][l] = s[l].mul_add(q0[i + r], sq2[r][l]);
-            }
-        }
-    }
+    // the window's first read: the block's rows with the deferred update applied when one is owed (kept in
+    // `work` for the window's later tokens, or written back where a one-token commit defers its own update)
+    let deferred = inp.t == 1 && inp.commit_at == 1;
+    let owed = pending.map(|(g, k, delta)| (g, k, block_lanes(delta, c0)));
+    let (kv2, sq2) = match (owed, deferred, inp.t > 1) {
+        (None, _, _) => first_read::<false, false, false>(inp, pool, work, None),
+        (Some(_), false, false) => first_read::<true, false, false>(inp, pool, work, owed),
+        (Some(_), true, _) => first_read::<true, true, false>(inp, pool, work, owed),
+        (Some(_), false, true) => first_read::<true, false, true>(inp, pool, work, owed),
+    };
     let (mut kv, mut sq) = (add_lanes(&kv2[0], &kv2[1]), add_lanes(&sq2[0], &sq2[1]));
     for tok in 0..inp.t {
         let (g, b, kq) = (gates[tok], betas[tok], kqs[tok]);
@@ -326,7 +381,13 @@ fn column_block(
         } else {
             (k, k)
         };
-        let first = tok == 0;
+        if deferred {
+            // a one-token commit: this token's update is owed by the stored rows until the next read
+            new_delta[c0..c0 + LANES].copy_from_slice(&delta);
+            break;
+        }
+        // rows come from the pool on the first token unless the first read put them (updated) in `work`
+        let first = tok == 0 && owed.is_none();
         let more = tok + 1 < inp.t;
         let commit = tok + 1 == inp.commit_at;
         let (w, dl) = (&mut *work, &delta);
@@ -344,14 +405,26 @@ fn column_block(
 
 /// SPEC.md steps 3 to 7 for one value head over a window. `pool` is the head's state in the CPU pool's
 /// blocked layout [d / 16][d][16] (16-column blocks, rows contiguous inside a block); y goes to `y` [t][d].
+///
+/// A one-token window that commits (decode) defers its update: the first read is then the only pass over the
+/// state, and the head's `pending` region ([`pending_len`]) keeps the update, `S = g S + k delta^T`, until the
+/// next window's first read applies it (with the same operations a token's update uses, so the bits are those
+/// of the update applied at once). `inp.pending` says whether the stored rows owe one now.
 #[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
-pub fn head_window<'a>(inp: &HeadInputs<'a>, pool: &mut [f32], scratch: &mut [f32], y: &mut [f32]) {
+pub fn head_window<'a>(
+    inp: &HeadInputs<'a>,
+    pool: &mut [f32],
+    pending: &mut [f32],
+    scratch: &mut [f32],
+    y: &mut [f32],
+) {
     let (d, t) = (inp.d, inp.t);
     let (work, rest) = scratch.split_at_mut(d * LANES);
     let (o, rest) = rest.split_at_mut(t * d);
     let (gates, rest) = rest.split_at_mut(t);
     let (betas, rest) = rest.split_at_mut(t);
-    let kqs = &mut rest[..t];
+    let (kqs, rest) = rest.split_at_mut(t);
+    let new_delta = &mut rest[..d];
     for tok in 0..t {
         gates[tok] = decay(inp.alpha[tok * inp.gate_stride], inp.dt, inp.a);
         betas[tok] = sigmoid(inp.beta[tok * inp.gate_stride]);
@@ -361,9 +434,28 @@ pub fn head_window<'a>(inp: &HeadInputs<'a>, pool: &mut [f32], scratch: &mut [f3
         );
     }
     let work = work.as_chunks_mut::<LANES>().0;
+    let owed = inp
+        .pending
+        .then(|| (pending[0], &pending[1..1 + d], &pending[1 + d..1 + 2 * d]));
     for (cb, block) in pool.chunks_exact_mut(d * LANES).enumerate() {
         let block = block.as_chunks_mut::<LANES>().0;
-        column_block(inp, gates, betas, kqs, block, work, o, cb * LANES);
+        column_block(
+            inp,
+            gates,
+            betas,
+            kqs,
+            block,
+            work,
+            o,
+            cb * LANES,
+            owed,
+            new_delta,
+        );
+    }
+    if t == 1 && inp.commit_at == 1 {
+        pending[0] = gates[0];
+        pending[1..1 + d].copy_from_slice(&inp.k[..d]);
+        pending[1 + d..1 + 2 * d].copy_from_slice(new_delta);
     }
     // gated RMS norm per token
     for tok in 0..t {

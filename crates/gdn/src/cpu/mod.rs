@@ -136,6 +136,8 @@ impl Backend for Cpu {
             heads_y: Vec::new(),
             scratch: Vec::new(),
             threads: self.threads.clone(),
+            pending: vec![0.0; floats(sh.h_v * kernels::pending_len(sh.d))?],
+            owes: vec![false; slots],
         }))
     }
 }
@@ -159,6 +161,12 @@ pub struct CpuPool {
     /// thread and starts no nested parallel work).
     scratch: Vec<std::sync::Mutex<Vec<f32>>>,
     threads: Option<Arc<rayon::ThreadPool>>,
+    /// Per slot and value head, the update a one-token commit deferred ([`kernels::pending_len`] floats: the
+    /// gate, k, delta), and per slot whether its stored S still owes it: the next window applies it while it
+    /// first reads S, so decode reads and writes the state once per token instead of reading it, then updating
+    /// it. `read_slot` applies it too; `write_slot` clears it.
+    pending: Vec<f32>,
+    owes: Vec<bool>,
 }
 
 impl CpuPool {
@@ -223,28 +231,42 @@ impl CpuPool {
 
         // Phase 2: the recurrence per (sequence, value head); each task owns its head's contiguous state.
         let head_len = d * d;
-        let mut state_of_slot: Vec<Option<&mut [f32]>> =
-            self.state.chunks_mut(sh.state_len()).map(Some).collect();
+        let pend_len = kernels::pending_len(d);
+        let mut state_of_slot: Vec<Option<(&mut [f32], &mut [f32])>> = self
+            .state
+            .chunks_mut(sh.state_len())
+            .zip(self.pending.chunks_mut(h_v * pend_len))
+            .map(Some)
+            .collect();
         let mut head_tasks = Vec::with_capacity(b_n * h_v);
         for (b, y_b) in self.heads_y.chunks_mut(h_v * t * d).enumerate() {
             let slot = args.slots[b];
             if slot < 0 {
                 continue;
             }
-            let st = state_of_slot[slot as usize]
+            let (st, pend) = state_of_slot[slot as usize]
                 .take()
                 .expect("slot named once");
-            for (h, (st_h, y_h)) in st
+            let owes = self.owes[slot as usize];
+            for (h, ((st_h, pend_h), y_h)) in st
                 .chunks_mut(head_len)
+                .zip(pend.chunks_mut(pend_len))
                 .zip(y_b.chunks_mut(t * d))
                 .enumerate()
             {
-                head_tasks.push((b, h, st_h, y_h));
+                head_tasks.push(HeadTask {
+                    b,
+                    h,
+                    state: st_h,
+                    pending: pend_h,
+                    owes,
+                    y: y_h,
+                });
             }
         }
         let conv = &self.conv;
-        let head_stage = |(b, h, st_h, y): (usize, usize, &mut [f32], &mut [f32]),
-                          work: &mut [f32]| {
+        let head_stage = |task: HeadTask<'_>, work: &mut [f32]| {
+            let (b, h) = (task.b, task.h);
             let g = layer.config.head_map.qk_head(&sh, h);
             let blk = |x: usize| &conv[((b * blocks) + x) * t * d..((b * blocks) + x + 1) * t * d];
             let first = b * t * h_v + h;
@@ -266,8 +288,9 @@ impl CpuPool {
                 eps,
                 commit_at,
                 prefetch,
+                pending: task.owes,
             };
-            kernels::head_window(&inp, st_h, work, y);
+            kernels::head_window(&inp, task.state, task.pending, work, task.y);
         };
         let scratch_len = kernels::head_scratch_len(d, t);
         let threads = rayon::current_num_threads();
@@ -285,6 +308,14 @@ impl CpuPool {
             }
             head_stage(task, &mut work[..scratch_len]);
         });
+
+        // a committed one-token window left its update owed (see `kernels::head_window`); a longer committed
+        // window wrote its state in full; a verify changed nothing
+        if commit_at > 0 {
+            for &slot in args.slots.iter().filter(|&&s| s >= 0) {
+                self.owes[slot as usize] = t == 1;
+            }
+        }
 
         // Phase 3: rows of y, and the planes.
         let heads_y = &self.heads_y;
@@ -361,16 +392,31 @@ fn from_lanes(x: &[f32], w: usize) -> Vec<f32> {
     out
 }
 
-/// Calls `f(spec, pool)` with the offsets of each 16-column piece of each state row (value head h, row i,
+/// One value head of one sequence for the recurrence phase: its state, its deferred update and whether the state
+/// owes it, and its outputs [t][d].
+struct HeadTask<'s> {
+    b: usize,
+    h: usize,
+    state: &'s mut [f32],
+    pending: &'s mut [f32],
+    owes: bool,
+    y: &'s mut [f32],
+}
+
+/// Calls `f((i, h, j0), spec, pool)` with the offsets of each 16-column piece of each state row (value head h, row i,
 /// columns j0..j0 + 16) in SPEC.md's layout [i][h][j] and in the CPU pool's layout [h][j / 16][i][16]: each head's
 /// state is one contiguous slice its task owns, and each 16-column block of it is contiguous, rows in order, so
 /// the block streams from memory and stays in L1 over a window.
-fn for_each_row(sh: &crate::Shape, mut f: impl FnMut(usize, usize)) {
+fn for_each_row(sh: &crate::Shape, mut f: impl FnMut((usize, usize, usize), usize, usize)) {
     let d = sh.d;
     for i in 0..d {
         for h in 0..sh.h_v {
             for j0 in (0..d).step_by(LANES) {
-                f((i * sh.h_v + h) * d + j0, h * d * d + j0 * d + i * LANES);
+                f(
+                    (i, h, j0),
+                    (i * sh.h_v + h) * d + j0,
+                    h * d * d + j0 * d + i * LANES,
+                );
             }
         }
     }
@@ -398,9 +444,10 @@ impl LayerPool for CpuPool {
         let (sl, hl) = (state.len(), hist.len());
         let sh = *self.layer.shape();
         let dst = &mut self.state[slot * sl..(slot + 1) * sl];
-        for_each_row(&sh, |spec, pool| {
+        for_each_row(&sh, |_, spec, pool| {
             dst[pool..pool + LANES].copy_from_slice(&state[spec..spec + LANES])
         });
+        self.owes[slot] = false;
         self.hist[slot * hl..(slot + 1) * hl].copy_from_slice(&to_lanes(hist, 3));
         Ok(())
     }
@@ -410,8 +457,22 @@ impl LayerPool for CpuPool {
         let (sl, hl) = (state.len(), hist.len());
         let sh = *self.layer.shape();
         let src = &self.state[slot * sl..(slot + 1) * sl];
-        for_each_row(&sh, |spec, pool| {
-            state[spec..spec + LANES].copy_from_slice(&src[pool..pool + LANES])
+        let pend_len = kernels::pending_len(sh.d);
+        let pending = &self.pending[slot * sh.h_v * pend_len..(slot + 1) * sh.h_v * pend_len];
+        let owes = self.owes[slot];
+        for_each_row(&sh, |(i, h, j0), spec, pool| {
+            let row: &[f32; LANES] = src[pool..pool + LANES].try_into().expect("lanes");
+            let out = if owes {
+                // the deferred update, applied as the next window would apply it
+                let p = &pending[h * pend_len..(h + 1) * pend_len];
+                let delta = p[1 + sh.d + j0..1 + sh.d + j0 + LANES]
+                    .try_into()
+                    .expect("lanes");
+                kernels::apply_pending(p[0], row, p[1 + i], delta)
+            } else {
+                *row
+            };
+            state[spec..spec + LANES].copy_from_slice(&out);
         });
         hist.copy_from_slice(&from_lanes(&self.hist[slot * hl..(slot + 1) * hl], 3));
         Ok(())
