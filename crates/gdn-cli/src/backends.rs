@@ -17,11 +17,17 @@ pub fn make(name: &str) -> Result<Box<dyn Backend>> {
     }
 }
 
-/// The CPU backend as this binary drives it, from its main thread: a pool of one thread per core with the main
-/// thread one of them (no hand-off per call), or rayon's global pool where that cannot be built.
+/// The CPU backend as this binary drives it, from its main thread: a pool of RAYON_NUM_THREADS or one thread per
+/// core with the main thread one of them (no hand-off per call), or rayon's global pool where that cannot be built
+/// (one thread).
 fn cpu() -> gdn::Cpu {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    gdn::Cpu::with_calling_thread(cores).unwrap_or_default()
+    // rayon's own default: RAYON_NUM_THREADS if set, else one thread per core
+    let threads = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    gdn::Cpu::with_calling_thread(threads).unwrap_or_default()
 }
 
 /// Whether a backend computes on a device with its own memory (the benchmark then uses the GPU grid).

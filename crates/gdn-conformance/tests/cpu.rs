@@ -37,10 +37,14 @@ fn cpu_matches_oracle_with_software_prefetch() {
     gdn_conformance::check_against_oracle(&backend, &spec.build());
 }
 
-/// A pool with the calling thread in it: one per thread (a second is a clear error, not a panic), and a step
-/// called from another thread is still right (the pool's other threads compute it).
+/// A pool with the calling thread in it: at least two threads and one per thread (both clear errors, not panics
+/// or hangs), and a step called from another thread is still right (the pool's other threads compute it).
 #[test]
 fn calling_thread_pool_is_one_per_thread_and_serves_other_threads() {
+    assert!(matches!(
+        gdn::Cpu::with_calling_thread(1),
+        Err(gdn::Error::Backend(_))
+    ));
     let backend = gdn::Cpu::with_calling_thread(2).unwrap();
     assert!(matches!(
         gdn::Cpu::with_calling_thread(2),

@@ -158,7 +158,7 @@ pub fn conv_block(
         }
     }
     // the history after `commit_at` tokens is x at positions commit_at..commit_at + 3; written in increasing
-    // order, each entry reads a position at or past the one it overwrites, so no old entry is lost too early
+    // order, each entry reads a position past the one it overwrites, so no old entry is lost too early
     if commit_at > 0 {
         for g in 0..d / LANES {
             for m in 0..3 {
@@ -203,7 +203,7 @@ pub struct HeadInputs<'a> {
     /// Whether to fetch the next column block in software while a block computes (see `run_step`).
     pub prefetch: bool,
     /// Whether the head's stored rows still owe a deferred update (see `head_window`).
-    pub pending: bool,
+    pub owes: bool,
 }
 
 /// Floats of one head's deferred update: the gate, then k [d], then delta [d].
@@ -226,7 +226,7 @@ pub fn head_scratch_len(d: usize, t: usize) -> usize {
 type Lanes = [f32; LANES];
 
 /// The update of one column block's rows, `S = g S + k delta^T`, for every row in order, reading the rows from
-/// the pool (`FROM_POOL`, the window's first token) or from `work`; with `MORE` it also accumulates the next
+/// the pool (`FROM_POOL`: the window's first token when no deferred update is owed) or from `work`; with `MORE` it also accumulates the next
 /// token's `S^T k'` and `S^T q'` from the updated rows and keeps them in `work`, with `COMMIT` it writes them
 /// to the pool. The flags are constants so each combination compiles to a loop without branches.
 #[inline(always)]
@@ -327,7 +327,8 @@ fn first_read<const APPLY: bool, const TO_POOL: bool, const TO_WORK: bool>(
 /// One block of 16 columns of one head over the whole window. Columns are independent until the output norm,
 /// so the block reads its rows from the pool once (the pool keeps them contiguous, [d][16]), keeps them in
 /// `work` (8 KiB at d 128, in L1) between tokens with kv, sq and delta in registers, writes them back after token
-/// `commit_at - 1`, and leaves the block's readout in `o` ([t][d]).
+/// `commit_at - 1` (a one-token commit instead writes them during the first read, with the owed update applied,
+/// and leaves its own update owed in `new_delta`), and leaves the block's readout in `o` ([t][d]).
 ///
 /// The readout uses `o = S_new^T q = g (S^T q) + delta (k . q)`, equal in exact arithmetic to SPEC.md's sum over
 /// the updated rows, so `S^T k` and `S^T q` come from one read of S and each token's update is fused with the
@@ -409,7 +410,7 @@ fn column_block(
 /// A one-token window that commits (decode) defers its update: the first read is then the only pass over the
 /// state, and the head's `pending` region ([`pending_len`]) keeps the update, `S = g S + k delta^T`, until the
 /// next window's first read applies it (with the same operations a token's update uses, so the bits are those
-/// of the update applied at once). `inp.pending` says whether the stored rows owe one now.
+/// of the update applied at once). `inp.owes` says whether the stored rows owe one now.
 #[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
 pub fn head_window<'a>(
     inp: &HeadInputs<'a>,
@@ -435,7 +436,7 @@ pub fn head_window<'a>(
     }
     let work = work.as_chunks_mut::<LANES>().0;
     let owed = inp
-        .pending
+        .owes
         .then(|| (pending[0], &pending[1..1 + d], &pending[1 + d..1 + 2 * d]));
     for (cb, block) in pool.chunks_exact_mut(d * LANES).enumerate() {
         let block = block.as_chunks_mut::<LANES>().0;

@@ -12,7 +12,8 @@ use crate::backend::check_slot_io;
 use crate::{Backend, Error, Layer, LayerPool, OutputLayout, Result, StepArgs};
 use kernels::{HeadInputs, LANES};
 
-/// The CPU backend. By default it uses rayon's global thread pool.
+/// The CPU backend. By default it uses rayon's global thread pool (or, called from a thread of another rayon
+/// pool, that pool).
 #[derive(Clone, Default)]
 pub struct Cpu {
     threads: Option<Arc<rayon::ThreadPool>>,
@@ -37,21 +38,34 @@ impl Cpu {
         })
     }
 
-    /// A backend with its own pool of `n` threads, the calling thread being one of them (rayon's
+    /// A backend with its own pool of `n` threads (at least 2), the calling thread being one of them (rayon's
     /// `use_current_thread`). A step called from this thread runs on it and the `n - 1` others without handing
     /// the call to the pool: on the development VM that hand-off, waking a pool thread and then the caller, cost
     /// 10-20 us per call, about a tenth of a B 1 T 1 step (see CPU-NOTES.md). For engines that drive their layers
-    /// from one thread. Two costs: from any other thread a step still works but only the `n - 1` other threads
-    /// compute it; and rayon cannot yet release such a pool, so its threads stay (asleep) until the process
-    /// exits and this thread cannot be part of another pool (a second call on the same thread is an error).
+    /// from one thread. What it costs:
+    /// - a step from any other thread still works, but only the `n - 1` other threads compute it;
+    /// - rayon cannot release a pool that a thread joined this way, so the pool is kept for the life of the
+    ///   process (its other threads asleep when idle) and this thread cannot join another pool (a second call on
+    ///   the same thread is an error); rayon work started on this thread, e.g. by a `Cpu::new()` backend, runs on
+    ///   this pool from then on.
     pub fn with_calling_thread(n: usize) -> Result<Self> {
+        if n < 2 {
+            // with one thread, a step from another thread would wait for this thread to enter the pool
+            return Err(Error::Backend(format!(
+                "a pool with the calling thread needs at least 2 threads, got {n} (use Cpu::with_threads)"
+            )));
+        }
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .use_current_thread()
             .build()
             .map_err(|e| Error::Backend(e.to_string()))?;
+        let pool = Arc::new(pool);
+        // dropping it would end the other threads while this one stays registered in it, leaving this thread's
+        // later rayon work to run alone
+        std::mem::forget(Arc::clone(&pool));
         Ok(Cpu {
-            threads: Some(Arc::new(pool)),
+            threads: Some(pool),
             calling_thread: true,
         })
     }
@@ -288,7 +302,7 @@ impl CpuPool {
                 eps,
                 commit_at,
                 prefetch,
-                pending: task.owes,
+                owes: task.owes,
             };
             kernels::head_window(&inp, task.state, task.pending, work, task.y);
         };
