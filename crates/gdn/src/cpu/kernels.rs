@@ -211,6 +211,17 @@ pub fn pending_len(d: usize) -> usize {
     1 + 2 * d
 }
 
+/// Whether a window of `t` tokens committed after `commit_at` leaves its update deferred: a one-token commit
+/// (decode), see `head_window`.
+pub fn defers_update(t: usize, commit_at: usize) -> bool {
+    t == 1 && commit_at == 1
+}
+
+/// One head's deferred update as (gate, k, delta).
+pub fn pending_parts(p: &[f32], d: usize) -> (f32, &[f32], &[f32]) {
+    (p[0], &p[1..1 + d], &p[1 + d..1 + 2 * d])
+}
+
 /// A row with the deferred update `S = g S + k delta^T` applied: the same operations as a token's update in
 /// `update_rows`, so a deferred update gives the bits an applied one would have.
 #[inline(always)]
@@ -226,9 +237,10 @@ pub fn head_scratch_len(d: usize, t: usize) -> usize {
 type Lanes = [f32; LANES];
 
 /// The update of one column block's rows, `S = g S + k delta^T`, for every row in order, reading the rows from
-/// the pool (`FROM_POOL`: the window's first token when no deferred update is owed) or from `work`; with `MORE` it also accumulates the next
-/// token's `S^T k'` and `S^T q'` from the updated rows and keeps them in `work`, with `COMMIT` it writes them
-/// to the pool. The flags are constants so each combination compiles to a loop without branches.
+/// the pool (`FROM_POOL`: the window's first token when no deferred update is owed) or from `work`; with `MORE`
+/// it also accumulates the next token's `S^T k'` and `S^T q'` from the updated rows and keeps them in `work`,
+/// with `COMMIT` it writes them to the pool. The flags are constants so each combination compiles to a loop
+/// without branches.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn update_rows<const FROM_POOL: bool, const MORE: bool, const COMMIT: bool>(
@@ -351,7 +363,7 @@ fn column_block(
     let inv_sqrt_d = 1.0 / (d as f32).sqrt();
     // the window's first read: the block's rows with the deferred update applied when one is owed (kept in
     // `work` for the window's later tokens, or written back where a one-token commit defers its own update)
-    let deferred = inp.t == 1 && inp.commit_at == 1;
+    let deferred = defers_update(inp.t, inp.commit_at);
     let owed = pending.map(|(g, k, delta)| (g, k, block_lanes(delta, c0)));
     let (kv2, sq2) = match (owed, deferred, inp.t > 1) {
         (None, _, _) => first_read::<false, false, false>(inp, pool, work, None),
@@ -435,9 +447,7 @@ pub fn head_window<'a>(
         );
     }
     let work = work.as_chunks_mut::<LANES>().0;
-    let owed = inp
-        .owes
-        .then(|| (pending[0], &pending[1..1 + d], &pending[1 + d..1 + 2 * d]));
+    let owed = inp.owes.then(|| pending_parts(pending, d));
     for (cb, block) in pool.chunks_exact_mut(d * LANES).enumerate() {
         let block = block.as_chunks_mut::<LANES>().0;
         column_block(
@@ -453,10 +463,12 @@ pub fn head_window<'a>(
             new_delta,
         );
     }
-    if t == 1 && inp.commit_at == 1 {
-        pending[0] = gates[0];
-        pending[1..1 + d].copy_from_slice(&inp.k[..d]);
-        pending[1 + d..1 + 2 * d].copy_from_slice(new_delta);
+    if defers_update(t, inp.commit_at) {
+        let (g, rest) = pending.split_first_mut().expect("pending_len");
+        let (k, delta) = rest.split_at_mut(d);
+        *g = gates[0];
+        k.copy_from_slice(&inp.k[..d]);
+        delta[..d].copy_from_slice(new_delta);
     }
     // gated RMS norm per token
     for tok in 0..t {

@@ -327,7 +327,7 @@ impl CpuPool {
         // window wrote its state in full; a verify changed nothing
         if commit_at > 0 {
             for &slot in args.slots.iter().filter(|&&s| s >= 0) {
-                self.owes[slot as usize] = t == 1;
+                self.owes[slot as usize] = kernels::defers_update(t, commit_at);
             }
         }
 
@@ -478,11 +478,10 @@ impl LayerPool for CpuPool {
             let row: &[f32; LANES] = src[pool..pool + LANES].try_into().expect("lanes");
             let out = if owes {
                 // the deferred update, applied as the next window would apply it
-                let p = &pending[h * pend_len..(h + 1) * pend_len];
-                let delta = p[1 + sh.d + j0..1 + sh.d + j0 + LANES]
-                    .try_into()
-                    .expect("lanes");
-                kernels::apply_pending(p[0], row, p[1 + i], delta)
+                let (g, k, delta) =
+                    kernels::pending_parts(&pending[h * pend_len..(h + 1) * pend_len], sh.d);
+                let delta = delta[j0..j0 + LANES].try_into().expect("lanes");
+                kernels::apply_pending(g, row, k[i], delta)
             } else {
                 *row
             };
