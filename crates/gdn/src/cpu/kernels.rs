@@ -94,15 +94,12 @@ fn silu_lanes(x: &[f32; LANES]) -> [f32; LANES] {
 fn gate_lanes(z: &[f32; LANES], gate: Gate) -> [f32; LANES] {
     let neg = z.map(|v| -v);
     let e = exp_lanes(&neg);
-    let mut out = [0.0f32; LANES];
-    for l in 0..LANES {
-        let sig = 1.0 / (1.0 + e[l]);
-        out[l] = match gate {
-            Gate::Sigmoid => sig,
-            Gate::Silu => z[l] * sig,
-        };
+    // the gate is chosen outside the lane loops: a `match` inside one kept LLVM from vectorizing its division
+    let sig: [f32; LANES] = std::array::from_fn(|l| 1.0 / (1.0 + e[l]));
+    match gate {
+        Gate::Sigmoid => sig,
+        Gate::Silu => std::array::from_fn(|l| z[l] * sig[l]),
     }
-    out
 }
 
 /// Position `pos` of a conv block's input sequence (3 history entries, then the window's input rows) from
@@ -120,6 +117,12 @@ fn conv_input<'a>(
     } else {
         (&qkv[(pos - 3) * stride..(pos - 3) * stride + d], LANES)
     }
+}
+
+/// Group `g` (16 channels) of a position returned by [`conv_input`].
+#[inline(always)]
+fn group((v, stride): (&[f32], usize), g: usize) -> &[f32; LANES] {
+    v[g * stride..g * stride + LANES].try_into().expect("lanes")
 }
 
 /// Conv + SiLU of one head block (`d` channels, 16 at a time) over a window, SPEC.md step 1, and for q/k
@@ -142,11 +145,17 @@ pub fn conv_block(
     // for token tok: the taps come straight from the history or from the input rows (still in cache), so there
     // is no shift register to zero, fill and move. Token by token, each token's inputs being one contiguous row.
     for tok in 0..t {
-        let taps = [0, 1, 2, 3].map(|j| conv_input(hist, qkv, qkv_stride, d, tok + j));
+        // written out rather than `[0, 1, 2, 3].map(..)`: LLVM left those array maps as calls, one per group
+        let input = |j| conv_input(hist, qkv, qkv_stride, d, tok + j);
+        let taps = [input(0), input(1), input(2), input(3)];
         for g in 0..d / LANES {
             let wg = &w[g * 4 * LANES..(g + 1) * 4 * LANES];
-            let x: [&[f32; LANES]; 4] = taps
-                .map(|(v, stride)| v[g * stride..g * stride + LANES].try_into().expect("lanes"));
+            let x = [
+                group(taps[0], g),
+                group(taps[1], g),
+                group(taps[2], g),
+                group(taps[3], g),
+            ];
             let mut s = [0.0f32; LANES];
             for l in 0..LANES {
                 s[l] = x[0][l].mul_add(wg[l], s[l]);
@@ -476,10 +485,18 @@ pub fn head_window<'a>(
         let rs = 1.0 / (sum_squares(ot) / d as f32 + inp.eps).sqrt();
         let z = &inp.z[tok * inp.z_stride..tok * inp.z_stride + d];
         let yt = &mut y[tok * d..(tok + 1) * d];
-        for c0 in (0..d).step_by(LANES) {
-            let act = gate_lanes(z[c0..c0 + LANES].try_into().expect("block"), inp.gate);
+        // whole 16-lane chunks (d is a multiple of 16), so the loop vectorizes with no bounds checks
+        for (((yc, oc), gc), zc) in yt
+            .as_chunks_mut::<LANES>()
+            .0
+            .iter_mut()
+            .zip(ot.as_chunks::<LANES>().0)
+            .zip(inp.gamma.as_chunks::<LANES>().0)
+            .zip(z.as_chunks::<LANES>().0)
+        {
+            let act = gate_lanes(zc, inp.gate);
             for l in 0..LANES {
-                yt[c0 + l] = ((rs * ot[c0 + l]) * inp.gamma[c0 + l]) * act[l];
+                yc[l] = ((rs * oc[l]) * gc[l]) * act[l];
             }
         }
     }
