@@ -35,6 +35,8 @@ pub struct Row {
     pub per_call: Duration,
     pub host_per_call: Option<Duration>,
     pub copy_bytes_per_s: f64,
+    /// The backend's FMA ceiling in FLOP/s, measured in the same run, where it measures one.
+    pub fma_flops_per_s: Option<f64>,
 }
 
 /// Bytes a step must move at least: S and H read and written, inputs read, y written, parameters read.
@@ -99,6 +101,8 @@ pub fn run(args: Args) -> Result<()> {
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
+    progress.set_message("FMA ceiling");
+    let fma = backend.fma_ceiling()?;
     let mut rows = Vec::new();
     for &b in &batches {
         progress.set_message(format!("copy ceiling, B {b}"));
@@ -132,6 +136,7 @@ pub fn run(args: Args) -> Result<()> {
                 per_call: timing.per_call,
                 host_per_call: timing.host_per_call,
                 copy_bytes_per_s: copy,
+                fma_flops_per_s: fma,
             });
             progress.inc(1);
         }
@@ -180,7 +185,7 @@ pub fn print_table(backend: &str, config: &Config, rows: &[Row], method: &str, d
         config.gate.name()
     );
     println!(
-        "{:>4} {:>3} {:>11} {:>12} {:>11} {:>10} {:>7} {:>9} {:>8} {:>10}",
+        "{:>4} {:>3} {:>11} {:>12} {:>11} {:>10} {:>7} {:>9} {:>8} {:>6} {:>10}",
         "B",
         "T",
         "us/call",
@@ -190,13 +195,15 @@ pub fn print_table(backend: &str, config: &Config, rows: &[Row], method: &str, d
         "% copy",
         "MB moved",
         "GFLOP/s",
+        "% FMA",
         "host us"
     );
     for r in rows {
         let secs = r.per_call.as_secs_f64();
         let state_bw = state_bytes_per_call(&sh, r.b) / secs;
+        let flop_rate = flops(&sh, r.b, r.t) / secs;
         println!(
-            "{:>4} {:>3} {:>11.2} {:>12.0} {:>11.1} {:>10.1} {:>6.1}% {:>9.2} {:>8.1} {:>10}",
+            "{:>4} {:>3} {:>11.2} {:>12.0} {:>11.1} {:>10.1} {:>6.1}% {:>9.2} {:>8.1} {:>6} {:>10}",
             r.b,
             r.t,
             secs * 1e6,
@@ -205,7 +212,11 @@ pub fn print_table(backend: &str, config: &Config, rows: &[Row], method: &str, d
             r.copy_bytes_per_s / 1e9,
             100.0 * state_bw / r.copy_bytes_per_s,
             bytes_moved(&sh, r.b, r.t) / 1e6,
-            flops(&sh, r.b, r.t) / secs / 1e9,
+            flop_rate / 1e9,
+            r.fma_flops_per_s.map_or_else(
+                || "-".to_string(),
+                |c| format!("{:.1}%", 100.0 * flop_rate / c)
+            ),
             r.host_per_call.map_or_else(
                 || "-".to_string(),
                 |h| format!("{:.2}", h.as_secs_f64() * 1e6)
@@ -220,4 +231,10 @@ pub fn print_table(backend: &str, config: &Config, rows: &[Row], method: &str, d
             "one in-place read-modify-write pass over a buffer of the state's size, all threads, with the step's software prefetch, right before each case"
         }
     );
+    if let Some(c) = rows.first().and_then(|r| r.fma_flops_per_s) {
+        println!(
+            "GFLOP/s counts 7 d^2 FLOP per value head and token (S^T k, the decay and rank-1 update, S^T q); % FMA is that over an FMA ceiling measured in this run: {:.1} GFLOP/s, all threads issuing independent FMAs and nothing else",
+            c / 1e9
+        );
+    }
 }

@@ -54,6 +54,13 @@ pub trait Backend {
         })?;
         Ok(2.0 * (buf.len() * 4) as f64 / t.as_secs_f64())
     }
+
+    /// The arithmetic ceiling of this backend in f32 FLOP per second (an FMA counts two), measured now: all its
+    /// threads issuing independent FMAs and nothing else. `None` where the backend does not measure one. Windows
+    /// of several tokens are bound by arithmetic, not memory, so `gdn bench` sets them against this.
+    fn fma_ceiling(&self) -> Result<Option<f64>> {
+        Ok(None)
+    }
 }
 
 /// One read-modify-write pass: every element read and written back (adding 0.0 is exact and keeps the compiler
@@ -82,6 +89,39 @@ pub fn touch_in_place(buf: &mut [f32]) {
         *x += 0.0;
     }
     std::hint::black_box(buf);
+}
+
+/// Independent FMA chains an FMA ceiling keeps in flight: more than latency x issue ports on the cores we know
+/// (Zen 3 and Intel: 4 x 2 = 8), few enough to stay in registers with AVX2's 16.
+const FMA_CHAINS: usize = 10;
+
+/// `iters` rounds of `FMA_CHAINS` independent `W`-lane FMAs; returns the FLOPs done. The multiplier and addend
+/// come through `black_box`, so the compiler can neither fold the chains nor drop them.
+#[inline(always)]
+fn fma_chains<const W: usize>(iters: usize) -> f64 {
+    let (m, a) = std::hint::black_box((0.999_f32, 1e-3_f32));
+    let mut acc = [[1.0f32; W]; FMA_CHAINS];
+    for _ in 0..iters {
+        for chain in acc.iter_mut() {
+            for x in chain.iter_mut() {
+                *x = x.mul_add(m, a);
+            }
+        }
+    }
+    std::hint::black_box(acc);
+    (2 * iters * FMA_CHAINS * W) as f64
+}
+
+/// [`fma_chains`] in 8 lanes (AVX2's ymm, two NEON registers per chain) for every instruction set...
+#[multiversion::multiversion(targets("x86_64+avx2+fma", "aarch64+neon"))]
+pub fn fma_burst_8(iters: usize) -> f64 {
+    fma_chains::<8>(iters)
+}
+
+/// ... and in 16 lanes where AVX-512 registers hold them.
+#[multiversion::multiversion(targets("x86_64+avx512f+avx512vl+fma"))]
+pub fn fma_burst_16(iters: usize) -> f64 {
+    fma_chains::<16>(iters)
 }
 
 /// A hint to bring the cache line at `p` into L1.

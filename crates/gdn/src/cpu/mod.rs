@@ -131,6 +131,38 @@ impl Backend for Cpu {
         Ok(2.0 * (buf.len() * 4) as f64 / t.as_secs_f64())
     }
 
+    /// Every thread of the backend's pool runs FMA chains in the widest registers the kernels dispatch to; rounds
+    /// of ~20 ms (wall time of the whole pool, so a thread that starts late counts against it), best of 5.
+    fn fma_ceiling(&self) -> Result<Option<f64>> {
+        let burst: fn(usize) -> f64 = if Cpu::isa() == "avx512+fma" {
+            crate::backend::fma_burst_16
+        } else {
+            crate::backend::fma_burst_8
+        };
+        let rate = in_pool(&self.threads, || {
+            let round = |iters: usize| {
+                let t0 = std::time::Instant::now();
+                let flops: f64 = rayon::broadcast(|_| burst(iters)).iter().sum();
+                (flops, t0.elapsed().as_secs_f64())
+            };
+            // grow the rounds until waking the threads is a small part of one, then size them to ~20 ms
+            let mut iters = 10_000;
+            let mut secs = round(iters).1;
+            while secs < 0.005 && iters < 1 << 30 {
+                iters *= 4;
+                secs = round(iters).1;
+            }
+            let iters = ((iters as f64) * 0.020 / secs.max(1e-9)).clamp(1e4, 1e9) as usize;
+            (0..5)
+                .map(|_| {
+                    let (flops, secs) = round(iters);
+                    flops / secs
+                })
+                .fold(0.0, f64::max)
+        });
+        Ok(Some(rate))
+    }
+
     fn create_pool(&self, layer: &Layer, slots: usize) -> Result<Box<dyn LayerPool>> {
         layer.validate()?;
         let sh = layer.shape();

@@ -1,0 +1,52 @@
+//! `gdn bench` end to end: a short run prints its table, one row per case, beside both ceilings measured in
+//! the same run.
+
+use std::process::Command;
+
+#[test]
+fn bench_prints_a_row_per_case_and_both_ceilings() {
+    let out = Command::new(env!("CARGO_BIN_EXE_gdn"))
+        .args([
+            "bench",
+            "--batch",
+            "1",
+            "--tokens",
+            "1,2",
+            "--round-ms",
+            "2",
+        ])
+        .output()
+        .expect("runs gdn");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).expect("utf-8");
+    let lines: Vec<&str> = text.lines().collect();
+    let header = lines
+        .iter()
+        .position(|l| l.contains("us/call"))
+        .expect("a header");
+    assert!(lines[header].contains("% copy") && lines[header].contains("% FMA"));
+    let rows: Vec<Vec<&str>> = lines[header + 1..]
+        .iter()
+        .take_while(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 2, "{text}");
+    for (row, t) in rows.iter().zip(["1", "2"]) {
+        assert_eq!((row[0], row[1]), ("1", t), "{text}");
+        let us: f64 = row[2].parse().expect("a time");
+        assert!(us > 0.0 && us.is_finite(), "{text}");
+        let fma_share: f64 = row[9].trim_end_matches('%').parse().expect("a % FMA");
+        assert!(fma_share > 0.0 && fma_share < 100.0, "{text}");
+    }
+    let ceiling: f64 = text
+        .split("FMA ceiling measured in this run: ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|g| g.parse().ok())
+        .expect("the FMA ceiling's line");
+    assert!(ceiling > 0.0 && ceiling.is_finite(), "{text}");
+}
