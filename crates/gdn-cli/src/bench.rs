@@ -26,6 +26,11 @@ pub struct Args {
     /// Wall time to aim for per timing round, in milliseconds.
     #[arg(long, default_value_t = 40)]
     round_ms: u64,
+    /// Rotate among enough sets of B slots to span this many MiB of state, one set per call, so that a state
+    /// comes from memory rather than from a cache that kept it since its last call, as in an engine that steps
+    /// many layers in turn (0: one set, the default). The copy ceiling rotates the same way. CPU only.
+    #[arg(long, default_value_t = 0)]
+    rotate_mib: usize,
 }
 
 /// One measured case.
@@ -103,33 +108,55 @@ pub fn run(args: Args) -> Result<()> {
     );
     progress.set_message("FMA ceiling");
     let fma = backend.fma_ceiling()?;
+    if device && args.rotate_mib > 0 {
+        return Err(gdn::Error::Param {
+            name: "rotate-mib",
+            why: "rotation is for the CPU backend (a device benchmark copies a 1 GiB footprint for its ceiling)"
+                .into(),
+        });
+    }
     let mut rows = Vec::new();
     for &b in &batches {
+        let state_bytes = b * shape.state_len() * 4;
+        let sets = (args.rotate_mib << 20).div_ceil(state_bytes).max(1);
         progress.set_message(format!("copy ceiling, B {b}"));
-        let ceiling = || backend.copy_ceiling(ceiling_bytes(device, b * shape.state_len() * 4));
+        let ceiling = || {
+            if sets > 1 {
+                backend.copy_ceiling_rotating(state_bytes, sets)
+            } else {
+                backend.copy_ceiling(ceiling_bytes(device, state_bytes))
+            }
+        };
         // on a GPU one ceiling per batch size (a 1 GiB copy, stable); on the CPU, whose shared L3 and memory move
         // with the neighbours from one second to the next, a ceiling right before each case
         let per_batch = if device { Some(ceiling()?) } else { None };
-        let mut pool = backend.create_pool(&layer, b)?;
+        let mut pool = backend.create_pool(&layer, b * sets)?;
         for s in 0..b {
             let (st, h) = rng.seq_state(&layer);
-            pool.write_slot(s, &st, &h)?;
+            for set in 0..sets {
+                pool.write_slot(set * b + s, &st, &h)?;
+            }
         }
         for &t in &tokens {
             progress.set_message(format!("B {b} T {t}"));
             let batch = rng.batch(&layer, b, t);
-            let slots: Vec<i32> = (0..b as i32).collect();
-            let step = StepArgs {
-                batch: batch.view(),
-                slots: &slots,
-                commit: Commit::All,
-                plane_stride: None,
-            };
+            let slot_sets: Vec<Vec<i32>> = (0..sets)
+                .map(|set| ((set * b) as i32..((set + 1) * b) as i32).collect())
+                .collect();
+            let steps: Vec<StepArgs> = slot_sets
+                .iter()
+                .map(|slots| StepArgs {
+                    batch: batch.view(),
+                    slots,
+                    commit: Commit::All,
+                    plane_stride: None,
+                })
+                .collect();
             let copy = match per_batch {
                 Some(c) => c,
                 None => ceiling()?,
             };
-            let timing = time_case(pool.as_mut(), &step, args.round_ms)?;
+            let timing = time_case(pool.as_mut(), &steps, args.round_ms)?;
             rows.push(Row {
                 b,
                 t,
@@ -144,6 +171,12 @@ pub fn run(args: Args) -> Result<()> {
     progress.finish_and_clear();
     let method = timing_method(&mut *backend.create_pool(&layer, 1)?)?;
     print_table(&backend.name(), &config, &rows, &method, device);
+    if args.rotate_mib > 0 {
+        println!(
+            "rotation: each call steps the next of several sets of B slots spanning at least {} MiB of state, and the copy ceiling's pass takes the next of as many buffers",
+            args.rotate_mib
+        );
+    }
     Ok(())
 }
 
@@ -162,16 +195,38 @@ fn timing_method(pool: &mut dyn LayerPool) -> Result<String> {
     Ok(t.method)
 }
 
-/// Times a case with enough calls per round to last about `round_ms`.
+/// Times a case with enough calls per round to last about `round_ms`: the backend's own way for one set of
+/// slots, by the host clock over the sets in turn for several (CPU only).
 fn time_case(
     pool: &mut dyn LayerPool,
-    step: &StepArgs<'_>,
+    steps: &[StepArgs<'_>],
     round_ms: u64,
 ) -> Result<gdn::StepTiming> {
-    let probe = pool.time_step(step, 1)?;
+    let probe = pool.time_step(&steps[0], 1)?;
     let per = probe.per_call.as_secs_f64().max(1e-7);
     let iters = ((round_ms as f64 / 1000.0) / per).clamp(1.0, 20000.0) as usize;
-    pool.time_step(step, iters)
+    if steps.len() == 1 {
+        return pool.time_step(&steps[0], iters);
+    }
+    let first = &steps[0];
+    let layout = gdn::OutputLayout::new(
+        pool.layer().shape(),
+        first.batch.b,
+        first.batch.t,
+        first.plane_stride,
+    )?;
+    let mut out = vec![0.0f32; layout.len()];
+    let mut next = 0;
+    let per_call = gdn::backend::time_host(7, iters.max(steps.len()), || {
+        let step = &steps[next];
+        next = (next + 1) % steps.len();
+        pool.step(step, &mut out)
+    })?;
+    Ok(gdn::StepTiming {
+        per_call,
+        host_per_call: None,
+        method: "host clock".into(),
+    })
 }
 
 pub fn print_table(backend: &str, config: &Config, rows: &[Row], method: &str, device: bool) {

@@ -5,6 +5,21 @@ use std::process::Command;
 
 #[test]
 fn bench_prints_a_row_per_case_and_both_ceilings() {
+    check_bench_table(&[]);
+}
+
+/// With rotation (3 sets of one slot here) every call steps another slot set, and the run says so.
+#[test]
+fn bench_rotates_among_slot_sets() {
+    let text = check_bench_table(&["--rotate-mib", "8"]);
+    assert!(
+        text.contains("rotation: each call steps the next of several sets"),
+        "{text}"
+    );
+}
+
+/// Runs `gdn bench` on two short cases with `extra` arguments, checks its table, and returns its output.
+fn check_bench_table(extra: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_gdn"))
         .args([
             "bench",
@@ -15,6 +30,7 @@ fn bench_prints_a_row_per_case_and_both_ceilings() {
             "--round-ms",
             "2",
         ])
+        .args(extra)
         .output()
         .expect("runs gdn");
     assert!(
@@ -49,4 +65,5 @@ fn bench_prints_a_row_per_case_and_both_ceilings() {
         .and_then(|g| g.parse().ok())
         .expect("the FMA ceiling's line");
     assert!(ceiling > 0.0 && ceiling.is_finite(), "{text}");
+    text
 }

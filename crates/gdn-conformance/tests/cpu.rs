@@ -29,9 +29,10 @@ fn cpu_matches_oracle_at_a_large_head_dim() {
     }
 }
 
-/// Three sequences at the seed's shape (9.4 MiB of state) take the CPU's software-prefetch path (8 MiB and up).
+/// Three sequences at the seed's shape (9.4 MiB of state): the software prefetch of the next column block runs
+/// past each head's last block into the next head's, and past the last slot's end.
 #[test]
-fn cpu_matches_oracle_with_software_prefetch() {
+fn cpu_matches_oracle_at_the_seed_shape_over_three_slots() {
     let backend = gdn::Cpu::new();
     let spec = gdn_conformance::CaseSpec::new(gdn::Shape::SEED, 3, 2, 9);
     gdn_conformance::check_against_oracle(&backend, &spec.build());

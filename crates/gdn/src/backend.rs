@@ -55,6 +55,15 @@ pub trait Backend {
         Ok(2.0 * (buf.len() * 4) as f64 / t.as_secs_f64())
     }
 
+    /// The memory ceiling for a state of `bytes` bytes that is one of `parts` such states used in turn (a benchmark
+    /// rotating among slot sets so that no state stays in a cache between its calls): the in-place pass of
+    /// [`Backend::copy_ceiling`] over one part per call, the parts taken in turn. The default measures
+    /// `copy_ceiling(bytes)`, right for backends whose ceiling already uses a footprint larger than their caches.
+    fn copy_ceiling_rotating(&self, bytes: usize, parts: usize) -> Result<f64> {
+        let _ = parts;
+        self.copy_ceiling(bytes)
+    }
+
     /// The arithmetic ceiling of this backend in f32 FLOP per second (an FMA counts two), measured now: all its
     /// threads issuing independent FMAs and nothing else. `None` where the backend does not measure one. Windows
     /// of several tokens are bound by arithmetic, not memory, so `gdn bench` sets them against this.

@@ -209,8 +209,6 @@ pub struct HeadInputs<'a> {
     pub gate: Gate,
     pub eps: f32,
     pub commit_at: usize,
-    /// Whether to fetch the next column block in software while a block computes (see `run_step`).
-    pub prefetch: bool,
     /// Whether the head's stored rows still owe a deferred update (see `head_window`).
     pub owes: bool,
 }
@@ -305,7 +303,9 @@ fn block_lanes(x: &[f32], c0: usize) -> Lanes {
 /// accumulator pair each. With `APPLY` the rows first get the deferred update `owed` (gate, k, the block's
 /// delta); `TO_POOL` writes the updated rows back, `TO_WORK` keeps them for the window's later tokens. The next
 /// block in memory (past a head's last block: the next head's first, which this thread likely runs next) is
-/// fetched row by row when `inp.prefetch`, so memory streams while this block computes.
+/// fetched row by row, so memory streams while this block computes. Always: in an engine a layer's state is not
+/// in cache at its next call (the other layers' states pass through in between), and where it is, in a
+/// benchmark stepping one layer over and over, the fetch measured no cost (CPU-NOTES.md, 29).
 #[inline(always)]
 fn first_read<const APPLY: bool, const TO_POOL: bool, const TO_WORK: bool>(
     inp: &HeadInputs<'_>,
@@ -322,9 +322,7 @@ fn first_read<const APPLY: bool, const TO_POOL: bool, const TO_WORK: bool>(
     for i in (0..d).step_by(2) {
         for r in 0..2 {
             let row = i + r;
-            if inp.prefetch {
-                prefetch(ahead.wrapping_add(row));
-            }
+            prefetch(ahead.wrapping_add(row));
             let s = if APPLY {
                 apply_pending(g, &pool[row], k_owed[row], &delta)
             } else {

@@ -119,16 +119,30 @@ impl Backend for Cpu {
     /// The trait's in-place pass (with the step's software prefetch), by all the backend's threads, each on its
     /// own contiguous part, timed inside the pool (the ceiling is the memory's, not a thread hand-off's).
     fn copy_ceiling(&self, bytes: usize) -> Result<f64> {
-        let mut buf = vec![1.0f32; (bytes / 4).max(1)];
-        let chunk = buf.len().div_ceil(self.thread_count().max(1)).max(1);
+        self.copy_ceiling_rotating(bytes, 1)
+    }
+
+    /// As `copy_ceiling`, over one of `parts` buffers of `bytes` bytes per timed pass, taken in turn.
+    fn copy_ceiling_rotating(&self, bytes: usize, parts: usize) -> Result<f64> {
+        let len = (bytes / 4).max(1);
+        let parts = parts.max(1);
+        let total = len.checked_mul(parts).ok_or_else(|| Error::Param {
+            name: "parts",
+            why: format!("{parts} parts of {bytes} bytes overflow the address space"),
+        })?;
+        let mut buf = vec![1.0f32; total];
+        let chunk = len.div_ceil(self.thread_count().max(1)).max(1);
+        let mut next = 0;
         let t = in_pool(&self.threads, || {
-            crate::backend::time_host(7, 8, || {
-                buf.par_chunks_mut(chunk)
+            crate::backend::time_host(7, 8 * parts, || {
+                let part = &mut buf[next * len..(next + 1) * len];
+                next = (next + 1) % parts;
+                part.par_chunks_mut(chunk)
                     .for_each(crate::backend::touch_in_place);
                 Ok(())
             })
         })?;
-        Ok(2.0 * (buf.len() * 4) as f64 / t.as_secs_f64())
+        Ok(2.0 * (len * 4) as f64 / t.as_secs_f64())
     }
 
     /// Every thread of the backend's pool runs FMA chains in the widest registers the kernels dispatch to; rounds
@@ -231,12 +245,6 @@ impl CpuPool {
         let blocks = 2 * h_k + h_v;
         let eps = layer.config.eps;
         let p = &layer.params;
-        // software prefetch of the next column block pays when the step's state does not stay in cache between
-        // calls (B 8, 25 MiB: 1.3x at T 1 on the development VM); where it does (B 1, 3 MiB, in a server L3, left
-        // to the hardware prefetcher) it gained nothing measurable and some series ran ~8% slower. 8 MiB is a
-        // common L3 share per core complex.
-        let live = args.slots.iter().filter(|&&s| s >= 0).count();
-        let prefetch = live * sh.state_len() * 4 >= 8 << 20;
         self.conv.resize(b_n * blocks * t * d, 0.0);
         self.heads_y.resize(b_n * h_v * t * d, 0.0);
 
@@ -333,7 +341,6 @@ impl CpuPool {
                 gate: layer.config.gate,
                 eps,
                 commit_at,
-                prefetch,
                 owes: task.owes,
             };
             kernels::head_window(&inp, task.state, task.pending, work, task.y);
