@@ -28,10 +28,15 @@ pub struct Args {
     round_ms: u64,
     /// Rotate among enough sets of B slots to span this many MiB of state, one set per call, so that a state
     /// comes from memory rather than from a cache that kept it since its last call, as in an engine that steps
-    /// many layers in turn (0: one set, the default). The copy ceiling rotates the same way. CPU only.
-    #[arg(long, default_value_t = 0)]
-    rotate_mib: usize,
+    /// many layers in turn (0: one set, the default). The copy ceiling rotates the same way, and a timing round
+    /// makes at least one call per set, so rounds can outlast --round-ms. CPU only (not implemented for the
+    /// device backends, whose small-B states stay in the GPU's L2 between calls).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=MAX_ROTATE_MIB))]
+    rotate_mib: u32,
 }
+
+/// The most state `--rotate-mib` may ask for: 4 GiB (the pool and the ceiling's buffers are each that large).
+const MAX_ROTATE_MIB: i64 = 4 << 10;
 
 /// One measured case.
 pub struct Row {
@@ -106,19 +111,27 @@ pub fn run(args: Args) -> Result<()> {
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    progress.set_message("FMA ceiling");
-    let fma = backend.fma_ceiling()?;
     if device && args.rotate_mib > 0 {
         return Err(gdn::Error::Param {
             name: "rotate-mib",
-            why: "rotation is for the CPU backend (a device benchmark copies a 1 GiB footprint for its ceiling)"
-                .into(),
+            why: "rotation is implemented for the CPU backend only".into(),
         });
     }
+    if let Some(&b) = batches.iter().find(|&&b| b == 0) {
+        return Err(gdn::Error::Param {
+            name: "batch",
+            why: format!("a batch size must be at least 1, got {b}"),
+        });
+    }
+    progress.set_message("FMA ceiling");
+    let fma = backend.fma_ceiling()?;
+    let rotate_bytes = (args.rotate_mib as usize) << 20;
     let mut rows = Vec::new();
+    let mut sets_of_batch = Vec::new();
     for &b in &batches {
         let state_bytes = b * shape.state_len() * 4;
-        let sets = (args.rotate_mib << 20).div_ceil(state_bytes).max(1);
+        let sets = rotate_bytes.div_ceil(state_bytes).max(1);
+        sets_of_batch.push(format!("B {b}: {sets}"));
         progress.set_message(format!("copy ceiling, B {b}"));
         let ceiling = || {
             if sets > 1 {
@@ -173,8 +186,9 @@ pub fn run(args: Args) -> Result<()> {
     print_table(&backend.name(), &config, &rows, &method, device);
     if args.rotate_mib > 0 {
         println!(
-            "rotation: each call steps the next of several sets of B slots spanning at least {} MiB of state, and the copy ceiling's pass takes the next of as many buffers",
-            args.rotate_mib
+            "rotation: each call steps the next of several sets of B slots spanning at least {} MiB of state ({}), and the copy ceiling's pass takes the next of as many buffers",
+            args.rotate_mib,
+            sets_of_batch.join(", ")
         );
     }
     Ok(())

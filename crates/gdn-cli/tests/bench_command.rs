@@ -3,19 +3,38 @@
 
 use std::process::Command;
 
+/// One test, so that two benchmarks never share the cores: a plain run, then one rotating among three sets of
+/// one slot, which says so.
 #[test]
-fn bench_prints_a_row_per_case_and_both_ceilings() {
+fn bench_prints_a_row_per_case_and_both_ceilings_plain_and_rotated() {
     check_bench_table(&[]);
-}
-
-/// With rotation (3 sets of one slot here) every call steps another slot set, and the run says so.
-#[test]
-fn bench_rotates_among_slot_sets() {
     let text = check_bench_table(&["--rotate-mib", "8"]);
     assert!(
-        text.contains("rotation: each call steps the next of several sets"),
+        text.contains("rotation: each call steps the next of several sets")
+            && text.contains("(B 1: 3)"),
         "{text}"
     );
+}
+
+/// Bad options: one line on stderr and a non-zero exit, before any timing.
+#[test]
+fn bench_rejects_an_empty_batch_and_too_much_rotation() {
+    for args in [
+        &["bench", "--batch", "0"][..],
+        &["bench", "--rotate-mib", "5000"][..],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_gdn"))
+            .args(args)
+            .output()
+            .expect("runs gdn");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} should fail");
+        assert!(out.stdout.is_empty(), "{args:?} printed a table");
+        assert!(
+            err.contains("batch") || err.contains("rotate-mib"),
+            "{args:?}: {err}"
+        );
+    }
 }
 
 /// Runs `gdn bench` on two short cases with `extra` arguments, checks its table, and returns its output.
@@ -55,8 +74,9 @@ fn check_bench_table(extra: &[&str]) -> String {
         assert_eq!((row[0], row[1]), ("1", t), "{text}");
         let us: f64 = row[2].parse().expect("a time");
         assert!(us > 0.0 && us.is_finite(), "{text}");
+        // a share, not a bound: the ceiling and the step are timed at different moments on shared cores
         let fma_share: f64 = row[9].trim_end_matches('%').parse().expect("a % FMA");
-        assert!(fma_share > 0.0 && fma_share < 100.0, "{text}");
+        assert!(fma_share > 0.0 && fma_share.is_finite(), "{text}");
     }
     let ceiling: f64 = text
         .split("FMA ceiling measured in this run: ")

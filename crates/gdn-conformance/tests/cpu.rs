@@ -29,7 +29,7 @@ fn cpu_matches_oracle_at_a_large_head_dim() {
     }
 }
 
-/// Three sequences at the seed's shape (9.4 MiB of state): the software prefetch of the next column block runs
+/// Three sequences at the seed's shape (9 MiB of state): the software prefetch of the next column block runs
 /// past each head's last block into the next head's, and past the last slot's end.
 #[test]
 fn cpu_matches_oracle_at_the_seed_shape_over_three_slots() {
@@ -40,6 +40,24 @@ fn cpu_matches_oracle_at_the_seed_shape_over_three_slots() {
 
 /// A pool with the calling thread in it: at least two threads and one per thread (both clear errors, not panics
 /// or hangs), and a step called from another thread is still right (the pool's other threads compute it).
+/// A pool larger than any allocation can be (2^42 slots at the seed's shape: 2^63.6 bytes, past `isize::MAX`),
+/// or whose size overflows, is an error, not an abort. (A size merely larger than this machine's memory would
+/// depend on the kernel's overcommit policy.)
+#[test]
+fn cpu_pool_too_large_for_memory_is_an_error() {
+    use gdn::Backend;
+    let layer = gdn::synth::Synth::new(5)
+        .layer(gdn::Config::new(gdn::Shape::SEED))
+        .unwrap();
+    for slots in [1 << 42, usize::MAX / 2] {
+        match gdn::Cpu::new().create_pool(&layer, slots) {
+            Err(gdn::Error::Param { name: "slots", .. }) => {}
+            Err(e) => panic!("{slots} slots: the wrong error: {e}"),
+            Ok(_) => panic!("{slots} slots: a pool was made"),
+        }
+    }
+}
+
 #[test]
 fn calling_thread_pool_is_one_per_thread_and_serves_other_threads() {
     assert!(matches!(

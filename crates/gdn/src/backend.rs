@@ -59,8 +59,7 @@ pub trait Backend {
     /// rotating among slot sets so that no state stays in a cache between its calls): the in-place pass of
     /// [`Backend::copy_ceiling`] over one part per call, the parts taken in turn. The default measures
     /// `copy_ceiling(bytes)`, right for backends whose ceiling already uses a footprint larger than their caches.
-    fn copy_ceiling_rotating(&self, bytes: usize, parts: usize) -> Result<f64> {
-        let _ = parts;
+    fn copy_ceiling_rotating(&self, bytes: usize, _parts: usize) -> Result<f64> {
         self.copy_ceiling(bytes)
     }
 
@@ -123,13 +122,13 @@ fn fma_chains<const W: usize>(iters: usize) -> f64 {
 
 /// [`fma_chains`] in 8 lanes (AVX2's ymm, two NEON registers per chain) for every instruction set...
 #[multiversion::multiversion(targets("x86_64+avx2+fma", "aarch64+neon"))]
-pub fn fma_burst_8(iters: usize) -> f64 {
+pub(crate) fn fma_burst_8(iters: usize) -> f64 {
     fma_chains::<8>(iters)
 }
 
 /// ... and in 16 lanes where AVX-512 registers hold them.
 #[multiversion::multiversion(targets("x86_64+avx512f+avx512vl+fma"))]
-pub fn fma_burst_16(iters: usize) -> f64 {
+pub(crate) fn fma_burst_16(iters: usize) -> f64 {
     fma_chains::<16>(iters)
 }
 

@@ -305,7 +305,7 @@ fn block_lanes(x: &[f32], c0: usize) -> Lanes {
 /// block in memory (past a head's last block: the next head's first, which this thread likely runs next) is
 /// fetched row by row, so memory streams while this block computes. Always: in an engine a layer's state is not
 /// in cache at its next call (the other layers' states pass through in between), and where it is, in a
-/// benchmark stepping one layer over and over, the fetch measured no cost (CPU-NOTES.md, 29).
+/// benchmark stepping one layer over and over, its cost was within this VM's noise (CPU-NOTES.md, 29).
 #[inline(always)]
 fn first_read<const APPLY: bool, const TO_POOL: bool, const TO_WORK: bool>(
     inp: &HeadInputs<'_>,
@@ -484,6 +484,7 @@ pub fn head_window<'a>(
         let z = &inp.z[tok * inp.z_stride..tok * inp.z_stride + d];
         let yt = &mut y[tok * d..(tok + 1) * d];
         // whole 16-lane chunks (d is a multiple of 16), so the loop vectorizes with no bounds checks
+        debug_assert!(ot.len() == d && z.len() == d && inp.gamma.len() == d && d % LANES == 0);
         for (((yc, oc), gc), zc) in yt
             .as_chunks_mut::<LANES>()
             .0

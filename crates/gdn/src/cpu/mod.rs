@@ -126,11 +126,14 @@ impl Backend for Cpu {
     fn copy_ceiling_rotating(&self, bytes: usize, parts: usize) -> Result<f64> {
         let len = (bytes / 4).max(1);
         let parts = parts.max(1);
-        let total = len.checked_mul(parts).ok_or_else(|| Error::Param {
+        let too_large = || Error::Param {
             name: "parts",
-            why: format!("{parts} parts of {bytes} bytes overflow the address space"),
-        })?;
-        let mut buf = vec![1.0f32; total];
+            why: format!("{parts} buffers of {bytes} bytes do not fit in this machine's memory"),
+        };
+        let total = len.checked_mul(parts).ok_or_else(too_large)?;
+        let mut buf = Vec::new();
+        buf.try_reserve_exact(total).map_err(|_| too_large())?;
+        buf.resize(total, 1.0f32);
         let chunk = len.div_ceil(self.thread_count().max(1)).max(1);
         let mut next = 0;
         let t = in_pool(&self.threads, || {
@@ -148,10 +151,11 @@ impl Backend for Cpu {
     /// Every thread of the backend's pool runs FMA chains in the widest registers the kernels dispatch to; rounds
     /// of ~20 ms (wall time of the whole pool, so a thread that starts late counts against it), best of 5.
     fn fma_ceiling(&self) -> Result<Option<f64>> {
-        let burst: fn(usize) -> f64 = if Cpu::isa() == "avx512+fma" {
-            crate::backend::fma_burst_16
-        } else {
-            crate::backend::fma_burst_8
+        let burst: fn(usize) -> f64 = match Cpu::isa() {
+            "avx512+fma" => crate::backend::fma_burst_16,
+            // without vector FMAs the chains would call a library fma per lane: no ceiling worth the name
+            "generic" => return Ok(None),
+            _ => crate::backend::fma_burst_8,
         };
         let rate = in_pool(&self.threads, || {
             let round = |iters: usize| {
@@ -180,23 +184,29 @@ impl Backend for Cpu {
     fn create_pool(&self, layer: &Layer, slots: usize) -> Result<Box<dyn LayerPool>> {
         layer.validate()?;
         let sh = layer.shape();
-        let floats = |per: usize| {
-            slots.checked_mul(per).ok_or_else(|| Error::Param {
+        // zeroed per-slot arrays; a pool too large for this machine is an error, not an abort
+        let zeros = |per: usize| {
+            let too_large = || Error::Param {
                 name: "slots",
-                why: format!("{slots} slots overflow the address space"),
-            })
+                why: format!("{slots} slots do not fit in this machine's memory"),
+            };
+            let len = slots.checked_mul(per).ok_or_else(too_large)?;
+            let mut v = Vec::new();
+            v.try_reserve_exact(len).map_err(|_| too_large())?;
+            v.resize(len, 0.0f32);
+            Ok::<_, Error>(v)
         };
         Ok(Box::new(CpuPool {
             layer: layer.clone(),
             slots,
-            state: vec![0.0; floats(sh.state_len())?],
-            hist: vec![0.0; floats(sh.hist_len())?],
+            state: zeros(sh.state_len())?,
+            hist: zeros(sh.hist_len())?,
             conv_w_lanes: to_lanes(&layer.params.conv_w, 4),
             conv: Vec::new(),
             heads_y: Vec::new(),
             scratch: Vec::new(),
             threads: self.threads.clone(),
-            pending: vec![0.0; floats(sh.h_v * kernels::pending_len(sh.d))?],
+            pending: zeros(sh.h_v * kernels::pending_len(sh.d))?,
             owes: vec![false; slots],
         }))
     }
