@@ -2,6 +2,7 @@
 //! for the recurrence; each q/k channel is convolved and normalized once per token, and each head's state is
 //! read from the pool once per window and written once at the commit.
 
+mod aligned;
 pub mod kernels;
 
 use std::sync::Arc;
@@ -10,6 +11,7 @@ use rayon::prelude::*;
 
 use crate::backend::check_slot_io;
 use crate::{Backend, Error, Layer, LayerPool, OutputLayout, Result, StepArgs};
+use aligned::LineVec;
 use kernels::{HeadInputs, LANES};
 
 /// The CPU backend. By default it uses rayon's global thread pool (or, called from a thread of another rayon
@@ -191,19 +193,16 @@ impl Backend for Cpu {
                 why: format!("{slots} slots do not fit in this machine's memory"),
             };
             let len = slots.checked_mul(per).ok_or_else(too_large)?;
-            let mut v = Vec::new();
-            v.try_reserve_exact(len).map_err(|_| too_large())?;
-            v.resize(len, 0.0f32);
-            Ok::<_, Error>(v)
+            LineVec::zeroed(len).map_err(|_| too_large())
         };
         Ok(Box::new(CpuPool {
             layer: layer.clone(),
             slots,
             state: zeros(sh.state_len())?,
             hist: zeros(sh.hist_len())?,
-            conv_w_lanes: to_lanes(&layer.params.conv_w, 4),
-            conv: Vec::new(),
-            heads_y: Vec::new(),
+            conv_w_lanes: LineVec::from_slice(&to_lanes(&layer.params.conv_w, 4)),
+            conv: LineVec::default(),
+            heads_y: LineVec::default(),
             scratch: Vec::new(),
             threads: self.threads.clone(),
             pending: zeros(sh.h_v * kernels::pending_len(sh.d))?,
@@ -218,24 +217,24 @@ impl Backend for Cpu {
 pub struct CpuPool {
     layer: Layer,
     slots: usize,
-    state: Vec<f32>,
-    hist: Vec<f32>,
+    state: LineVec,
+    hist: LineVec,
     /// conv_w in the pool's lane layout (see `to_lanes`).
-    conv_w_lanes: Vec<f32>,
+    conv_w_lanes: LineVec,
     /// Conv outputs [b][block][t][d] (q/k blocks normalized); grown on demand, reused across steps.
-    conv: Vec<f32>,
+    conv: LineVec,
     /// Head outputs [b][h][t][d] before they are laid out as rows.
-    heads_y: Vec<f32>,
+    heads_y: LineVec,
     /// Per-thread scratch of the head tasks, kept across steps (zeroing fresh buffers every step cost ~7% of
     /// a B 1 T 1 step). Indexed by the rayon thread; the lock is never contended (a head task runs on one
     /// thread and starts no nested parallel work).
-    scratch: Vec<std::sync::Mutex<Vec<f32>>>,
+    scratch: Vec<std::sync::Mutex<LineVec>>,
     threads: Option<Arc<rayon::ThreadPool>>,
     /// Per slot and value head, the update a one-token commit deferred ([`kernels::pending_len`] floats: the
     /// gate, k, delta), and per slot whether its stored S still owes it: the next window applies it while it
     /// first reads S, so decode reads and writes the state once per token instead of reading it, then updating
     /// it. `read_slot` applies it too; `write_slot` clears it.
-    pending: Vec<f32>,
+    pending: LineVec,
     owes: Vec<bool>,
 }
 
@@ -255,8 +254,8 @@ impl CpuPool {
         let blocks = 2 * h_k + h_v;
         let eps = layer.config.eps;
         let p = &layer.params;
-        self.conv.resize(b_n * blocks * t * d, 0.0);
-        self.heads_y.resize(b_n * h_v * t * d, 0.0);
+        self.conv.resize(b_n * blocks * t * d);
+        self.heads_y.resize(b_n * h_v * t * d);
 
         // Phase 1: conv + SiLU (+ L2 norm for q/k) per (sequence, head block); history committed in place.
         let hist_len = sh.hist_len();
@@ -367,7 +366,7 @@ impl CpuPool {
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             if work.len() < scratch_len {
-                work.resize(scratch_len, 0.0);
+                work.resize(scratch_len);
             }
             head_stage(task, &mut work[..scratch_len]);
         });
