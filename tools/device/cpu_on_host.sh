@@ -27,7 +27,7 @@ done
 # the benchmark at 2 threads (the bar's setting) and at all 16, in cache and rotated over 512 MiB; where a
 # baseline binary $B/base_gdn is there too, the two alternate, two rounds each
 bins="gdn"; [ -x "$B/base_gdn" ] && bins="base_gdn gdn"
-for round in 1 2; do
+for round in $(seq "${ROUNDS:-2}"); do
   for bin in $bins; do
     for threads in 2 16; do
       batches=1,8; [ "$threads" = 16 ] && batches=1,8,32
