@@ -150,12 +150,12 @@ pub fn run(args: Args) -> Result<()> {
                 pool.write_slot(set * b + s, &st, &h)?;
             }
         }
+        let slot_sets: Vec<Vec<i32>> = (0..sets)
+            .map(|set| ((set * b) as i32..((set + 1) * b) as i32).collect())
+            .collect();
         for &t in &tokens {
             progress.set_message(format!("B {b} T {t}"));
             let batch = rng.batch(&layer, b, t);
-            let slot_sets: Vec<Vec<i32>> = (0..sets)
-                .map(|set| ((set * b) as i32..((set + 1) * b) as i32).collect())
-                .collect();
             let steps: Vec<StepArgs> = slot_sets
                 .iter()
                 .map(|slots| StepArgs {
@@ -222,25 +222,7 @@ fn time_case(
     if steps.len() == 1 {
         return pool.time_step(&steps[0], iters);
     }
-    let first = &steps[0];
-    let layout = gdn::OutputLayout::new(
-        pool.layer().shape(),
-        first.batch.b,
-        first.batch.t,
-        first.plane_stride,
-    )?;
-    let mut out = vec![0.0f32; layout.len()];
-    let mut next = 0;
-    let per_call = gdn::backend::time_host(7, iters.max(steps.len()), || {
-        let step = &steps[next];
-        next = (next + 1) % steps.len();
-        pool.step(step, &mut out)
-    })?;
-    Ok(gdn::StepTiming {
-        per_call,
-        host_per_call: None,
-        method: "host clock".into(),
-    })
+    gdn::backend::time_steps_host(pool, steps, iters)
 }
 
 pub fn print_table(backend: &str, config: &Config, rows: &[Row], method: &str, device: bool) {

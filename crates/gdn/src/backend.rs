@@ -174,20 +174,40 @@ pub trait LayerPool {
     /// Times repeated steps with these arguments (the pool's slots evolve as the steps commit). Device backends
     /// override this to keep inputs resident and time the device work alone.
     fn time_step(&mut self, args: &StepArgs<'_>, iters: usize) -> Result<StepTiming> {
-        let layout = crate::OutputLayout::new(
-            self.layer().shape(),
-            args.batch.b,
-            args.batch.t,
-            args.plane_stride,
-        )?;
-        let mut out = vec![0.0f32; layout.len()];
-        let per_call = time_host(7, iters, || self.step(args, &mut out))?;
-        Ok(StepTiming {
-            per_call,
-            host_per_call: None,
-            method: "host clock".into(),
-        })
+        time_steps_host(self, std::slice::from_ref(args), iters)
     }
+}
+
+/// Host-clock timing of repeated steps that take `steps` in turn, one per call (one entry: the same step over and
+/// over), each round making at least one call per entry; the default [`LayerPool::time_step`], and `gdn bench`'s
+/// rotation among slot sets. All entries share the first one's window shape.
+pub fn time_steps_host<P: LayerPool + ?Sized>(
+    pool: &mut P,
+    steps: &[StepArgs<'_>],
+    iters: usize,
+) -> Result<StepTiming> {
+    let first = steps.first().ok_or_else(|| crate::Error::Param {
+        name: "steps",
+        why: "nothing to time".into(),
+    })?;
+    let layout = crate::OutputLayout::new(
+        pool.layer().shape(),
+        first.batch.b,
+        first.batch.t,
+        first.plane_stride,
+    )?;
+    let mut out = vec![0.0f32; layout.len()];
+    let mut next = 0;
+    let per_call = time_host(7, iters.max(steps.len()), || {
+        let step = &steps[next];
+        next = (next + 1) % steps.len();
+        pool.step(step, &mut out)
+    })?;
+    Ok(StepTiming {
+        per_call,
+        host_per_call: None,
+        method: "host clock".into(),
+    })
 }
 
 /// Checks a slot index and the lengths of a slot's S and H, for `write_slot` and `read_slot`.

@@ -171,8 +171,7 @@ pub fn conv_block(
     if commit_at > 0 {
         for g in 0..d / LANES {
             for m in 0..3 {
-                let (v, stride) = conv_input(hist, qkv, qkv_stride, d, commit_at + m);
-                let e: [f32; LANES] = v[g * stride..g * stride + LANES].try_into().expect("lanes");
+                let e = *group(conv_input(hist, qkv, qkv_stride, d, commit_at + m), g);
                 hist[(g * 3 + m) * LANES..(g * 3 + m + 1) * LANES].copy_from_slice(&e);
             }
         }

@@ -133,9 +133,9 @@ impl Backend for Cpu {
             why: format!("{parts} buffers of {bytes} bytes do not fit in this machine's memory"),
         };
         let total = len.checked_mul(parts).ok_or_else(too_large)?;
-        let mut buf = Vec::new();
-        buf.try_reserve_exact(total).map_err(|_| too_large())?;
-        buf.resize(total, 1.0f32);
+        // on cache lines, as the pool's state is
+        let mut buf = LineVec::zeroed(total).map_err(|_| too_large())?;
+        buf.fill(1.0);
         let chunk = len.div_ceil(self.thread_count().max(1)).max(1);
         let mut next = 0;
         let t = in_pool(&self.threads, || {
