@@ -222,7 +222,9 @@ fn time_case(
     if steps.len() == 1 {
         return pool.time_step(&steps[0], iters);
     }
-    gdn::backend::time_steps_host(pool, steps, iters)
+    let seqs = steps.iter().map(|s| s.seqs()).collect::<Result<Vec<_>>>()?;
+    let varlen: Vec<gdn::Step<'_>> = steps.iter().zip(&seqs).map(|(s, q)| s.varlen(q)).collect();
+    gdn::backend::time_steps_host(pool, &varlen, gdn::DType::F32, iters)
 }
 
 pub fn print_table(backend: &str, config: &Config, rows: &[Row], method: &str, device: bool) {

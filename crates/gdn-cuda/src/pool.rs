@@ -399,6 +399,15 @@ impl LayerPool for CudaPool {
         Ok(())
     }
 
+    fn options(&self) -> gdn::PoolOptions {
+        gdn::PoolOptions::default()
+    }
+
+    fn step_varlen(&mut self, step: &gdn::Step<'_>, out: gdn::TensorMut<'_>) -> Result<()> {
+        step.validate(&self.layer, self.slots, out.len())?;
+        Err(Error::Unsupported("varlen steps (being ported)".into()))
+    }
+
     fn step(&mut self, args: &StepArgs<'_>, out: &mut [f32]) -> Result<()> {
         let (layout, commit_at) = args.validate(&self.layer, self.slots, out.len())?;
         let batch = &args.batch;

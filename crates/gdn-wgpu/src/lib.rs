@@ -589,6 +589,20 @@ impl Backend for Wgpu {
         )
     }
 
+    fn create_pool_with(
+        &self,
+        layer: &Layer,
+        slots: usize,
+        options: gdn::PoolOptions,
+    ) -> Result<Box<dyn LayerPool>> {
+        if options != gdn::PoolOptions::default() {
+            return Err(Error::Unsupported(format!(
+                "{options:?} (f32 key-major states only, for now)"
+            )));
+        }
+        self.create_pool(layer, slots)
+    }
+
     fn create_pool(&self, layer: &Layer, slots: usize) -> Result<Box<dyn LayerPool>> {
         Ok(Box::new(WgpuPool::new(
             self.gpu.clone(),

@@ -382,6 +382,15 @@ impl LayerPool for WgpuPool {
         gpu.take_errors()
     }
 
+    fn options(&self) -> gdn::PoolOptions {
+        gdn::PoolOptions::default()
+    }
+
+    fn step_varlen(&mut self, step: &gdn::Step<'_>, out: gdn::TensorMut<'_>) -> Result<()> {
+        step.validate(&self.layer, self.slots, out.len())?;
+        Err(Error::Unsupported("varlen steps (being ported)".into()))
+    }
+
     fn step(&mut self, args: &StepArgs<'_>, out: &mut [f32]) -> Result<()> {
         let (layout, commit_at) = args.validate(&self.layer, self.slots, out.len())?;
         let (live, pipeline) = self.prepare(args, &layout, commit_at)?;

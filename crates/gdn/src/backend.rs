@@ -2,6 +2,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::step::{PoolOptions, Step, TensorMut};
 use crate::{Layer, Result, StepArgs};
 
 /// How long one step call takes, measured the backend's own way.
@@ -40,8 +41,17 @@ pub fn time_host(
 pub trait Backend {
     /// A short name with the device, e.g. `cpu (avx2+fma, 2 threads)`.
     fn name(&self) -> String;
-    /// Loads a layer's parameters and makes a state pool of `slots` zeroed slots for it.
-    fn create_pool(&self, layer: &Layer, slots: usize) -> Result<Box<dyn LayerPool>>;
+    /// Loads a layer's parameters and makes a state pool of `slots` zeroed slots for it, f32 and key-major.
+    fn create_pool(&self, layer: &Layer, slots: usize) -> Result<Box<dyn LayerPool>> {
+        self.create_pool_with(layer, slots, PoolOptions::default())
+    }
+    /// The same with the state's dtype and layout chosen; one the backend lacks is `Error::Unsupported`.
+    fn create_pool_with(
+        &self,
+        layer: &Layer,
+        slots: usize,
+        options: PoolOptions,
+    ) -> Result<Box<dyn LayerPool>>;
     /// The memory ceiling of this backend for a state of `bytes` bytes updated in place, in bytes read plus
     /// bytes written per second, measured now: one read-modify-write pass over a buffer of `bytes` bytes, the
     /// access pattern of the step's state (a copy into a second buffer would also pay, on x86, a read for
@@ -150,9 +160,12 @@ pub(crate) fn prefetch<T>(p: *const T) {
 pub trait LayerPool {
     fn layer(&self) -> &Layer;
     fn slots(&self) -> usize;
-    /// Sets one slot's S (`d * h_v * d`) and H (`C * 3`) in SPEC.md's layouts.
+    /// The state's dtype and layout.
+    fn options(&self) -> PoolOptions;
+    /// Sets one slot's S (`d * h_v * d`, in the pool's layout) and H (`C * 3`, SPEC.md's). A bf16 pool rounds
+    /// S to nearest even.
     fn write_slot(&mut self, slot: usize, state: &[f32], hist: &[f32]) -> Result<()>;
-    /// Reads one slot's S and H in SPEC.md's layouts.
+    /// Reads one slot's S (in the pool's layout) and H (SPEC.md's), as committed.
     fn read_slot(&mut self, slot: usize, state: &mut [f32], hist: &mut [f32]) -> Result<()>;
     /// Zeroes one slot's S and H: a new sequence starts there. Backends may override this to stay on the device.
     fn reset_slot(&mut self, slot: usize) -> Result<()> {
@@ -168,40 +181,55 @@ pub trait LayerPool {
         self.read_slot(from, &mut s, &mut h)?;
         self.write_slot(to, &s, &h)
     }
-    /// Advances the named slots by their windows and writes `out` (see [`crate::OutputLayout`]). Every check
-    /// runs before any state is touched: on error, the pool and `out` are as they were.
-    fn step(&mut self, args: &StepArgs<'_>, out: &mut [f32]) -> Result<()>;
-    /// Times repeated steps with these arguments (the pool's slots evolve as the steps commit). Device backends
-    /// override this to keep inputs resident and time the device work alone.
+    /// Advances every sequence of a varlen step by its window, commits each as its entry says, and writes `out`
+    /// (see [`crate::OutputLayout`] over the step's rows; rows of skipped sequences and rows no sequence names
+    /// are left as they were). Every check ([`Step::validate`], then the dtypes the backend takes) runs
+    /// before any state is touched: on error, the pool and `out` are as they were.
+    fn step_varlen(&mut self, step: &Step<'_>, out: TensorMut<'_>) -> Result<()>;
+    /// A uniform batch of f32 windows with one commit mode (a convenience over [`LayerPool::step_varlen`]).
+    fn step(&mut self, args: &StepArgs<'_>, out: &mut [f32]) -> Result<()> {
+        args.validate(self.layer(), self.slots(), out.len())?;
+        let seqs = args.seqs()?;
+        self.step_varlen(&args.varlen(&seqs), TensorMut::F32(out))
+    }
+    /// Times repeated steps of a varlen step into an output of `out_dtype` (the pool's slots evolve as the
+    /// steps commit). Device backends override this to keep inputs resident and time the device work alone.
+    fn time_varlen(
+        &mut self,
+        step: &Step<'_>,
+        out_dtype: crate::DType,
+        iters: usize,
+    ) -> Result<StepTiming> {
+        time_steps_host(self, std::slice::from_ref(step), out_dtype, iters)
+    }
+    /// [`LayerPool::time_varlen`] for a uniform f32 batch.
     fn time_step(&mut self, args: &StepArgs<'_>, iters: usize) -> Result<StepTiming> {
-        time_steps_host(self, std::slice::from_ref(args), iters)
+        let seqs = args.seqs()?;
+        self.time_varlen(&args.varlen(&seqs), crate::DType::F32, iters)
     }
 }
 
 /// Host-clock timing of repeated steps that take `steps` in turn, one per call (one entry: the same step over and
-/// over), each round making at least one call per entry; the default [`LayerPool::time_step`], and `gdn bench`'s
-/// rotation among slot sets. All entries share the first one's window shape.
+/// over), each round making at least one call per entry; the default [`LayerPool::time_varlen`], and `gdn bench`'s
+/// rotation among slot sets. All entries share the first one's rows and planes.
 pub fn time_steps_host<P: LayerPool + ?Sized>(
     pool: &mut P,
-    steps: &[StepArgs<'_>],
+    steps: &[Step<'_>],
+    out_dtype: crate::DType,
     iters: usize,
 ) -> Result<StepTiming> {
     let first = steps.first().ok_or_else(|| crate::Error::Param {
         name: "steps",
         why: "nothing to time".into(),
     })?;
-    let layout = crate::OutputLayout::new(
-        pool.layer().shape(),
-        first.batch.b,
-        first.batch.t,
-        first.plane_stride,
-    )?;
-    let mut out = vec![0.0f32; layout.len()];
+    let rows = first.rows.count(pool.layer().shape())?;
+    let layout = crate::OutputLayout::for_rows(pool.layer().shape(), rows, first.plane_stride)?;
+    let mut out = crate::TensorData::filled(layout.len(), 0.0, out_dtype);
     let mut next = 0;
     let per_call = time_host(7, iters.max(steps.len()), || {
         let step = &steps[next];
         next = (next + 1) % steps.len();
-        pool.step(step, &mut out)
+        pool.step_varlen(step, out.view_mut())
     })?;
     Ok(StepTiming {
         per_call,

@@ -1,6 +1,7 @@
 //! A batch of windows, the output layout, and the checks every backend runs before it touches state.
 
 use crate::config::check_len;
+use crate::step::{Rows, Seq, Step, Tensor};
 use crate::{Commit, Error, Layer, Result, Shape};
 
 /// Windows of `t` tokens for `b` sequences, host slices in the layout of SPEC.md with a leading batch
@@ -15,7 +16,17 @@ pub struct Batch<'a> {
     pub z: &'a [f32],
 }
 
-impl Batch<'_> {
+impl<'a> Batch<'a> {
+    /// The batch as packed f32 rows (sequence b's token at row `b * t + token`).
+    pub fn rows(&self) -> Rows<'a> {
+        Rows {
+            qkv: Tensor::F32(self.qkv),
+            alpha: Tensor::F32(self.alpha),
+            beta: Tensor::F32(self.beta),
+            z: Tensor::F32(self.z),
+        }
+    }
+
     pub fn validate(&self, shape: &Shape) -> Result<()> {
         if self.t == 0 {
             return Err(Error::EmptyWindow);
@@ -80,16 +91,23 @@ pub struct OutputLayout {
 }
 
 impl OutputLayout {
-    /// A checked layout: the plane stride holds y, and every length fits in `usize` (so `len` cannot wrap).
+    /// A checked layout for `b` sequences of `t` tokens (see [`OutputLayout::for_rows`]).
     pub fn new(shape: &Shape, b: usize, t: usize, plane_stride: Option<usize>) -> Result<Self> {
-        let n = shape.n();
-        let too_large = || {
-            Error::Param {
+        let rows = b.checked_mul(t).ok_or_else(|| Error::Param {
             name: "output",
-            why: format!("{b} sequences of {t} tokens (plane stride {plane_stride:?}) overflow the address space"),
-        }
+            why: format!("{b} sequences of {t} tokens overflow the address space"),
+        })?;
+        Self::for_rows(shape, rows, plane_stride)
+    }
+
+    /// A checked layout over `rows` rows: the plane stride holds y, and every length fits in `usize` (so `len`
+    /// cannot wrap).
+    pub fn for_rows(shape: &Shape, rows: usize, plane_stride: Option<usize>) -> Result<Self> {
+        let n = shape.n();
+        let too_large = || Error::Param {
+            name: "output",
+            why: format!("{rows} rows (plane stride {plane_stride:?}) overflow the address space"),
         };
-        let rows = b.checked_mul(t).ok_or_else(too_large)?;
         let y_len = rows.checked_mul(n).ok_or_else(too_large)?;
         if let Some(p) = plane_stride {
             if p < y_len {
@@ -135,48 +153,53 @@ pub struct StepArgs<'a> {
 }
 
 impl StepArgs<'_> {
-    /// Checks shapes, the commit mode, the plane stride, the slot indices (range, no slot twice) and the output
-    /// length; returns the output layout and the commit point.
-    pub fn validate(
-        &self,
-        layer: &Layer,
-        pool_slots: usize,
-        out_len: usize,
-    ) -> Result<(OutputLayout, usize)> {
-        let shape = layer.shape();
-        self.batch.validate(shape)?;
-        let commit_at = self.commit.commit_at(self.batch.t)?;
+    /// Checks what is particular to a uniform batch (the window length, the one commit mode, one slot per
+    /// sequence) and returns the batch as varlen sequences; the rest is [`Step::validate`]'s.
+    pub fn seqs(&self) -> Result<Vec<Seq>> {
+        if self.batch.t == 0 {
+            return Err(Error::EmptyWindow);
+        }
+        self.commit.commit_at(self.batch.t)?;
         if self.slots.len() != self.batch.b {
             return Err(Error::SlotCount {
                 got: self.slots.len(),
                 batch: self.batch.b,
             });
         }
-        let mut seen = vec![false; pool_slots];
-        for &s in self.slots {
-            if s < 0 {
-                continue;
-            }
-            let i = s as usize;
-            if i >= pool_slots {
-                return Err(Error::SlotRange {
-                    index: s as i64,
-                    slots: pool_slots,
-                });
-            }
-            if std::mem::replace(&mut seen[i], true) {
-                return Err(Error::SlotTwice(i));
-            }
+        let t = self.batch.t;
+        Ok(self
+            .slots
+            .iter()
+            .enumerate()
+            .map(|(b, &slot)| Seq {
+                slot,
+                start: b * t,
+                len: t,
+                commit: self.commit,
+            })
+            .collect())
+    }
+
+    /// The varlen step over `seqs` (from [`StepArgs::seqs`]).
+    pub fn varlen<'a>(&'a self, seqs: &'a [Seq]) -> Step<'a> {
+        Step {
+            rows: self.batch.rows(),
+            seqs,
+            plane_stride: self.plane_stride,
         }
-        let layout = OutputLayout::new(shape, self.batch.b, self.batch.t, self.plane_stride)?;
-        if out_len != layout.len() {
-            return Err(Error::Length {
-                name: "output",
-                expected: layout.len(),
-                got: out_len,
-            });
-        }
-        Ok((layout, commit_at))
+    }
+
+    /// Every check, as a backend's step runs them; returns the output layout and the commit point.
+    pub fn validate(
+        &self,
+        layer: &Layer,
+        pool_slots: usize,
+        out_len: usize,
+    ) -> Result<(OutputLayout, usize)> {
+        self.batch.validate(layer.shape())?;
+        let seqs = self.seqs()?;
+        let checked = self.varlen(&seqs).validate(layer, pool_slots, out_len)?;
+        Ok((checked.layout, self.commit.commit_at(self.batch.t)?))
     }
 }
 

@@ -95,11 +95,14 @@ impl std::str::FromStr for HeadMap {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
         match s {
-            "tiled" => Ok(HeadMap::Tiled),
-            "grouped" => Ok(HeadMap::Grouped),
+            "tiled" | "tile" | "repeat" => Ok(HeadMap::Tiled),
+            // HF transformers expands q/k with `repeat_interleave`
+            "grouped" | "repeat_interleave" => Ok(HeadMap::Grouped),
             _ => Err(Error::Param {
                 name: "head_map",
-                why: format!("'{s}' is neither 'tiled' nor 'grouped'"),
+                why: format!(
+                    "'{s}' is none of 'tiled' ('repeat'), 'grouped' ('repeat_interleave')"
+                ),
             }),
         }
     }
@@ -129,10 +132,11 @@ impl std::str::FromStr for Gate {
     fn from_str(s: &str) -> Result<Self> {
         match s {
             "sigmoid" => Ok(Gate::Sigmoid),
-            "silu" => Ok(Gate::Silu),
+            // HF's config says `hidden_act: silu`; torch calls it swish too
+            "silu" | "swish" => Ok(Gate::Silu),
             _ => Err(Error::Param {
                 name: "gate",
-                why: format!("'{s}' is neither 'sigmoid' nor 'silu'"),
+                why: format!("'{s}' is none of 'sigmoid', 'silu' ('swish')"),
             }),
         }
     }
@@ -222,6 +226,25 @@ pub struct Params {
     pub a: Vec<f32>,
     /// [d] output-norm weight shared by all heads.
     pub gamma: Vec<f32>,
+}
+
+impl Params {
+    /// The checkpoint's tensors as HF transformers and vLLM name them: `conv1d.weight` ([C][1][4] or [C][4]),
+    /// `dt_bias` [h_v], `A_log` [h_v] and `norm.weight` [d]. The decay rate is `a = -exp(A_log)` in f32, as
+    /// HF computes it (`-self.A_log.float().exp()`).
+    pub fn from_checkpoint(
+        conv_weight: &[f32],
+        dt_bias: &[f32],
+        a_log: &[f32],
+        norm_weight: &[f32],
+    ) -> Params {
+        Params {
+            conv_w: conv_weight.to_vec(),
+            dt: dt_bias.to_vec(),
+            a: a_log.iter().map(|&x| -x.exp()).collect(),
+            gamma: norm_weight.to_vec(),
+        }
+    }
 }
 
 /// A layer: configuration and parameters, validated together.

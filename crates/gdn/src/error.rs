@@ -25,6 +25,25 @@ pub enum Error {
     SlotCount { got: usize, batch: usize },
     #[error("a window needs at least one token")]
     EmptyWindow,
+    #[error("sequence {seq} has length 0: a window needs at least one token")]
+    EmptySeq { seq: usize },
+    #[error("sequence {seq}: rows {start}..{start}+{len} are outside the {rows} rows given")]
+    SeqRows {
+        seq: usize,
+        start: usize,
+        len: usize,
+        rows: usize,
+    },
+    #[error("sequences {a} and {b} share rows")]
+    SeqOverlap { a: usize, b: usize },
+    #[error("sequence {seq}: commit {commit:?} is outside 1..={len} for its {len} tokens")]
+    SeqCommit {
+        seq: usize,
+        commit: crate::Commit,
+        len: usize,
+    },
+    #[error("not supported by this backend: {0}")]
+    Unsupported(String),
     #[error("malformed step file: {0}")]
     File(String),
     #[error("cannot read {path}: {source}")]

@@ -1,7 +1,8 @@
 //! gdn: the fused Gated DeltaNet window step (SPEC.md), exact and fast.
 //!
 //! - [`config`]: shape, head map, gate, commit mode, layer parameters.
-//! - [`batch`]: windows of inputs, the output layout, the checks every backend runs first.
+//! - [`step`]: the varlen step as engines call it: packed rows in f32/bf16/f16, one entry per sequence, pool options.
+//! - [`batch`]: uniform windows of inputs, the output layout, the checks every backend runs first.
 //! - [`backend`]: the [`Backend`] and [`LayerPool`] traits every backend implements.
 //! - [`oracle`]: the float64 reference, SPEC.md as plain code.
 //! - [`cpu`]: the fast f32 CPU backend.
@@ -34,6 +35,7 @@ pub mod config;
 pub mod cpu;
 pub mod error;
 pub mod oracle;
+pub mod step;
 pub mod stepfile;
 pub mod synth;
 
@@ -42,6 +44,11 @@ pub use batch::{plane_scale, Batch, BatchData, OutputLayout, StepArgs};
 pub use config::{Commit, Config, Gate, HeadMap, Layer, Params, Shape};
 pub use cpu::Cpu;
 pub use error::{Error, Result};
+pub use half::{bf16, f16};
+pub use step::{
+    seqs_from_cu_seqlens, Checked, DType, PoolOptions, Rows, RowsData, Seq, StateLayout, Step,
+    Tensor, TensorData, TensorMut,
+};
 
 /// `||out - ref|| / ||ref||` over whole buffers: 0 when both are zero, infinite where one side has a NaN or an
 /// infinity the other does not have at the same place (matching non-finite values are skipped).

@@ -1,7 +1,7 @@
 //! The float64 oracle: SPEC.md as plain code. Obviously right, never optimised; every backend is checked
 //! against it. Inputs are the same f32 values a backend sees, widened exactly.
 
-use crate::{Batch, Commit, Gate, Layer, OutputLayout, Result};
+use crate::{Batch, Commit, DType, Gate, Layer, OutputLayout, Result, Rows, Step, Tensor};
 
 /// One sequence's state in float64: S [d][h_v][d] and H [C][3], SPEC.md's layouts.
 #[derive(Clone, Debug, PartialEq)]
@@ -45,25 +45,28 @@ fn l2_normalize(x: &[f64], eps: f64) -> Vec<f64> {
     x.iter().map(|v| v * r).collect()
 }
 
-/// Runs one sequence's window (a batch of one) and returns y [t][n].
-/// The state is replaced by the committed one (unchanged under `Verify`).
-pub fn window(
+/// Runs one sequence's window, `len` rows of `rows` from row `start`, and returns y [len][n] unrounded. The
+/// state is replaced by the one after `commit_at` tokens (unchanged for 0: verify); with a bf16 `state` dtype,
+/// the committed S is rounded once to bf16 (the history stays f32, it holds raw inputs).
+pub fn window_rows(
     layer: &Layer,
     st: &mut SeqState,
-    win: &Batch<'_>,
-    commit: Commit,
-) -> Result<Vec<f64>> {
-    assert_eq!(win.b, 1, "oracle::window takes one sequence");
-    let (t, qkv, alpha, beta, z) = (win.t, win.qkv, win.alpha, win.beta, win.z);
+    rows: &Rows<'_>,
+    start: usize,
+    len: usize,
+    commit_at: usize,
+    state: DType,
+) -> Vec<f64> {
     let sh = *layer.shape();
     let (d, h_k, h_v, c_n, n) = (sh.d, sh.h_k, sh.h_v, sh.channels(), sh.n());
     let p = &layer.params;
     let eps = layer.config.eps as f64;
-    let commit_at = commit.commit_at(t)?;
+    let input = |x: &Tensor<'_>, i: usize| x.get(i) as f64;
     let mut s = st.s.clone();
     let mut h = st.h.clone();
-    let mut y = vec![0.0; t * n];
-    for tok in 0..t {
+    let mut y = vec![0.0; len * n];
+    for tok in 0..len {
+        let row = start + tok;
         // 1. conv + SiLU of every channel, then the history shift (each channel once per token)
         let mut cv = vec![0.0; c_n];
         for c in 0..c_n {
@@ -71,7 +74,7 @@ pub fn window(
                 h[c * 3],
                 h[c * 3 + 1],
                 h[c * 3 + 2],
-                qkv[tok * c_n + c] as f64,
+                input(&rows.qkv, row * c_n + c),
             ];
             let acc: f64 = (0..4).map(|k| x[k] * p.conv_w[c * 4 + k] as f64).sum();
             cv[c] = acc * sigmoid(acc);
@@ -86,9 +89,9 @@ pub fn window(
             let k = l2_normalize(&cv[(h_k + g) * d..(h_k + g + 1) * d], eps);
             let v = &cv[(2 * h_k + hv) * d..(2 * h_k + hv + 1) * d];
             // 3. decay, 4. write strength
-            let u = alpha[tok * h_v + hv] as f64 + p.dt[hv] as f64;
+            let u = input(&rows.alpha, row * h_v + hv) + p.dt[hv] as f64;
             let gate = (softplus(u) * p.a[hv] as f64).exp();
-            let b = sigmoid(beta[tok * h_v + hv] as f64);
+            let b = sigmoid(input(&rows.beta, row * h_v + hv));
             let at = |i: usize, j: usize| (i * h_v + hv) * d + j;
             // 5. delta rule
             for j in 0..d {
@@ -104,7 +107,7 @@ pub fn window(
                 .collect();
             let rs = 1.0 / (o.iter().map(|x| x * x).sum::<f64>() / d as f64 + eps).sqrt();
             for j in 0..d {
-                let zz = z[tok * n + hv * d + j] as f64;
+                let zz = input(&rows.z, row * n + hv * d + j);
                 let act = match layer.config.gate {
                     Gate::Sigmoid => sigmoid(zz),
                     Gate::Silu => zz * sigmoid(zz),
@@ -113,15 +116,85 @@ pub fn window(
             }
         }
         if tok + 1 == commit_at {
-            st.s.copy_from_slice(&s);
+            st.s.iter_mut()
+                .zip(&s)
+                .for_each(|(a, &b)| *a = state.round_f64(b));
             st.h.copy_from_slice(&h);
         }
     }
-    Ok(y)
+    y
 }
 
-/// Runs a batch the way a backend's step does: `states[slot]` per sequence (negative slots skipped, their
-/// rows left at 0) and the whole output buffer in [`OutputLayout`] order, planes and group sums included.
+/// Runs one sequence's f32 window (a batch of one) and returns y [t][n]; the state is replaced by the
+/// committed one (unchanged under `Verify`).
+pub fn window(
+    layer: &Layer,
+    st: &mut SeqState,
+    win: &Batch<'_>,
+    commit: Commit,
+) -> Result<Vec<f64>> {
+    assert_eq!(win.b, 1, "oracle::window takes one sequence");
+    let commit_at = commit.commit_at(win.t)?;
+    Ok(window_rows(
+        layer,
+        st,
+        &win.rows(),
+        0,
+        win.t,
+        commit_at,
+        DType::F32,
+    ))
+}
+
+/// Runs a varlen step the way a backend's does: `states[slot]` per sequence (S key-major; negative slots
+/// skipped, their rows left at 0) and the whole output buffer in [`OutputLayout`] order, planes and group sums
+/// included, each value rounded once to `out` (bf16 or f16; f32 values are left exact).
+pub fn step_varlen(
+    layer: &Layer,
+    states: &mut [SeqState],
+    step: &Step<'_>,
+    state: DType,
+    out: DType,
+) -> Result<Vec<f64>> {
+    let n = layer.shape().n();
+    let layout = OutputLayout::for_rows(
+        layer.shape(),
+        step.rows.count(layer.shape())?,
+        step.plane_stride,
+    )?;
+    // the reference rejects what every backend rejects
+    let checked = step.validate(layer, states.len(), layout.len())?;
+    let mut buf = vec![0.0; layout.len()];
+    for (seq, &commit_at) in step.seqs.iter().zip(&checked.commit_at) {
+        if seq.slot < 0 {
+            continue;
+        }
+        let st = &mut states[seq.slot as usize];
+        let y = window_rows(layer, st, &step.rows, seq.start, seq.len, commit_at, state);
+        for (r, yr) in y.chunks(n).enumerate() {
+            let row = seq.start + r;
+            for (m, &v) in yr.iter().enumerate() {
+                buf[row * n + m] = out.round_f64(v);
+            }
+            if let Some(p) = step.plane_stride {
+                for (m, &v) in yr.iter().enumerate() {
+                    for plane in 1..4 {
+                        buf[plane * p + row * n + m] =
+                            out.round_f64(v * crate::plane_scale(plane, m) as f64);
+                    }
+                }
+                for (q, g) in yr.chunks(16).enumerate() {
+                    let even: f64 = g.iter().step_by(2).sum();
+                    let odd: f64 = g.iter().skip(1).step_by(2).sum();
+                    buf[4 * p + row * (n / 16) + q] = out.round_f64(even + odd);
+                }
+            }
+        }
+    }
+    Ok(buf)
+}
+
+/// A uniform f32 batch, as [`step_varlen`] runs it (an f32 state, f32 outputs).
 pub fn step(
     layer: &Layer,
     states: &mut [SeqState],
@@ -130,48 +203,14 @@ pub fn step(
     commit: Commit,
     plane_stride: Option<usize>,
 ) -> Result<Vec<f64>> {
-    let sh = layer.shape();
-    let (t, c_n, h_v, n) = (batch.t, sh.channels(), sh.h_v, sh.n());
-    let layout = OutputLayout::new(sh, batch.b, t, plane_stride)?;
-    // the reference rejects what every backend rejects
     let args = crate::StepArgs {
         batch: *batch,
         slots,
         commit,
         plane_stride,
     };
+    let layout = OutputLayout::new(layer.shape(), batch.b, batch.t, plane_stride)?;
     args.validate(layer, states.len(), layout.len())?;
-    let mut out = vec![0.0; layout.len()];
-    for (b, &slot) in slots.iter().enumerate() {
-        if slot < 0 {
-            continue;
-        }
-        let win = Batch {
-            b: 1,
-            t,
-            qkv: &batch.qkv[b * t * c_n..(b + 1) * t * c_n],
-            alpha: &batch.alpha[b * t * h_v..(b + 1) * t * h_v],
-            beta: &batch.beta[b * t * h_v..(b + 1) * t * h_v],
-            z: &batch.z[b * t * n..(b + 1) * t * n],
-        };
-        let y = window(layer, &mut states[slot as usize], &win, commit)?;
-        let row0 = b * t;
-        out[row0 * n..(row0 + t) * n].copy_from_slice(&y);
-        if let Some(p) = plane_stride {
-            for (r, yr) in y.chunks(n).enumerate() {
-                let row = row0 + r;
-                for (m, &v) in yr.iter().enumerate() {
-                    for plane in 1..4 {
-                        out[plane * p + row * n + m] = v * crate::plane_scale(plane, m) as f64;
-                    }
-                }
-                for (q, g) in yr.chunks(16).enumerate() {
-                    let even: f64 = g.iter().step_by(2).sum();
-                    let odd: f64 = g.iter().skip(1).step_by(2).sum();
-                    out[4 * p + row * (n / 16) + q] = even + odd;
-                }
-            }
-        }
-    }
-    Ok(out)
+    let seqs = args.seqs()?;
+    step_varlen(layer, states, &args.varlen(&seqs), DType::F32, DType::F32)
 }

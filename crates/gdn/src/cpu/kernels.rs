@@ -249,8 +249,8 @@ type Lanes = [f32; LANES];
 /// without branches.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn update_rows<const FROM_POOL: bool, const MORE: bool, const COMMIT: bool>(
-    pool: &mut [Lanes],
+fn update_rows<E: StateElem, const FROM_POOL: bool, const MORE: bool, const COMMIT: bool>(
+    pool: &mut [[E; LANES]],
     work: &mut [Lanes],
     g: f32,
     delta: &Lanes,
@@ -270,11 +270,11 @@ fn update_rows<const FROM_POOL: bool, const MORE: bool, const COMMIT: bool>(
         let i = std::hint::black_box(i);
         for r in 0..2 {
             let src = if FROM_POOL {
-                &pool[i + r]
+                E::load(&pool[i + r])
             } else {
-                &work[i + r]
+                work[i + r]
             };
-            let x = apply_pending(g, src, k[i + r], delta);
+            let x = apply_pending(g, &src, k[i + r], delta);
             if MORE {
                 let (kni, qni) = (kn[i + r], qn[i + r]);
                 for l in 0..LANES {
@@ -284,7 +284,7 @@ fn update_rows<const FROM_POOL: bool, const MORE: bool, const COMMIT: bool>(
                 work[i + r] = x;
             }
             if COMMIT {
-                pool[i + r] = x;
+                pool[i + r] = E::store(&x);
             }
         }
     }
@@ -310,9 +310,9 @@ fn block_lanes(x: &[f32], c0: usize) -> Lanes {
 /// in cache at its next call (the other layers' states pass through in between), and where it is, in a
 /// benchmark stepping one layer over and over, its cost was within this VM's noise (CPU-NOTES.md, 29).
 #[inline(always)]
-fn first_read<const APPLY: bool, const TO_POOL: bool, const TO_WORK: bool>(
+fn first_read<E: StateElem, const APPLY: bool, const TO_POOL: bool, const TO_WORK: bool>(
     inp: &HeadInputs<'_>,
-    pool: &mut [Lanes],
+    pool: &mut [[E; LANES]],
     work: &mut [Lanes],
     owed: Option<(f32, &[f32], Lanes)>,
 ) -> ([Lanes; 2], [Lanes; 2]) {
@@ -326,17 +326,18 @@ fn first_read<const APPLY: bool, const TO_POOL: bool, const TO_WORK: bool>(
         for r in 0..2 {
             let row = i + r;
             prefetch(ahead.wrapping_add(row));
+            // an owed update gives the state as it was committed: rounded to the pool's element
             let s = if APPLY {
-                apply_pending(g, &pool[row], k_owed[row], &delta)
+                E::roundtrip(apply_pending(g, &E::load(&pool[row]), k_owed[row], &delta))
             } else {
-                pool[row]
+                E::load(&pool[row])
             };
             for l in 0..LANES {
                 kv2[r][l] = s[l].mul_add(k0[row], kv2[r][l]);
                 sq2[r][l] = s[l].mul_add(q0[row], sq2[r][l]);
             }
             if TO_POOL {
-                pool[row] = s;
+                pool[row] = E::store(&s);
             }
             if TO_WORK {
                 work[row] = s;
@@ -357,12 +358,12 @@ fn first_read<const APPLY: bool, const TO_POOL: bool, const TO_WORK: bool>(
 /// next token's read; an update nobody reads (after the last token, no commit) is skipped.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn column_block(
+fn column_block<E: StateElem>(
     inp: &HeadInputs<'_>,
     gates: &[f32],
     betas: &[f32],
     kqs: &[f32],
-    pool: &mut [Lanes],
+    pool: &mut [[E; LANES]],
     work: &mut [Lanes],
     o: &mut [f32],
     c0: usize,
@@ -376,10 +377,10 @@ fn column_block(
     let deferred = defers_update(inp.t, inp.commit_at);
     let owed = pending.map(|(g, k, delta)| (g, k, block_lanes(delta, c0)));
     let (kv2, sq2) = match (owed, deferred, inp.t > 1) {
-        (None, _, _) => first_read::<false, false, false>(inp, pool, work, None),
-        (Some(_), false, false) => first_read::<true, false, false>(inp, pool, work, owed),
-        (Some(_), true, _) => first_read::<true, true, false>(inp, pool, work, owed),
-        (Some(_), false, true) => first_read::<true, false, true>(inp, pool, work, owed),
+        (None, _, _) => first_read::<E, false, false, false>(inp, pool, work, None),
+        (Some(_), false, false) => first_read::<E, true, false, false>(inp, pool, work, owed),
+        (Some(_), true, _) => first_read::<E, true, true, false>(inp, pool, work, owed),
+        (Some(_), false, true) => first_read::<E, true, false, true>(inp, pool, work, owed),
     };
     let (mut kv, mut sq) = (add_lanes(&kv2[0], &kv2[1]), add_lanes(&sq2[0], &sq2[1]));
     for tok in 0..inp.t {
@@ -416,12 +417,12 @@ fn column_block(
         let (w, dl) = (&mut *work, &delta);
         (kv, sq) = match (first, more, commit) {
             (_, false, false) => break,
-            (true, true, true) => update_rows::<true, true, true>(pool, w, g, dl, k, kn, qn),
-            (true, true, false) => update_rows::<true, true, false>(pool, w, g, dl, k, kn, qn),
-            (true, false, true) => update_rows::<true, false, true>(pool, w, g, dl, k, kn, qn),
-            (false, true, true) => update_rows::<false, true, true>(pool, w, g, dl, k, kn, qn),
-            (false, true, false) => update_rows::<false, true, false>(pool, w, g, dl, k, kn, qn),
-            (false, false, true) => update_rows::<false, false, true>(pool, w, g, dl, k, kn, qn),
+            (true, true, true) => update_rows::<E, true, true, true>(pool, w, g, dl, k, kn, qn),
+            (true, true, false) => update_rows::<E, true, true, false>(pool, w, g, dl, k, kn, qn),
+            (true, false, true) => update_rows::<E, true, false, true>(pool, w, g, dl, k, kn, qn),
+            (false, true, true) => update_rows::<E, false, true, true>(pool, w, g, dl, k, kn, qn),
+            (false, true, false) => update_rows::<E, false, true, false>(pool, w, g, dl, k, kn, qn),
+            (false, false, true) => update_rows::<E, false, false, true>(pool, w, g, dl, k, kn, qn),
         };
     }
 }
@@ -437,6 +438,29 @@ fn column_block(
 pub fn head_window<'a>(
     inp: &HeadInputs<'a>,
     pool: &mut [f32],
+    pending: &mut [f32],
+    scratch: &mut [f32],
+    y: &mut [f32],
+) {
+    head_window_body(inp, pool, pending, scratch, y)
+}
+
+/// [`head_window`] on a bf16 state (bits in u16).
+#[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn head_window_bf16<'a>(
+    inp: &HeadInputs<'a>,
+    pool: &mut [u16],
+    pending: &mut [f32],
+    scratch: &mut [f32],
+    y: &mut [f32],
+) {
+    head_window_body(inp, pool, pending, scratch, y)
+}
+
+#[inline(always)]
+fn head_window_body<E: StateElem>(
+    inp: &HeadInputs<'_>,
+    pool: &mut [E],
     pending: &mut [f32],
     scratch: &mut [f32],
     y: &mut [f32],
@@ -460,7 +484,7 @@ pub fn head_window<'a>(
     let owed = inp.owes.then(|| pending_parts(pending, d));
     for (cb, block) in pool.chunks_exact_mut(d * LANES).enumerate() {
         let block = block.as_chunks_mut::<LANES>().0;
-        column_block(
+        column_block::<E>(
             inp,
             gates,
             betas,
@@ -502,6 +526,81 @@ pub fn head_window<'a>(
             }
         }
     }
+}
+
+/// The element a pool keeps S in: f32, or bf16 (its bits in a u16). Rows are widened to f32 as they are read
+/// and rounded to nearest even where they are committed (SPEC.md, "A bf16 state").
+pub trait StateElem: bytemuck::Pod + Send + Sync {
+    fn load(x: &[Self; LANES]) -> Lanes;
+    fn store(x: &Lanes) -> [Self; LANES];
+    /// `x` as it reads back after a store.
+    #[inline(always)]
+    fn roundtrip(x: Lanes) -> Lanes {
+        Self::load(&Self::store(&x))
+    }
+    /// [`head_window`] on a state of this element.
+    fn head_window(
+        inp: &HeadInputs<'_>,
+        pool: &mut [Self],
+        pending: &mut [f32],
+        scratch: &mut [f32],
+        y: &mut [f32],
+    );
+}
+
+impl StateElem for f32 {
+    #[inline(always)]
+    fn load(x: &Lanes) -> Lanes {
+        *x
+    }
+    #[inline(always)]
+    fn store(x: &Lanes) -> Lanes {
+        *x
+    }
+    #[inline(always)]
+    fn roundtrip(x: Lanes) -> Lanes {
+        x
+    }
+    fn head_window(
+        inp: &HeadInputs<'_>,
+        pool: &mut [f32],
+        pending: &mut [f32],
+        scratch: &mut [f32],
+        y: &mut [f32],
+    ) {
+        head_window(inp, pool, pending, scratch, y)
+    }
+}
+
+/// bf16 bits: widening is a shift; rounding to nearest even is `(b + 0x7fff + lsb) >> 16` (NaN kept quiet), the
+/// same bits as `half::bf16::from_f32`, written lane by lane so it vectorizes.
+impl StateElem for u16 {
+    #[inline(always)]
+    fn load(x: &[u16; LANES]) -> Lanes {
+        std::array::from_fn(|l| f32::from_bits((x[l] as u32) << 16))
+    }
+    #[inline(always)]
+    fn store(x: &Lanes) -> [u16; LANES] {
+        std::array::from_fn(|l| bf16_bits(x[l]))
+    }
+    fn head_window(
+        inp: &HeadInputs<'_>,
+        pool: &mut [u16],
+        pending: &mut [f32],
+        scratch: &mut [f32],
+        y: &mut [f32],
+    ) {
+        head_window_bf16(inp, pool, pending, scratch, y)
+    }
+}
+
+/// `x` rounded to bf16 (nearest, ties to even; a NaN stays a quiet NaN), as its bits.
+#[inline(always)]
+pub fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+    let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
+    (if nan { (b >> 16) | 0x40 } else { rounded }) as u16
 }
 
 /// `x . y` with 16 partial sums in a fixed order.

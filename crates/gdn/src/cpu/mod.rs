@@ -10,9 +10,10 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use crate::backend::check_slot_io;
-use crate::{Backend, Error, Layer, LayerPool, OutputLayout, Result, StepArgs};
+use crate::step::{Checked, DType, PoolOptions, Step, TensorMut};
+use crate::{Backend, Error, Layer, LayerPool, OutputLayout, Result};
 use aligned::LineVec;
-use kernels::{HeadInputs, LANES};
+use kernels::{HeadInputs, StateElem, LANES};
 
 /// The CPU backend. By default it uses rayon's global thread pool (or, called from a thread of another rayon
 /// pool, that pool).
@@ -183,8 +184,14 @@ impl Backend for Cpu {
         Ok(Some(rate))
     }
 
-    fn create_pool(&self, layer: &Layer, slots: usize) -> Result<Box<dyn LayerPool>> {
+    fn create_pool_with(
+        &self,
+        layer: &Layer,
+        slots: usize,
+        options: PoolOptions,
+    ) -> Result<Box<dyn LayerPool>> {
         layer.validate()?;
+        options.validate()?;
         let sh = layer.shape();
         // zeroed per-slot arrays; a pool too large for this machine is an error, not an abort
         let zeros = |per: usize| {
@@ -195,14 +202,16 @@ impl Backend for Cpu {
             let len = slots.checked_mul(per).ok_or_else(too_large)?;
             LineVec::zeroed(len).map_err(|_| too_large())
         };
+        // a bf16 state packs two elements in each f32 of its buffer (state_len is even: d is a multiple of 16)
+        let state_floats = sh.state_len() * options.state.size() / 4;
         Ok(Box::new(CpuPool {
             layer: layer.clone(),
+            options,
             slots,
-            state: zeros(sh.state_len())?,
+            state: zeros(state_floats)?,
             hist: zeros(sh.hist_len())?,
             conv_w_lanes: LineVec::from_slice(&to_lanes(&layer.params.conv_w, 4)),
-            conv: LineVec::default(),
-            heads_y: LineVec::default(),
+            work: Work::default(),
             scratch: Vec::new(),
             threads: self.threads.clone(),
             pending: zeros(sh.h_v * kernels::pending_len(sh.d))?,
@@ -211,20 +220,62 @@ impl Backend for Cpu {
     }
 }
 
+/// Buffers a step works in, sized to each step and freed after one that needed more than [`Work::KEEP`]
+/// floats, so a pool does not keep a long prefill's buffers for the decode steps that follow.
+#[derive(Default)]
+struct Work {
+    /// Conv outputs per live sequence [block][t][d] (q/k blocks normalized), sequences end to end.
+    conv: LineVec,
+    /// Head outputs per live sequence [h][t][d] before they are laid out as rows.
+    heads_y: LineVec,
+    /// Inputs given in bf16 or f16, widened: qkv, alpha, beta, z.
+    widened: [LineVec; 4],
+}
+
+impl Work {
+    /// 16 MiB of floats: a B 64 T 4 step's conv and head outputs at the seed's shape.
+    const KEEP: usize = 4 << 20;
+
+    fn floats(&self) -> usize {
+        self.conv.len() + self.heads_y.len() + self.widened.iter().map(|w| w.len()).sum::<usize>()
+    }
+
+    fn trim(&mut self) {
+        for buf in [&mut self.conv, &mut self.heads_y]
+            .into_iter()
+            .chain(self.widened.iter_mut())
+        {
+            if buf.len() > Self::KEEP {
+                *buf = LineVec::default();
+            }
+        }
+    }
+}
+
+/// One live sequence of a step: where its rows, conv outputs and head outputs are.
+#[derive(Clone, Copy)]
+struct LiveSeq {
+    slot: usize,
+    start: usize,
+    len: usize,
+    commit_at: usize,
+    /// Offsets of its conv outputs and head outputs in `Work`.
+    conv: usize,
+    y: usize,
+}
+
 /// A layer's state pool in host memory: per slot, S in blocks of 16 columns per head ([h][j / 16][i][16], see
-/// `for_each_row`) and H in lanes of 16 channels (see `to_lanes`). The history is updated in place: on the CPU every q/k channel is
-/// convolved once, before any head reads it, so no double buffer is needed.
+/// `for_each_row`), f32 or bf16, and H in lanes of 16 channels (see `to_lanes`). The history is updated in place:
+/// on the CPU every q/k channel is convolved once, before any head reads it, so no double buffer is needed.
 pub struct CpuPool {
     layer: Layer,
+    options: PoolOptions,
     slots: usize,
     state: LineVec,
     hist: LineVec,
     /// conv_w in the pool's lane layout (see `to_lanes`).
     conv_w_lanes: LineVec,
-    /// Conv outputs [b][block][t][d] (q/k blocks normalized); grown on demand, reused across steps.
-    conv: LineVec,
-    /// Head outputs [b][h][t][d] before they are laid out as rows.
-    heads_y: LineVec,
+    work: Work,
     /// Per-thread scratch of the head tasks, kept across steps (zeroing fresh buffers every step cost ~7% of
     /// a B 1 T 1 step). Indexed by the rayon thread; the lock is never contended (a head task runs on one
     /// thread and starts no nested parallel work).
@@ -238,87 +289,140 @@ pub struct CpuPool {
     owes: Vec<bool>,
 }
 
+/// f32 views of a step's inputs: the caller's slices where they are f32, else the widened copies.
+struct Inputs<'a> {
+    qkv: &'a [f32],
+    alpha: &'a [f32],
+    beta: &'a [f32],
+    z: &'a [f32],
+}
+
 impl CpuPool {
-    fn run_step(
+    /// Floats of work buffers the pool holds now (besides its states and per-thread scratch).
+    pub fn work_floats(&self) -> usize {
+        self.work.floats()
+    }
+
+    fn run_step<E: kernels::StateElem>(
         &mut self,
-        args: &StepArgs<'_>,
-        layout: OutputLayout,
-        commit_at: usize,
-        out: &mut [f32],
+        state: &mut [E],
+        step: &Step<'_>,
+        checked: &Checked,
+        out: TensorMut<'_>,
     ) {
         let layer = &self.layer;
         let sh = *layer.shape();
         let (d, h_k, h_v, c_n, n) = (sh.d, sh.h_k, sh.h_v, sh.channels(), sh.n());
-        let batch = &args.batch;
-        let (b_n, t) = (batch.b, batch.t);
         let blocks = 2 * h_k + h_v;
         let eps = layer.config.eps;
         let p = &layer.params;
-        self.conv.resize(b_n * blocks * t * d);
-        self.heads_y.resize(b_n * h_v * t * d);
+
+        // the live sequences and where their intermediate outputs go
+        let mut live = Vec::with_capacity(step.seqs.len());
+        let (mut conv_len, mut y_len) = (0, 0);
+        for (seq, &commit_at) in step.seqs.iter().zip(&checked.commit_at) {
+            if seq.slot < 0 {
+                continue;
+            }
+            live.push(LiveSeq {
+                slot: seq.slot as usize,
+                start: seq.start,
+                len: seq.len,
+                commit_at,
+                conv: conv_len,
+                y: y_len,
+            });
+            conv_len += blocks * seq.len * d;
+            y_len += h_v * seq.len * d;
+        }
+        let Work {
+            conv: conv_buf,
+            heads_y,
+            widened,
+        } = &mut self.work;
+        conv_buf.resize(conv_len);
+        heads_y.resize(y_len);
+
+        // inputs in bf16 or f16 are widened once (exactly): the kernels read f32 rows
+        let tensors = [step.rows.qkv, step.rows.alpha, step.rows.beta, step.rows.z];
+        for (t, buf) in tensors.iter().zip(widened.iter_mut()) {
+            if t.as_f32().is_none() {
+                buf.resize(t.len());
+                t.widen_into(0, buf);
+            }
+        }
+        let f32_view = |i: usize| tensors[i].as_f32().unwrap_or(&widened[i][..]);
+        let inp = Inputs {
+            qkv: f32_view(0),
+            alpha: f32_view(1),
+            beta: f32_view(2),
+            z: f32_view(3),
+        };
 
         // Phase 1: conv + SiLU (+ L2 norm for q/k) per (sequence, head block); history committed in place.
         let hist_len = sh.hist_len();
         let mut hist_of_slot: Vec<Option<&mut [f32]>> =
             self.hist.chunks_mut(hist_len).map(Some).collect();
-        let mut conv_tasks = Vec::with_capacity(b_n * blocks);
-        for (b, (conv_b, &slot)) in self
-            .conv
-            .chunks_mut(blocks * t * d)
-            .zip(args.slots)
-            .enumerate()
-        {
-            if slot < 0 {
-                continue;
-            }
+        let mut conv_tasks = Vec::with_capacity(live.len() * blocks);
+        let mut conv_rest: &mut [f32] = conv_buf;
+        for s in &live {
+            let (conv_s, rest) = std::mem::take(&mut conv_rest).split_at_mut(blocks * s.len * d);
+            conv_rest = rest;
             // validated: in range and named once
-            let hist = hist_of_slot[slot as usize].take().expect("slot named once");
-            for (blk, (out_blk, hist_blk)) in conv_b
-                .chunks_mut(t * d)
+            let hist = hist_of_slot[s.slot].take().expect("slot named once");
+            for (blk, (out_blk, hist_blk)) in conv_s
+                .chunks_mut(s.len * d)
                 .zip(hist.chunks_mut(3 * d))
                 .enumerate()
             {
-                conv_tasks.push((b, blk, out_blk, hist_blk));
+                conv_tasks.push((*s, blk, out_blk, hist_blk));
             }
         }
         let conv_w_lanes = &self.conv_w_lanes;
-        let conv_stage = |(b, blk, out_blk, hist_blk): (usize, usize, &mut [f32], &mut [f32])| {
-            let c0 = blk * d;
-            let qkv = &batch.qkv[b * t * c_n + c0..];
-            let w = &conv_w_lanes[c0 * 4..(c0 + d) * 4];
-            let normalize = (blk < 2 * h_k).then_some(eps);
-            kernels::conv_block(d, t, qkv, c_n, w, hist_blk, out_blk, normalize, commit_at);
-        };
-
-        conv_tasks.into_par_iter().for_each(conv_stage);
+        let qkv = inp.qkv;
+        conv_tasks.into_par_iter().for_each(
+            |(s, blk, out_blk, hist_blk): (LiveSeq, usize, &mut [f32], &mut [f32])| {
+                let c0 = blk * d;
+                let qkv = &qkv[s.start * c_n + c0..];
+                let w = &conv_w_lanes[c0 * 4..(c0 + d) * 4];
+                let normalize = (blk < 2 * h_k).then_some(eps);
+                kernels::conv_block(
+                    d,
+                    s.len,
+                    qkv,
+                    c_n,
+                    w,
+                    hist_blk,
+                    out_blk,
+                    normalize,
+                    s.commit_at,
+                );
+            },
+        );
 
         // Phase 2: the recurrence per (sequence, value head); each task owns its head's contiguous state.
         let head_len = d * d;
         let pend_len = kernels::pending_len(d);
-        let mut state_of_slot: Vec<Option<(&mut [f32], &mut [f32])>> = self
-            .state
+        let mut state_of_slot: Vec<Option<(&mut [E], &mut [f32])>> = state
             .chunks_mut(sh.state_len())
             .zip(self.pending.chunks_mut(h_v * pend_len))
             .map(Some)
             .collect();
-        let mut head_tasks = Vec::with_capacity(b_n * h_v);
-        for (b, y_b) in self.heads_y.chunks_mut(h_v * t * d).enumerate() {
-            let slot = args.slots[b];
-            if slot < 0 {
-                continue;
-            }
-            let (st, pend) = state_of_slot[slot as usize]
-                .take()
-                .expect("slot named once");
-            let owes = self.owes[slot as usize];
+        let mut head_tasks = Vec::with_capacity(live.len() * h_v);
+        let mut y_rest: &mut [f32] = heads_y;
+        for s in &live {
+            let (y_s, rest) = std::mem::take(&mut y_rest).split_at_mut(h_v * s.len * d);
+            y_rest = rest;
+            let (st, pend) = state_of_slot[s.slot].take().expect("slot named once");
+            let owes = self.owes[s.slot];
             for (h, ((st_h, pend_h), y_h)) in st
                 .chunks_mut(head_len)
                 .zip(pend.chunks_mut(pend_len))
-                .zip(y_b.chunks_mut(t * d))
+                .zip(y_s.chunks_mut(s.len * d))
                 .enumerate()
             {
                 head_tasks.push(HeadTask {
-                    b,
+                    seq: *s,
                     h,
                     state: st_h,
                     pending: pend_h,
@@ -327,34 +431,34 @@ impl CpuPool {
                 });
             }
         }
-        let conv = &self.conv;
-        let head_stage = |task: HeadTask<'_>, work: &mut [f32]| {
-            let (b, h) = (task.b, task.h);
+        let conv = &*conv_buf;
+        let head_stage = |task: HeadTask<'_, E>, scratch: &mut [f32]| {
+            let (s, h) = (task.seq, task.h);
             let g = layer.config.head_map.qk_head(&sh, h);
-            let blk = |x: usize| &conv[((b * blocks) + x) * t * d..((b * blocks) + x + 1) * t * d];
-            let first = b * t * h_v + h;
-            let inp = HeadInputs {
+            let blk = |x: usize| &conv[s.conv + x * s.len * d..s.conv + (x + 1) * s.len * d];
+            let first = s.start * h_v + h;
+            let hi = HeadInputs {
                 d,
-                t,
+                t: s.len,
                 q: blk(g),
                 k: blk(h_k + g),
                 v: blk(2 * h_k + h),
-                alpha: &batch.alpha[first..],
-                beta: &batch.beta[first..],
+                alpha: &inp.alpha[first..],
+                beta: &inp.beta[first..],
                 gate_stride: h_v,
-                z: &batch.z[b * t * n + h * d..],
+                z: &inp.z[s.start * n + h * d..],
                 z_stride: n,
                 dt: p.dt[h],
                 a: p.a[h],
                 gamma: &p.gamma,
                 gate: layer.config.gate,
                 eps,
-                commit_at,
+                commit_at: s.commit_at,
                 owes: task.owes,
             };
-            kernels::head_window(&inp, task.state, task.pending, work, task.y);
+            E::head_window(&hi, task.state, task.pending, scratch, task.y);
         };
-        let scratch_len = kernels::head_scratch_len(d, t);
+        let scratch_len = kernels::head_scratch_len(d, checked.max_len);
         let threads = rayon::current_num_threads();
         if self.scratch.len() < threads {
             self.scratch.resize_with(threads, Default::default);
@@ -362,58 +466,122 @@ impl CpuPool {
         let scratch = &self.scratch;
         head_tasks.into_par_iter().for_each(|task| {
             let i = rayon::current_thread_index().unwrap_or(0) % scratch.len();
-            let mut work = scratch[i]
+            let mut buf = scratch[i]
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
-            if work.len() < scratch_len {
-                work.resize(scratch_len);
+            // sized to this step: a long window's scratch is not kept for the short ones after it
+            if buf.len() > scratch_len.max(Work::KEEP / 16) {
+                *buf = LineVec::default();
             }
-            head_stage(task, &mut work[..scratch_len]);
+            if buf.len() < scratch_len {
+                buf.resize(scratch_len);
+            }
+            head_stage(task, &mut buf[..scratch_len]);
         });
 
         // a committed one-token window left its update owed (see `kernels::head_window`); a longer committed
         // window wrote its state in full; a verify changed nothing
-        if commit_at > 0 {
-            for &slot in args.slots.iter().filter(|&&s| s >= 0) {
-                self.owes[slot as usize] = kernels::defers_update(t, commit_at);
+        for s in &live {
+            if s.commit_at > 0 {
+                self.owes[s.slot] = kernels::defers_update(s.len, s.commit_at);
             }
         }
 
-        // Phase 3: rows of y, and the planes.
-        let heads_y = &self.heads_y;
+        // Phase 3: rows of y, and the planes, in the output's dtype.
+        let heads_y = &*heads_y;
+        let mut row_seq = vec![usize::MAX; checked.rows];
+        for (i, s) in live.iter().enumerate() {
+            row_seq[s.start..s.start + s.len].fill(i);
+        }
         let fill_row = |row: usize, y: &mut [f32]| {
-            let (b, tok) = (row / t, row % t);
+            let s = &live[row_seq[row]];
+            let tok = row - s.start;
             for h in 0..h_v {
-                let src = &heads_y[((b * h_v + h) * t + tok) * d..][..d];
+                let src = &heads_y[s.y + (h * s.len + tok) * d..][..d];
                 y[h * d..(h + 1) * d].copy_from_slice(src);
             }
         };
-        let live = |row: usize| args.slots[row / t] >= 0;
-        match layout.plane_stride {
-            None => out
+        let is_live = |row: usize| row_seq[row] != usize::MAX;
+        match out {
+            TensorMut::F32(o) => write_rows(o, checked.layout, &is_live, &fill_row),
+            TensorMut::Bf16(o) => write_rows(o, checked.layout, &is_live, &fill_row),
+            TensorMut::F16(o) => write_rows(o, checked.layout, &is_live, &fill_row),
+        }
+        self.work.trim();
+    }
+}
+
+/// An element of an output buffer: f32, bf16 or f16, rounded once from the f32 result.
+trait OutElem: Copy + Send + Sync {
+    fn from_f32(x: f32) -> Self;
+}
+impl OutElem for f32 {
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+impl OutElem for half::bf16 {
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        half::bf16::from_f32(x)
+    }
+}
+impl OutElem for half::f16 {
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+}
+
+/// The live rows of the output (`fill_row` gives a row's y in f32), and with planes their prepared copies and
+/// group sums, each rounded once to the output's element.
+fn write_rows<T: OutElem>(
+    out: &mut [T],
+    layout: OutputLayout,
+    is_live: &(dyn Fn(usize) -> bool + Sync),
+    fill_row: &(dyn Fn(usize, &mut [f32]) + Sync),
+) {
+    let n = layout.n;
+    let round = |dst: &mut [T], src: &[f32]| {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = T::from_f32(s);
+        }
+    };
+    match layout.plane_stride {
+        None => out[..layout.rows * n]
+            .par_chunks_mut(n)
+            .enumerate()
+            .filter(|(r, _)| is_live(*r))
+            .for_each_init(
+                || vec![0.0f32; n],
+                |y, (r, dst)| {
+                    fill_row(r, y);
+                    round(dst, y);
+                },
+            ),
+        Some(ps) => {
+            let (y_all, rest) = out.split_at_mut(ps);
+            let (p1, rest) = rest.split_at_mut(ps);
+            let (p2, rest) = rest.split_at_mut(ps);
+            let (p3, sums) = rest.split_at_mut(ps);
+            y_all[..layout.rows * n]
                 .par_chunks_mut(n)
+                .zip(p1.par_chunks_mut(n))
+                .zip(p2.par_chunks_mut(n))
+                .zip(p3.par_chunks_mut(n))
+                .zip(sums.par_chunks_mut(n / 16))
                 .enumerate()
-                .filter(|(r, _)| live(*r))
-                .for_each(|(r, y)| fill_row(r, y)),
-            Some(ps) => {
-                let (y_all, rest) = out.split_at_mut(ps);
-                let (p1, rest) = rest.split_at_mut(ps);
-                let (p2, rest) = rest.split_at_mut(ps);
-                let (p3, sums) = rest.split_at_mut(ps);
-                y_all[..layout.rows * n]
-                    .par_chunks_mut(n)
-                    .zip(p1.par_chunks_mut(n))
-                    .zip(p2.par_chunks_mut(n))
-                    .zip(p3.par_chunks_mut(n))
-                    .zip(sums.par_chunks_mut(n / 16))
-                    .enumerate()
-                    .filter(|(r, _)| live(*r))
-                    .for_each(|(r, ((((y, p1), p2), p3), gs))| {
+                .filter(|(r, _)| is_live(*r))
+                .for_each_init(
+                    || vec![0.0f32; n],
+                    |y, (r, ((((dy, d1), d2), d3), gs))| {
                         fill_row(r, y);
+                        round(dy, y);
                         for m in 0..n {
-                            p1[m] = y[m] * crate::plane_scale(1, m);
-                            p2[m] = y[m] * crate::plane_scale(2, m);
-                            p3[m] = y[m] * crate::plane_scale(3, m);
+                            d1[m] = T::from_f32(y[m] * crate::plane_scale(1, m));
+                            d2[m] = T::from_f32(y[m] * crate::plane_scale(2, m));
+                            d3[m] = T::from_f32(y[m] * crate::plane_scale(3, m));
                         }
                         for (q, g) in y.chunks_exact(16).enumerate() {
                             let (mut even, mut odd) = (0.0f32, 0.0f32);
@@ -421,10 +589,10 @@ impl CpuPool {
                                 even += g[e];
                                 odd += g[e + 1];
                             }
-                            gs[q] = even + odd;
+                            gs[q] = T::from_f32(even + odd);
                         }
-                    });
-            }
+                    },
+                );
         }
     }
 }
@@ -456,29 +624,25 @@ fn from_lanes(x: &[f32], w: usize) -> Vec<f32> {
 
 /// One value head of one sequence for the recurrence phase: its state, its deferred update and whether the state
 /// owes it, and its outputs [t][d].
-struct HeadTask<'s> {
-    b: usize,
+struct HeadTask<'s, E> {
+    seq: LiveSeq,
     h: usize,
-    state: &'s mut [f32],
+    state: &'s mut [E],
     pending: &'s mut [f32],
     owes: bool,
     y: &'s mut [f32],
 }
 
-/// Calls `f((i, h, j0), spec, pool)` with the offsets of each 16-column piece of each state row (value head h, row i,
-/// columns j0..j0 + 16) in SPEC.md's layout [i][h][j] and in the CPU pool's layout [h][j / 16][i][16]: each head's
-/// state is one contiguous slice its task owns, and each 16-column block of it is contiguous, rows in order, so
-/// the block streams from memory and stays in L1 over a window.
-fn for_each_row(sh: &crate::Shape, mut f: impl FnMut((usize, usize, usize), usize, usize)) {
+/// Calls `f((i, h, j0), pool)` with the offset of each 16-column piece of each state row (value head h, row i,
+/// columns j0..j0 + 16) in the CPU pool's layout [h][j / 16][i][16]: each head's state is one contiguous slice its
+/// task owns, and each 16-column block of it is contiguous, rows in order, so the block streams from memory and
+/// stays in L1 over a window.
+fn for_each_row(sh: &crate::Shape, mut f: impl FnMut((usize, usize, usize), usize)) {
     let d = sh.d;
     for i in 0..d {
         for h in 0..sh.h_v {
             for j0 in (0..d).step_by(LANES) {
-                f(
-                    (i, h, j0),
-                    (i * sh.h_v + h) * d + j0,
-                    h * d * d + j0 * d + i * LANES,
-                );
+                f((i, h, j0), h * d * d + j0 * d + i * LANES);
             }
         }
     }
@@ -501,14 +665,33 @@ impl LayerPool for CpuPool {
         self.slots
     }
 
+    fn options(&self) -> PoolOptions {
+        self.options
+    }
+
     fn write_slot(&mut self, slot: usize, state: &[f32], hist: &[f32]) -> Result<()> {
         check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
         let (sl, hl) = (state.len(), hist.len());
         let sh = *self.layer.shape();
-        let dst = &mut self.state[slot * sl..(slot + 1) * sl];
-        for_each_row(&sh, |_, spec, pool| {
-            dst[pool..pool + LANES].copy_from_slice(&state[spec..spec + LANES])
-        });
+        let layout = self.options.layout;
+        let row = |(i, h, j0): (usize, usize, usize)| -> [f32; LANES] {
+            std::array::from_fn(|l| state[layout.index(&sh, i, h, j0 + l)])
+        };
+        match self.options.state {
+            DType::Bf16 => {
+                let dst = &mut bytemuck::cast_slice_mut::<f32, u16>(&mut self.state)
+                    [slot * sl..(slot + 1) * sl];
+                for_each_row(&sh, |at, pool| {
+                    dst[pool..pool + LANES].copy_from_slice(&<u16 as StateElem>::store(&row(at)))
+                });
+            }
+            _ => {
+                let dst = &mut self.state[slot * sl..(slot + 1) * sl];
+                for_each_row(&sh, |at, pool| {
+                    dst[pool..pool + LANES].copy_from_slice(&row(at))
+                });
+            }
+        }
         self.owes[slot] = false;
         self.hist[slot * hl..(slot + 1) * hl].copy_from_slice(&to_lanes(hist, 3));
         Ok(())
@@ -518,33 +701,70 @@ impl LayerPool for CpuPool {
         check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
         let (sl, hl) = (state.len(), hist.len());
         let sh = *self.layer.shape();
-        let src = &self.state[slot * sl..(slot + 1) * sl];
+        let layout = self.options.layout;
         let pend_len = kernels::pending_len(sh.d);
         let pending = &self.pending[slot * sh.h_v * pend_len..(slot + 1) * sh.h_v * pend_len];
         let owes = self.owes[slot];
-        for_each_row(&sh, |(i, h, j0), spec, pool| {
-            let row: &[f32; LANES] = src[pool..pool + LANES].try_into().expect("lanes");
-            let out = if owes {
-                // the deferred update, applied as the next window would apply it
+        let mut put = |(i, h, j0): (usize, usize, usize), row: [f32; LANES]| {
+            for (l, &x) in row.iter().enumerate() {
+                state[layout.index(&sh, i, h, j0 + l)] = x;
+            }
+        };
+        fn committed<E: StateElem>(
+            src: &[E; LANES],
+            owed: Option<(f32, f32, &[f32])>,
+            j0: usize,
+        ) -> [f32; LANES] {
+            match owed {
+                // the deferred update, applied (and rounded to the pool's element) as the next window would
+                Some((g, ki, delta)) => {
+                    let delta = delta[j0..j0 + LANES].try_into().expect("lanes");
+                    E::roundtrip(kernels::apply_pending(g, &E::load(src), ki, delta))
+                }
+                None => E::load(src),
+            }
+        }
+        let owed = |i: usize, h: usize| {
+            owes.then(|| {
                 let (g, k, delta) =
                     kernels::pending_parts(&pending[h * pend_len..(h + 1) * pend_len], sh.d);
-                let delta = delta[j0..j0 + LANES].try_into().expect("lanes");
-                kernels::apply_pending(g, row, k[i], delta)
-            } else {
-                *row
-            };
-            state[spec..spec + LANES].copy_from_slice(&out);
-        });
+                (g, k[i], delta)
+            })
+        };
+        match self.options.state {
+            DType::Bf16 => {
+                let src =
+                    &bytemuck::cast_slice::<f32, u16>(&self.state)[slot * sl..(slot + 1) * sl];
+                for_each_row(&sh, |(i, h, j0), pool| {
+                    let row: &[u16; LANES] = src[pool..pool + LANES].try_into().expect("lanes");
+                    put((i, h, j0), committed(row, owed(i, h), j0));
+                });
+            }
+            _ => {
+                let src = &self.state[slot * sl..(slot + 1) * sl];
+                for_each_row(&sh, |(i, h, j0), pool| {
+                    let row: &[f32; LANES] = src[pool..pool + LANES].try_into().expect("lanes");
+                    put((i, h, j0), committed(row, owed(i, h), j0));
+                });
+            }
+        }
         hist.copy_from_slice(&from_lanes(&self.hist[slot * hl..(slot + 1) * hl], 3));
         Ok(())
     }
 
-    fn step(&mut self, args: &StepArgs<'_>, out: &mut [f32]) -> Result<()> {
-        let (layout, commit_at) = args.validate(&self.layer, self.slots, out.len())?;
+    fn step_varlen(&mut self, step: &Step<'_>, out: TensorMut<'_>) -> Result<()> {
+        let checked = step.validate(&self.layer, self.slots, out.len())?;
         // the whole step on one pool thread: its phases' parallel loops then split work among the pool's threads
         // without a hand-off from the calling thread for each
         let threads = self.threads.clone();
-        in_pool(&threads, || self.run_step(args, layout, commit_at, out));
+        let mut state = std::mem::take(&mut self.state);
+        in_pool(&threads, || match self.options.state {
+            DType::Bf16 => {
+                self.run_step::<u16>(bytemuck::cast_slice_mut(&mut state), step, &checked, out)
+            }
+            _ => self.run_step::<f32>(&mut state, step, &checked, out),
+        });
+        self.state = state;
         Ok(())
     }
 }
