@@ -1,10 +1,11 @@
-// The fused GDN window step (SPEC.md), one workgroup per (sequence, value head).
+// The fused GDN window step (SPEC.md), one workgroup per (sequence, value head) of a varlen step.
 //
-// This file is a template: `kernel.rs` prepends the launch constants (D, IB, RPT, RPT4, W, CPT, SCALE) and
+// This file is a template: `kernel.rs` prepends the launch constants (D, IB, RPT, RPT4, W, CPT, GW, SCALE) and
+// the input loaders (`ld_qkv`, `ld_alpha`, `ld_beta`, `ld_z`, `enc16`: one per dtype of the pipeline), and
 // expands the directives below before handing the text to wgpu, so every loop over state rows has constant
-// bounds and constant indices and the state array lives in registers. The head counts, conventions and planes are
-// uniforms: one pipeline serves every layer of a head dim.
-//   //#if NAME / //#else / //#endif       kept or dropped by a host flag (SUBGROUPS)
+// bounds and constant indices and the state array lives in registers. The head counts, conventions and planes
+// are uniforms; each sequence's slot, rows, length and commit point come from the job list.
+//   //#if NAME / //#else / //#endif       kept or dropped by a host flag (SUBGROUPS, VMAJOR, SBF16, OUT16)
 //   //#for v COUNT ... //#endfor         the block repeated COUNT times with `$v` replaced by 0, 1, ...
 //                                        (or a real loop when COUNT is large); each copy gets its own braces
 //
@@ -15,19 +16,17 @@
 //
 // The q/k conv history is private to each value head (layout [slot][h_v][3][D][3], see pool.rs), so the
 // workgroup owns everything it reads and writes its committed history in place: no double buffer and no
-// dependency between workgroups.
+// dependency between workgroups. Nothing a workgroup computes depends on another job of the dispatch.
 //
 // A token takes four barriers (five without subgroups). The readout's RMS norm and the planes of token t run
 // inside token t + 1 (after its first and second barriers), and after the last token in a short tail.
+// 16-bit outputs: the y of a token goes through workgroup memory (`ys`) and is stored a barrier later, two
+// adjacent columns packed in one u32.
 
 struct Params {
-    // tokens in the window
-    t: u32,
-    // 0: verify, else the state and history after token commit_at - 1 are written back
-    commit_at: u32,
-    // plane stride P in floats (planes on) or 0
+    // the output's plane stride P in elements (even; planes on) or 0
     plane: u32,
-    // offsets of qkv, alpha, beta and z inside `inp`
+    // offsets of qkv, alpha, beta and z inside `inp`, in u32 words
     qkv_off: u32,
     alpha_off: u32,
     beta_off: u32,
@@ -41,50 +40,58 @@ struct Params {
     grouped: u32,
     silu: u32,
     eps: f32,
-    pad: u32,
 }
 
-// [slot][D][h_v][D]: SPEC.md's S per slot
+//#if SBF16
+//#if VMAJOR
+// [slot][h_v][D][D] bf16, keys contiguous: four keys a vector
+@group(0) @binding(0) var<storage, read_write> state: array<vec2<u32>>;
+//#else
+// [slot][D][h_v][D] bf16, values contiguous: two a word
+@group(0) @binding(0) var<storage, read_write> state: array<u32>;
+//#endif
+//#else
+//#if VMAJOR
+// [slot][h_v][D][D] f32, keys contiguous
+@group(0) @binding(0) var<storage, read_write> state: array<vec4<f32>>;
+//#else
+// [slot][D][h_v][D] f32: SPEC.md's S per slot
 @group(0) @binding(0) var<storage, read_write> state: array<f32>;
+//#endif
+//#endif
 // [slot][h_v][3][D][3]: each value head's own copy of the q, k and v history it reads
 @group(0) @binding(1) var<storage, read_write> hist: array<f32>;
-// qkv [B][T][C] | alpha [B][T][h_v] | beta [B][T][h_v] | z [B][T][n]
-@group(0) @binding(2) var<storage, read> inp: array<f32>;
+// qkv [R][C] | alpha [R][h_v] | beta [R][h_v] | z [R][n], each in its own dtype (16-bit: two a word)
+@group(0) @binding(2) var<storage, read> inp: array<u32>;
 // conv_w [C][4] | dt [h_v] | a [h_v] | gamma [D]
 @group(0) @binding(3) var<storage, read> lw: array<f32>;
-// gdn::OutputLayout: y at 0, planes at P, 2P, 3P, group sums at 4P
-@group(0) @binding(4) var<storage, read_write> out: array<f32>;
-// (sequence index b, pool slot) of each live sequence: workgroup_id.y indexes it
-@group(0) @binding(5) var<storage, read> jobs: array<vec2<u32>>;
+// y [R][n] at 0, planes at P, 2P, 3P, group sums [R][h_v][GW] at 4P; f32 as bits, 16-bit two a word
+@group(0) @binding(4) var<storage, read_write> out: array<u32>;
+// (pool slot, first row, length, commit point: 0 verify) of each live sequence: workgroup_id.y indexes it
+@group(0) @binding(5) var<storage, read> jobs: array<vec4<u32>>;
 @group(0) @binding(6) var<uniform> prm: Params;
 
 // raw conv outputs of the token: q [0, D), k [D, 2D), v [2D, 3D); the readout o of the previous token at [3D, 4D);
 // four values a vector (element x at vals[x / 4][x % 4]), so the norms read them four at a time
 var<workgroup> vals: array<vec4<f32>, D>;
 // normalized q and k, four rows a vector
-//#if ONEPASS
-// two tokens' worth (by token parity) of the normalized q and k, and of the per row block partials (kv, sq)
-var<workgroup> qh: array<vec4<f32>, D / 2>;
-var<workgroup> kh: array<vec4<f32>, D / 2>;
-var<workgroup> red: array<vec2<f32>, 2 * IB * D>;
-//#else
 var<workgroup> qh: array<vec4<f32>, D / 4>;
 var<workgroup> kh: array<vec4<f32>, D / 4>;
 // per row block partials of kv and of the readout
 var<workgroup> red: array<f32, IB * D>;
 var<workgroup> red2: array<f32, IB * D>;
-//#endif
 // gate and write strength of the window's tokens, W at a time (token t at t % W)
 var<workgroup> gates: array<vec2<f32>, W>;
-// y of the previous token, for the group sums
+// y of the previous token, for the group sums (and the packed stores of 16-bit outputs)
 var<workgroup> ys: array<f32, D>;
 //#if !SUBGROUPS
-//#if ONEPASS
-// 16-element partial sums: squares of q [0, D/16), k [D/16, 2D/16), o [2D/16, 3D/16); q . k [3D/16, 4D/16)
-var<workgroup> parts: array<f32, 4 * D / 16>;
-//#else
 // 16-element partial sums of squares: q [0, D/16), k [D/16, 2D/16), o [2D/16, 3D/16)
 var<workgroup> parts: array<f32, 3 * D / 16>;
+//#endif
+//#if SBF16
+//#if !VMAJOR
+// the committed bf16 rows of odd columns, for the even column's thread to pack (two halves, used in turn)
+var<workgroup> xs: array<vec2<u32>, W>;
 //#endif
 //#endif
 
@@ -131,6 +138,76 @@ fn pow2_neg(k: u32) -> f32 {
     return bitcast<f32>((127u - k) << 23u);
 }
 
+// A bf16 (in the low or high half of a word) widened to f32: exact.
+fn bf16_lo(w: u32) -> f32 {
+    return bitcast<f32>(w << 16u);
+}
+
+fn bf16_hi(w: u32) -> f32 {
+    return bitcast<f32>(w & 0xffff0000u);
+}
+
+// f32 to bf16 bits, to nearest even on the bits (WGSL promises no rounding mode); NaN stays NaN (quieted).
+fn bf16_bits(x: f32) -> u32 {
+    let b = bitcast<u32>(x);
+    if ((b & 0x7fffffffu) > 0x7f800000u) {
+        return (b >> 16u) | 0x40u;
+    }
+    return (b + 0x7fffu + ((b >> 16u) & 1u)) >> 16u;
+}
+
+// f16 bits (low 16 bits of h) to f32, exactly, subnormals included (by hand: WGSL leaves subnormal handling to
+// the implementation)
+fn f16_f32(h: u32) -> f32 {
+    let s = (h & 0x8000u) << 16u;
+    let e = (h >> 10u) & 0x1fu;
+    let m = h & 0x3ffu;
+    if (e == 0u) {
+        // m 2^-24: exact in f32
+        return bitcast<f32>(bitcast<u32>(f32(m) * 5.9604644775390625e-8) | s);
+    }
+    if (e == 31u) {
+        return bitcast<f32>(s | 0x7f800000u | (m << 13u));
+    }
+    return bitcast<f32>(s | ((e + 112u) << 23u) | (m << 13u));
+}
+
+// f32 to f16 bits, to nearest even on the bits (WGSL's pack2x16float promises neither the rounding direction nor
+// a result outside f16's range); overflow to infinity, NaN stays NaN, subnormals rounded like the rest.
+fn f16_bits(x: f32) -> u32 {
+    let b = bitcast<u32>(x);
+    let s = (b >> 16u) & 0x8000u;
+    let a = b & 0x7fffffffu;
+    if (a > 0x7f800000u) {
+        return s | 0x7e00u | ((a >> 13u) & 0x3ffu);
+    }
+    // 65520 and above round to infinity
+    if (a >= 0x477ff000u) {
+        return s | 0x7c00u;
+    }
+    // normal f16 from 2^-14: rebias the exponent by 112, round the mantissa from 23 to 10 bits
+    if (a >= 0x38800000u) {
+        let r = a - 0x38000000u;
+        return s | ((r + 0xfffu + ((r >> 13u) & 1u)) >> 13u);
+    }
+    // 2^-25 and below round to zero (2^-25 itself is a tie, to the even zero)
+    if (a <= 0x33000000u) {
+        return s;
+    }
+    // subnormal f16: the value in units of 2^-24 is m >> (126 - e), rounded to nearest even
+    let e = a >> 23u;
+    let m = (a & 0x7fffffu) | 0x800000u;
+    let sh = 126u - e;
+    let q = m >> sh;
+    let rem = m & ((1u << sh) - 1u);
+    let hw = 1u << (sh - 1u);
+    var up = 0u;
+    if (rem > hw || (rem == hw && (q & 1u) == 1u)) {
+        up = 1u;
+    }
+    return s | (q + up);
+}
+
 fn val(x: u32) -> f32 {
     return vals[x / 4u][x % 4u];
 }
@@ -152,19 +229,6 @@ fn sumsq3(lane: u32, sg: u32) -> vec3<f32> {
     }
     return subgroupAdd(acc);
 }
-//#if ONEPASS
-// as sumsq3, and q . k in w
-fn sums4(lane: u32, sg: u32) -> vec4<f32> {
-    var acc = vec4<f32>(0.0);
-    for (var c = lane; c < D / 4u; c += sg) {
-        let q = vals[c];
-        let k = vals[D / 4u + c];
-        let o = vals[3u * D / 4u + c];
-        acc += vec4<f32>(dot(q, q), dot(k, k), dot(o, o), dot(q, k));
-    }
-    return subgroupAdd(acc);
-}
-//#endif
 //#else
 // thread p < 3 D / 16 sums the squares of 16 consecutive values of q, k or o
 fn partial_sumsq(p: u32) {
@@ -182,22 +246,6 @@ fn partial_sumsq(p: u32) {
         parts[p] = (acc.x + acc.y) + (acc.z + acc.w);
     }
 }
-
-//#if ONEPASS
-// as partial_sumsq, and threads 3 D / 16 .. 4 D / 16 sum 16 products q_i k_i
-fn partial_sums4(p: u32) {
-    if (p < 3u * D / 16u) {
-        partial_sumsq(p);
-    } else if (p < 4u * D / 16u) {
-        let base = 4u * (p - 3u * D / 16u);
-        var acc = vec4<f32>(0.0);
-        for (var e = 0u; e < 4u; e++) {
-            acc = fma(vals[base + e], vals[D / 4u + base + e], acc);
-        }
-        parts[p] = (acc.x + acc.y) + (acc.z + acc.w);
-    }
-}
-//#endif
 
 // the sum of the D / 16 partials from `first`, in order
 fn sum_parts(first: u32) -> f32 {
@@ -220,11 +268,10 @@ fn gdn_step(
 ) {
     let h = wg.x;
     let job = jobs[wg.y];
-    let b = job.x;
-    let slot = job.y;
-    let nt = prm.t;
-    let commit_at = prm.commit_at;
-    let plane = prm.plane;
+    let slot = job.x;
+    let row0 = job.y;
+    let nt = job.z;
+    let commit_at = job.w;
     let h_k = prm.h_k;
     let h_v = prm.h_v;
     let cc = prm.c;
@@ -235,7 +282,6 @@ fn gdn_step(
     let ib = tid / D;
     let j = tid % D;
     let i0 = ib * RPT;
-    let row0 = b * nt;
 
     // conv channels of this thread: local index cl = tid + m W < 3 D
     var cw: array<vec4<f32>, CPT>;
@@ -263,7 +309,7 @@ fn gdn_step(
             h0[$m] = hist[hb];
             h1[$m] = hist[hb + 1u];
             h2[$m] = hist[hb + 2u];
-            xin[$m] = inp[prm.qkv_off + row0 * cc + ch];
+            xin[$m] = ld_qkv(row0 * cc + ch);
         }
     }
     //#endfor
@@ -276,204 +322,59 @@ fn gdn_step(
     var alpha0 = 0.0;
     var beta0 = 0.0;
     if (gp < nt) {
-        alpha0 = inp[prm.alpha_off + (row0 + gp) * h_v + h];
-        beta0 = inp[prm.beta_off + (row0 + gp) * h_v + h];
+        alpha0 = ld_alpha((row0 + gp) * h_v + h);
+        beta0 = ld_beta((row0 + gp) * h_v + h);
     }
 
-    // the state rows, once, four rows a vector
+    // the state rows, once, four rows a vector (widened from bf16 where the pool keeps bf16)
     var st: array<vec4<f32>, RPT4>;
+//#if VMAJOR
+    // S[i][h][j] at (h D + j) D + i: this thread's rows are contiguous, four keys a vector
+    let v_base = slot * (h_v * D * D / 4u) + (h * D + j) * (D / 4u) + i0 / 4u;
+    //#for q RPT4
+    {
+//#if SBF16
+        let w = state[v_base + $q];
+        st[$q] = vec4<f32>(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y));
+//#else
+        st[$q] = state[v_base + $q];
+//#endif
+    }
+    //#endfor
+//#else
     let s_stride = h_v * D;
     let s_base = slot * (D * s_stride) + h * D + j;
+//#if SBF16
+    // two adjacent columns share a word: both threads read it and keep their half
+    let odd = (j & 1u) == 1u;
+    let w_stride = s_stride / 2u;
+    //#for q RPT4
+    {
+        let at = (s_base + (i0 + 4u * $q) * s_stride) >> 1u;
+        let w = vec4<u32>(state[at], state[at + w_stride], state[at + 2u * w_stride], state[at + 3u * w_stride]);
+        let lo = vec4<f32>(bf16_lo(w.x), bf16_lo(w.y), bf16_lo(w.z), bf16_lo(w.w));
+        let hi = vec4<f32>(bf16_hi(w.x), bf16_hi(w.y), bf16_hi(w.z), bf16_hi(w.w));
+        st[$q] = select(lo, hi, odd);
+    }
+    //#endfor
+//#else
     //#for q RPT4
     {
         let at = s_base + (i0 + 4u * $q) * s_stride;
         st[$q] = vec4<f32>(state[at], state[at + s_stride], state[at + 2u * s_stride], state[at + 3u * s_stride]);
     }
     //#endfor
+//#endif
+//#endif
 
     // z of the token whose y is written next (z_emit) and of the one after (z_load), a token ahead of its use
-    let z_base = prm.z_off + row0 * prm.n + h * D + j;
+    let z_base = row0 * prm.n + h * D + j;
     var z_load = 0.0;
     var z_emit = 0.0;
     if (ib == 0u) {
-        z_load = inp[z_base];
+        z_load = ld_z(z_base);
     }
 
-//#if ONEPASS
-    // One pass over the state a token (NOTES.md, "one-pass variant"). Iteration t runs the conv and norms of
-    // token t, then one sweep over the state registers: the update of token t - 1 fused with the partial sums
-    // kv = S^T k and sq = S^T q of token t, both against the state before token t's update. Token t - 1's
-    // readout comes from the state before its update: o = g (S^T q) + delta (k . q). An extra iteration
-    // t = nt finishes the last token (its update only where the window commits after it). Two barriers a
-    // token (three without subgroups). Parities: qh/kh and red alternate between two halves by token.
-    var v_cur = 0.0;
-    var g_cur = vec2<f32>(0.0);
-    var kq_cur = 0.0;
-    for (var t = 0u; t <= nt; t++) {
-        if (t % W == 0u) {
-            let k = t + gp;
-            if (k < nt) {
-                var al = alpha0;
-                var be = beta0;
-                if (t > 0u) {
-                    al = inp[prm.alpha_off + (row0 + k) * h_v + h];
-                    be = inp[prm.beta_off + (row0 + k) * h_v + h];
-                }
-                gates[gp] = vec2<f32>(decay(al, dt_h, a_h), sigmoid(be));
-            }
-        }
-        // conv + SiLU of token t; the history shifted, and written back at the commit point
-        if (t < nt) {
-            let commit = t + 1u == commit_at;
-            //#for m CPT
-            {
-                let cl = tid + $m * W;
-                if (cl < 3u * D) {
-                    let w = cw[$m];
-                    var s = fma(h0[$m], w.x, 0.0);
-                    s = fma(h1[$m], w.y, s);
-                    s = fma(h2[$m], w.z, s);
-                    s = fma(xin[$m], w.w, s);
-                    set_val(cl, s / (1.0 + exp(-s)));
-                    h0[$m] = h1[$m];
-                    h1[$m] = h2[$m];
-                    h2[$m] = xin[$m];
-                    if (commit) {
-                        let hb = hist_base + 3u * cl;
-                        hist[hb] = h0[$m];
-                        hist[hb + 1u] = h1[$m];
-                        hist[hb + 2u] = h2[$m];
-                    }
-                    if (t + 1u < nt) {
-                        xin[$m] = inp[prm.qkv_off + (row0 + t + 1u) * cc + chan[$m]];
-                    }
-                }
-            }
-            //#endfor
-        }
-        workgroupBarrier();
-
-        // L2 norms of q and k of token t and their dot product; the readout norm of token t - 2 (nothing of
-        // this in the extra iteration of a one-token window)
-        let par = t % 2u;
-        var v_nxt = 0.0;
-        var g_nxt = vec2<f32>(0.0);
-        var kq_nxt = 0.0;
-        if (t < nt || t >= 2u) {
-//#if SUBGROUPS
-            let sums = sums4(lane, sg_size);
-            let ssq = sums.x;
-            let ssk = sums.y;
-            let sso = sums.z;
-            let sqk = sums.w;
-//#else
-            partial_sums4(tid);
-            workgroupBarrier();
-            let ssq = sum_parts(0u);
-            let ssk = sum_parts(D / 16u);
-            let sso = sum_parts(2u * D / 16u);
-            let sqk = sum_parts(3u * D / 16u);
-//#endif
-            if (t < nt) {
-                let rq = inverseSqrt(ssq / f32(D) + prm.eps / f32(D));
-                let rk = inverseSqrt(ssk / f32(D) + prm.eps / f32(D));
-                if (tid < 2u * D) {
-                    var r = rq;
-                    if (tid >= D) {
-                        r = rk;
-                    }
-                    let xh = (r * val(tid)) * SCALE;
-                    if (tid < D) {
-                        qh[par * (D / 4u) + tid / 4u][tid % 4u] = xh;
-                    } else {
-                        kh[par * (D / 4u) + (tid - D) / 4u][tid % 4u] = xh;
-                    }
-                }
-                kq_nxt = ((rq * SCALE) * (rk * SCALE)) * sqk;
-                v_nxt = val(2u * D + j);
-                g_nxt = gates[t % W];
-            }
-            if (t >= 2u) {
-                emit_y(sso, ib, j, h, row0 + t - 2u, z_emit, gam);
-            }
-            workgroupBarrier();
-        }
-        if (ib == 0u && t >= 1u) {
-            z_emit = z_load;
-            if (t < nt) {
-                z_load = inp[z_base + t * prm.n];
-            }
-        }
-
-        // token t - 1: delta and readout from the sums over the row blocks
-        let old = (1u - par) * (IB * D);
-        var delta = 0.0;
-        if (t > 0u) {
-            var r = vec2<f32>(0.0);
-            //#for k IB
-            {
-                r += red[old + $k * D + j];
-            }
-            //#endfor
-            let gate = g_cur.x;
-            delta = (v_cur - gate * r.x) * g_cur.y;
-            if (ib == 0u) {
-                set_val(3u * D + j, fma(delta, kq_cur, gate * r.y) * SCALE);
-            }
-        }
-        let gate4 = vec4<f32>(g_cur.x);
-        let ko = (1u - par) * (D / 4u) + i0 / 4u;
-        let kn = par * (D / 4u) + i0 / 4u;
-        var kv4 = vec4<f32>(0.0);
-        var sq4 = vec4<f32>(0.0);
-        if (t > 0u && t < nt) {
-            // token t - 1's update fused with token t's partial sums
-            //#for q RPT4
-            {
-                st[$q] = fma(gate4, st[$q], kh[ko + $q] * delta);
-                kv4 = fma(st[$q], kh[kn + $q], kv4);
-                sq4 = fma(st[$q], qh[kn + $q], sq4);
-            }
-            //#endfor
-        } else if (t == 0u) {
-            //#for q RPT4
-            {
-                kv4 = fma(st[$q], kh[kn + $q], kv4);
-                sq4 = fma(st[$q], qh[kn + $q], sq4);
-            }
-            //#endfor
-        } else if (t == commit_at) {
-            // the last token's update, only where the window commits after it
-            //#for q RPT4
-            {
-                st[$q] = fma(gate4, st[$q], kh[ko + $q] * delta);
-            }
-            //#endfor
-        }
-        if (t < nt) {
-            red[par * (IB * D) + tid] =
-                vec2<f32>((kv4.x + kv4.y) + (kv4.z + kv4.w), (sq4.x + sq4.y) + (sq4.z + sq4.w));
-        }
-        if (t > 0u && t == commit_at) {
-            //#for q RPT4
-            {
-                let at = s_base + (i0 + 4u * $q) * s_stride;
-                let v = st[$q];
-                state[at] = v.x;
-                state[at + s_stride] = v.y;
-                state[at + 2u * s_stride] = v.z;
-                state[at + 3u * s_stride] = v.w;
-            }
-            //#endfor
-        }
-        if (t >= 2u && plane != 0u) {
-            emit_group_sums(tid, h, row0 + t - 2u);
-        }
-        v_cur = v_nxt;
-        g_cur = g_nxt;
-        kq_cur = kq_nxt;
-    }
-//#else
     for (var t = 0u; t < nt; t++) {
         let commit = t + 1u == commit_at;
         // the gates of the next W tokens in parallel, from the last thread down (past the conv threads where
@@ -484,8 +385,8 @@ fn gdn_step(
                 var al = alpha0;
                 var be = beta0;
                 if (t > 0u) {
-                    al = inp[prm.alpha_off + (row0 + k) * h_v + h];
-                    be = inp[prm.beta_off + (row0 + k) * h_v + h];
+                    al = ld_alpha((row0 + k) * h_v + h);
+                    be = ld_beta((row0 + k) * h_v + h);
                 }
                 gates[gp] = vec2<f32>(decay(al, dt_h, a_h), sigmoid(be));
             }
@@ -511,7 +412,7 @@ fn gdn_step(
                     hist[hb + 2u] = h2[$m];
                 }
                 if (t + 1u < nt) {
-                    xin[$m] = inp[prm.qkv_off + (row0 + t + 1u) * cc + chan[$m]];
+                    xin[$m] = ld_qkv((row0 + t + 1u) * cc + chan[$m]);
                 }
             }
         }
@@ -548,7 +449,7 @@ fn gdn_step(
         }
         z_emit = z_load;
         if (ib == 0u && t + 1u < nt) {
-            z_load = inp[z_base + (t + 1u) * prm.n];
+            z_load = ld_z(z_base + (t + 1u) * prm.n);
         }
         workgroupBarrier();
 
@@ -560,8 +461,8 @@ fn gdn_step(
         }
         //#endfor
         red[tid] = (kv4.x + kv4.y) + (kv4.z + kv4.w);
-        if (t > 0u && plane != 0u) {
-            emit_group_sums(tid, h, row0 + t - 1u);
+        if (t > 0u) {
+            emit_late(tid, h, row0 + t - 1u);
         }
         workgroupBarrier();
 
@@ -585,6 +486,44 @@ fn gdn_step(
         //#endfor
         red2[tid] = (o4.x + o4.y) + (o4.z + o4.w);
         if (commit) {
+            // the state after token commit_at - 1, rounded once to bf16 where the pool keeps bf16
+//#if VMAJOR
+            //#for q RPT4
+            {
+                let v = st[$q];
+//#if SBF16
+                state[v_base + $q] = vec2<u32>(bf16_bits(v.x) | (bf16_bits(v.y) << 16u),
+                                               bf16_bits(v.z) | (bf16_bits(v.w) << 16u));
+//#else
+                state[v_base + $q] = v;
+//#endif
+            }
+            //#endfor
+//#else
+//#if SBF16
+            // an odd column's thread hands its rounded rows to the even column's thread, which stores the
+            // packed words; the two halves of `xs` alternate, so one barrier a row group suffices
+            //#for q RPT4
+            {
+                let v = st[$q];
+                let r01 = bf16_bits(v.x) | (bf16_bits(v.y) << 16u);
+                let r23 = bf16_bits(v.z) | (bf16_bits(v.w) << 16u);
+                let xb = ($q % 2u) * (W / 2u) + tid / 2u;
+                if (odd) {
+                    xs[xb] = vec2<u32>(r01, r23);
+                }
+                workgroupBarrier();
+                if (!odd) {
+                    let o = xs[xb];
+                    let at = (s_base + (i0 + 4u * $q) * s_stride) >> 1u;
+                    state[at] = (r01 & 0xffffu) | (o.x << 16u);
+                    state[at + w_stride] = (r01 >> 16u) | (o.x & 0xffff0000u);
+                    state[at + 2u * w_stride] = (r23 & 0xffffu) | (o.y << 16u);
+                    state[at + 3u * w_stride] = (r23 >> 16u) | (o.y & 0xffff0000u);
+                }
+            }
+            //#endfor
+//#else
             //#for q RPT4
             {
                 let at = s_base + (i0 + 4u * $q) * s_stride;
@@ -595,6 +534,8 @@ fn gdn_step(
                 state[at + 3u * s_stride] = v.w;
             }
             //#endfor
+//#endif
+//#endif
         }
         workgroupBarrier();
 
@@ -610,8 +551,6 @@ fn gdn_step(
         }
     }
 
-//#endif
-
     // the tail: the last token's output norm, y and planes
     workgroupBarrier();
 //#if SUBGROUPS
@@ -622,13 +561,19 @@ fn gdn_step(
     let sso = sum_parts(2u * D / 16u);
 //#endif
     emit_y(sso, ib, j, h, row0 + nt - 1u, z_emit, gam);
-    if (plane != 0u) {
+//#if OUT16
+    workgroupBarrier();
+    emit_late(tid, h, row0 + nt - 1u);
+//#else
+    if (prm.plane != 0u) {
         workgroupBarrier();
-        emit_group_sums(tid, h, row0 + nt - 1u);
+        emit_late(tid, h, row0 + nt - 1u);
     }
+//#endif
 }
 
-// SPEC.md step 7 for the token whose readout sits in vals[3D..4D), row `row` of the output; the planes
+// SPEC.md step 7 for the token whose readout sits in vals[3D..4D), row `row` of the output; f32 outputs store
+// y and the planes here, 16-bit ones leave y in `ys` for `emit_late`
 fn emit_y(sso: f32, ib: u32, j: u32, h: u32, row: u32, zz: f32, gam: f32) {
     if (ib == 0u) {
         let rs = inverseSqrt(sso / f32(D) + prm.eps);
@@ -637,27 +582,63 @@ fn emit_y(sso: f32, ib: u32, j: u32, h: u32, row: u32, zz: f32, gam: f32) {
             act = zz * act;
         }
         let y = ((rs * val(3u * D + j)) * gam) * act;
+//#if OUT16
+        ys[j] = y;
+//#else
         let at = row * prm.n + h * D + j;
-        out[at] = y;
+        out[at] = bitcast<u32>(y);
         let plane = prm.plane;
         if (plane != 0u) {
-            out[plane + at] = y * pow2_neg(2u * (j % 8u));
-            out[2u * plane + at] = y * pow2_neg(8u * (j % 4u));
-            out[3u * plane + at] = y * pow2_neg(8u * (j % 2u));
+            out[plane + at] = bitcast<u32>(y * pow2_neg(2u * (j % 8u)));
+            out[2u * plane + at] = bitcast<u32>(y * pow2_neg(8u * (j % 4u)));
+            out[3u * plane + at] = bitcast<u32>(y * pow2_neg(8u * (j % 2u)));
             ys[j] = y;
         }
+//#endif
     }
 }
 
-// the group sums of the token whose y sits in ys: even and odd partials in increasing order, then added
-fn emit_group_sums(tid: u32, h: u32, row: u32) {
-    if (tid < D / 16u) {
-        var s0 = 0.0;
-        var s1 = 0.0;
-        for (var e = 0u; e < 16u; e += 2u) {
-            s0 += ys[16u * tid + e];
-            s1 += ys[16u * tid + e + 1u];
-        }
-        out[4u * prm.plane + row * (prm.n / 16u) + (h * D) / 16u + tid] = s0 + s1;
+// the group sum g of the token whose y sits in ys: even and odd partials in increasing order, then added
+fn group_sum(g: u32) -> f32 {
+    var s0 = 0.0;
+    var s1 = 0.0;
+    for (var e = 0u; e < 16u; e += 2u) {
+        s0 += ys[16u * g + e];
+        s1 += ys[16u * g + e + 1u];
     }
+    return s0 + s1;
+}
+
+// a barrier after emit_y: the group sums (and, for 16-bit outputs, y and the planes, two columns a word)
+fn emit_late(tid: u32, h: u32, row: u32) {
+    let plane = prm.plane;
+    let gs_at = 4u * plane + (row * prm.h_v + h) * GW;
+//#if OUT16
+    if (tid < D / 2u) {
+        let j = 2u * tid;
+        let y0 = ys[j];
+        let y1 = ys[j + 1u];
+        let at = (row * prm.n + h * D) / 2u + tid;
+        out[at] = enc16(y0) | (enc16(y1) << 16u);
+        if (plane != 0u) {
+            let pw = plane / 2u;
+            out[pw + at] = enc16(y0 * pow2_neg(2u * (j % 8u))) | (enc16(y1 * pow2_neg(2u * ((j + 1u) % 8u))) << 16u);
+            out[2u * pw + at] = enc16(y0 * pow2_neg(8u * (j % 4u))) | (enc16(y1 * pow2_neg(8u * ((j + 1u) % 4u))) << 16u);
+            out[3u * pw + at] = enc16(y0) | (enc16(y1 * pow2_neg(8u)) << 16u);
+        }
+    } else if (plane != 0u && tid - D / 2u < GW / 2u) {
+        // two group sums a word (GW is D / 16 rounded up to even; a missing odd one is 0)
+        let g2 = tid - D / 2u;
+        let s0 = group_sum(2u * g2);
+        var s1 = 0.0;
+        if (2u * g2 + 1u < D / 16u) {
+            s1 = group_sum(2u * g2 + 1u);
+        }
+        out[gs_at / 2u + g2] = enc16(s0) | (enc16(s1) << 16u);
+    }
+//#else
+    if (plane != 0u && tid < D / 16u) {
+        out[gs_at + tid] = bitcast<u32>(group_sum(tid));
+    }
+//#endif
 }

@@ -1,7 +1,7 @@
 //! The kernel's specialisation: the launch geometry chosen for a shape and an adapter, the checks against the
 //! adapter's limits, and the expansion of `gdn_step.wgsl` into plain WGSL.
 
-use gdn::{Error, Result};
+use gdn::{DType, Error, Result, StateLayout};
 
 /// The template (see the comment at its top for the directives).
 pub const TEMPLATE: &str = include_str!("gdn_step.wgsl");
@@ -12,8 +12,9 @@ const UNROLL_MAX: usize = 64;
 /// Bindings of the kernel: six storage buffers and one uniform buffer.
 pub const STORAGE_BUFFERS: u32 = 6;
 
-/// What a pipeline is specialised on: the head dim and the launch geometry. Head counts, head map, gate, eps
-/// and planes are uniforms, so one pipeline serves every layer of a head dim.
+/// What a pipeline is specialised on: the head dim, the launch geometry, the pool's state (dtype, layout) and
+/// the step's dtypes. Head counts, head map, gate, eps, planes and every sequence's rows and commit are uniforms
+/// or job entries, so the pipeline a sequence runs on never depends on the rest of its batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct KernelKey {
     pub d: usize,
@@ -22,11 +23,30 @@ pub struct KernelKey {
     pub row_blocks: usize,
     /// wgpu's runtime checks (bounds checks, loop bounding) kept in the shader.
     pub checked: bool,
-    /// The one-pass token loop (`Kernel::OnePass`): one sweep over the state and one reduction a token.
-    pub onepass: bool,
+    /// The state's dtype (f32 or bf16) and layout.
+    pub state: DType,
+    pub layout: StateLayout,
+    /// qkv, alpha, beta, z.
+    pub inputs: [DType; 4],
+    /// y, planes and group sums.
+    pub out: DType,
 }
 
 impl KernelKey {
+    /// f32 everywhere, key-major, workgroup memory, four row blocks, checks on: a base to change fields of.
+    pub fn plain(d: usize) -> Self {
+        KernelKey {
+            d,
+            subgroups: false,
+            row_blocks: 4,
+            checked: true,
+            state: DType::F32,
+            layout: StateLayout::KeyMajor,
+            inputs: [DType::F32; 4],
+            out: DType::F32,
+        }
+    }
+
     /// Threads of a workgroup.
     pub fn workgroup_size(&self) -> usize {
         self.d * self.row_blocks
@@ -37,21 +57,29 @@ impl KernelKey {
         self.d / self.row_blocks
     }
 
+    /// Group sums a head's row takes in the device's output: d / 16, rounded up to even for 16-bit outputs
+    /// (two a word, and a word never shared by two heads' workgroups).
+    pub fn group_width(&self) -> usize {
+        let g = self.d / 16;
+        if self.out == DType::F32 {
+            g
+        } else {
+            g.next_multiple_of(2)
+        }
+    }
+
     /// Bytes of workgroup memory the kernel declares.
     pub fn workgroup_bytes(&self) -> usize {
         let d = self.d;
-        // the one-pass loop keeps two tokens of qh, kh and of the (kv, sq) partials
-        let (qk, red, parts) = if self.onepass {
-            (4 * d, 4 * self.row_blocks * d, 4 * d / 16)
-        } else {
-            (2 * d, 2 * self.row_blocks * d, 3 * d / 16)
-        };
+        let w = self.workgroup_size();
         let floats = 4 * d // vals
-            + qk // qh, kh
-            + red // red, red2
-            + 2 * self.workgroup_size() // gates
+            + 2 * d // qh, kh
+            + 2 * self.row_blocks * d // red, red2
+            + 2 * w // gates
             + d // ys
-            + if self.subgroups { 0 } else { parts };
+            + if self.subgroups { 0 } else { 3 * d / 16 }
+            // xs: the bf16 key-major commit's exchange
+            + if self.state == DType::Bf16 && self.layout == StateLayout::KeyMajor { 2 * w } else { 0 };
         4 * floats
     }
 
@@ -101,20 +129,46 @@ impl KernelKey {
         let rpt = self.rows_per_thread();
         let cpt = (3 * d).div_ceil(w);
         let scale = 1.0f32 / (d as f32).sqrt();
-        let consts: [(&str, usize); 6] = [
+        let consts: [(&str, usize); 7] = [
             ("D", d),
             ("IB", ib),
             ("RPT", rpt),
             ("RPT4", rpt / 4),
             ("W", w),
             ("CPT", cpt),
+            ("GW", self.group_width()),
         ];
         let mut header = String::new();
         for (name, v) in consts {
             header.push_str(&format!("const {name}: u32 = {v}u;\n"));
         }
         header.push_str(&format!("const SCALE: f32 = {};\n", wgsl_f32(scale)));
-        let flags = [("SUBGROUPS", self.subgroups), ("ONEPASS", self.onepass)];
+        // one loader per input, for its dtype: element i of the tensor, widened to f32 (exact)
+        for (name, dt) in ["qkv", "alpha", "beta", "z"].iter().zip(self.inputs) {
+            let body = match dt {
+                DType::F32 => format!("return bitcast<f32>(inp[prm.{name}_off + i]);"),
+                DType::Bf16 => format!(
+                    "let w = inp[prm.{name}_off + (i >> 1u)]; \
+                     return select(bf16_lo(w), bf16_hi(w), (i & 1u) != 0u);"
+                ),
+                DType::F16 => format!(
+                    "let w = inp[prm.{name}_off + (i >> 1u)]; \
+                     return f16_f32(select(w & 0xffffu, w >> 16u, (i & 1u) != 0u));"
+                ),
+            };
+            header.push_str(&format!("fn ld_{name}(i: u32) -> f32 {{ {body} }}\n"));
+        }
+        let enc = match self.out {
+            DType::F16 => "f16_bits",
+            _ => "bf16_bits",
+        };
+        header.push_str(&format!("fn enc16(x: f32) -> u32 {{ return {enc}(x); }}\n"));
+        let flags = [
+            ("SUBGROUPS", self.subgroups),
+            ("VMAJOR", self.layout == StateLayout::ValueMajor),
+            ("SBF16", self.state == DType::Bf16),
+            ("OUT16", self.out != DType::F32),
+        ];
         let counts = [("RPT", rpt), ("RPT4", rpt / 4), ("IB", ib), ("CPT", cpt)];
         header + &expand(TEMPLATE, &flags, &counts)
     }
@@ -257,7 +311,7 @@ mod tests {
             subgroups: false,
             row_blocks,
             checked: true,
-            onepass: false,
+            ..KernelKey::plain(16)
         };
         assert!(key(128, 2).check_limits(&web).is_ok());
         let err = key(128, 4).check_limits(&web).unwrap_err().to_string();
@@ -285,15 +339,28 @@ mod tests {
                 if !d.is_multiple_of(4 * ib) || (d == 1024 && ib > 1) {
                     continue;
                 }
-                for (subgroups, onepass) in
-                    [(false, false), (true, false), (false, true), (true, true)]
-                {
+                let dts = [DType::F32, DType::Bf16, DType::F16];
+                let mut variants = Vec::new();
+                for subgroups in [false, true] {
+                    for state in [DType::F32, DType::Bf16] {
+                        for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+                            for (k, out) in dts.into_iter().enumerate() {
+                                let inputs = std::array::from_fn(|m| dts[(k + m) % 3]);
+                                variants.push((subgroups, state, layout, inputs, out));
+                            }
+                        }
+                    }
+                }
+                for (subgroups, state, layout, inputs, out) in variants {
                     let key = KernelKey {
                         d,
                         subgroups,
                         row_blocks: ib,
                         checked: true,
-                        onepass,
+                        state,
+                        layout,
+                        inputs,
+                        out,
                     };
                     let src = key.source();
                     let module = naga::front::wgsl::parse_str(&src)

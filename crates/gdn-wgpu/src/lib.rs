@@ -38,64 +38,39 @@ pub enum Subgroups {
     Require,
 }
 
-/// The token loop of the kernel.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Kernel {
-    /// Two sweeps over the state a token (kv, then the update fused with the readout), two reductions over
-    /// the row blocks.
-    #[default]
-    TwoPass,
-    /// One sweep a token: the update of token t - 1 fused with token t's kv and S^T q, the readout taken from
-    /// the state before the update (`o = g S^T q + delta (k . q)`), one reduction (NOTES.md).
-    OnePass,
-}
-
-impl Kernel {
-    /// `GDN_WGPU_KERNEL`: `onepass` or `twopass` (the default where unset or unknown), read once per process.
-    pub fn from_env() -> Kernel {
-        static KERNEL: OnceLock<Kernel> = OnceLock::new();
-        *KERNEL.get_or_init(|| match std::env::var("GDN_WGPU_KERNEL").as_deref() {
-            Ok("onepass") => Kernel::OnePass,
-            _ => Kernel::TwoPass,
-        })
-    }
-}
-
-/// How to set the backend up. `Default` reads four environment variables: `GDN_WGPU_ADAPTER` (a part of the
-/// adapter's name, case-insensitive, e.g. `nvidia` or `llvmpipe`), `GDN_WGPU_ROW_BLOCKS` (1, 2, 4 or 8),
-/// `GDN_WGPU_CHECKS` (1: keep wgpu's runtime checks in the kernel) and `GDN_WGPU_KERNEL` (`onepass`: the
-/// one-pass token loop).
+/// How to set the backend up. The library reads no environment variables: the command line, the tests and the
+/// examples map theirs (`GDN_WGPU_ADAPTER`, `GDN_WGPU_ROW_BLOCKS`, `GDN_WGPU_CHECKS`) onto these fields.
 #[derive(Clone, Debug)]
 pub struct Options {
     pub subgroups: Subgroups,
-    /// Part of the adapter's name to pick; `None`: the high-performance adapter wgpu chooses.
+    /// Part of the adapter's name to pick (case-insensitive, e.g. `nvidia` or `llvmpipe`); `None`: the
+    /// high-performance adapter wgpu chooses.
     pub adapter: Option<String>,
     /// Row blocks per value head: the workgroup has `d * row_blocks` threads, each holding `d / row_blocks`
     /// state rows in registers (4 by default: 512 threads at d = 128). Lowered where the adapter's limits or the
     /// shape need it.
     pub row_blocks: usize,
-    /// Keep wgpu's runtime checks in the kernel: bounds checks on every buffer index and loop bounding
-    /// (`GDN_WGPU_CHECKS=1`). Off by default: every index the kernel computes is derived from sizes the pool
-    /// checked on the host (NOTES.md lists them), and the checks cost up to 7 % of the step on an H200.
+    /// Keep wgpu's runtime checks in the kernel: bounds checks on every buffer index and loop bounding. Off by
+    /// default: every index the kernel computes is derived from sizes the pool checked on the host (NOTES.md
+    /// lists them), and the checks cost up to 7 % of the step on an H200.
     pub runtime_checks: bool,
-    /// The token loop (`GDN_WGPU_KERNEL`).
-    pub kernel: Kernel,
+    /// A pool keeps its per-call buffers (inputs, output, job list, readback) between calls up to this many
+    /// bytes each; a call that needs a larger one gets it for that call only (released when it returns).
+    pub keep_bytes: u64,
 }
+
+/// [`Options::keep_bytes`] by default: a B 256 decode step at the seed shape (10 MiB of f32 inputs) stays
+/// resident; prefill-sized calls allocate per call.
+pub const DEFAULT_KEEP_BYTES: u64 = 32 << 20;
 
 impl Default for Options {
     fn default() -> Self {
         Options {
             subgroups: Subgroups::Auto,
-            adapter: std::env::var("GDN_WGPU_ADAPTER")
-                .ok()
-                .filter(|s| !s.is_empty()),
-            row_blocks: std::env::var("GDN_WGPU_ROW_BLOCKS")
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .filter(|&n: &usize| [1, 2, 4, 8].contains(&n))
-                .unwrap_or(4),
-            runtime_checks: std::env::var("GDN_WGPU_CHECKS").is_ok_and(|v| v == "1"),
-            kernel: Kernel::from_env(),
+            adapter: None,
+            row_blocks: 4,
+            runtime_checks: false,
+            keep_bytes: DEFAULT_KEEP_BYTES,
         }
     }
 }
@@ -109,7 +84,7 @@ pub struct Wgpu {
     gpu: Arc<Gpu>,
     row_blocks: usize,
     runtime_checks: bool,
-    kernel: Kernel,
+    keep_bytes: u64,
 }
 
 type DeviceKey = (Option<String>, Subgroups);
@@ -167,8 +142,28 @@ impl Wgpu {
             gpu,
             row_blocks: options.row_blocks,
             runtime_checks: options.runtime_checks,
-            kernel: options.kernel,
+            keep_bytes: options.keep_bytes,
         })
+    }
+
+    /// A pool as its concrete type (what [`Backend::create_pool_with`] boxes).
+    pub fn pool(
+        &self,
+        layer: &Layer,
+        slots: usize,
+        options: gdn::PoolOptions,
+    ) -> Result<WgpuPool> {
+        WgpuPool::new(
+            self.gpu.clone(),
+            layer,
+            slots,
+            options,
+            pool::Settings {
+                row_blocks: self.row_blocks,
+                checked: self.runtime_checks,
+                keep_bytes: self.keep_bytes,
+            },
+        )
     }
 
     /// Whether the kernels of this backend use subgroup operations.
@@ -185,8 +180,9 @@ impl Wgpu {
 impl Gpu {
     async fn open(options: &Options) -> Result<Gpu> {
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
-        desc.flags = wgpu::InstanceFlags::empty().with_env();
-        desc.backends = wgpu::Backends::PRIMARY.with_env();
+        // no `with_env()`: the library reads no environment variables (WGPU_BACKEND and friends included)
+        desc.flags = wgpu::InstanceFlags::empty();
+        desc.backends = wgpu::Backends::PRIMARY;
         let instance = wgpu::Instance::new(desc);
         let adapter = match &options.adapter {
             Some(name) => {
@@ -197,7 +193,7 @@ impl Gpu {
                     .find(|a| a.get_info().name.to_lowercase().contains(&want))
                     .ok_or_else(|| {
                         Error::Unavailable(format!(
-                            "no wgpu adapter named like '{name}' (GDN_WGPU_ADAPTER); found {names:?}"
+                            "no wgpu adapter named like '{name}'; found {names:?}"
                         ))
                     })?
             }
@@ -376,7 +372,7 @@ impl Gpu {
             } else {
                 // SAFETY: the kernel's indices stay in bounds for every launch the pool makes: buffer sizes,
                 // offsets, the job list and the uniforms are all derived from arguments validated on the host
-                // (StepArgs::validate, check_size), and its loops have uniform, finite bounds. The caller asked
+                // (Step::validate, the pool's checked sizes and 32-bit index checks), and its loops have uniform, finite bounds. The caller asked
                 // for this through `Options::runtime_checks = false`.
                 unsafe {
                     self.device
@@ -573,7 +569,7 @@ impl Backend for Wgpu {
     fn name(&self) -> String {
         let i = &self.gpu.info;
         format!(
-            "wgpu ({}, {:?}, {}{})",
+            "wgpu ({}, {:?}, {})",
             i.name,
             i.backend,
             if self.gpu.subgroups {
@@ -581,11 +577,6 @@ impl Backend for Wgpu {
             } else {
                 "workgroup-memory reductions".to_string()
             },
-            if self.kernel == Kernel::OnePass {
-                ", one-pass kernel"
-            } else {
-                ""
-            }
         )
     }
 
@@ -595,23 +586,7 @@ impl Backend for Wgpu {
         slots: usize,
         options: gdn::PoolOptions,
     ) -> Result<Box<dyn LayerPool>> {
-        if options != gdn::PoolOptions::default() {
-            return Err(Error::Unsupported(format!(
-                "{options:?} (f32 key-major states only, for now)"
-            )));
-        }
-        self.create_pool(layer, slots)
-    }
-
-    fn create_pool(&self, layer: &Layer, slots: usize) -> Result<Box<dyn LayerPool>> {
-        Ok(Box::new(WgpuPool::new(
-            self.gpu.clone(),
-            layer,
-            slots,
-            self.row_blocks,
-            self.runtime_checks,
-            self.kernel == Kernel::OnePass,
-        )?))
+        Ok(Box::new(self.pool(layer, slots, options)?))
     }
 
     /// The footprint of a state of `bytes` bytes read and written: one buffer of `bytes / 2` copied onto

@@ -1,15 +1,20 @@
-//! A layer's state pool resident on the GPU, and the step.
+//! A layer's state pool resident on the GPU, and the varlen step.
 //!
-//! Buffers: the state S of every slot in SPEC.md's layout; the conv history in this backend's own layout
+//! Buffers: the state S of every slot in the pool's layout and dtype (what `write_slot`/`read_slot` take, so they
+//! copy it as it is; bf16 is rounded and widened on the host); the conv history in this backend's own layout
 //! [slot][h_v][3][d][3] (each value head keeps its own copy of the q and k history it reads, so a workgroup owns
-//! all the history it touches and commits it in place); the layer's weights; and, grown on demand and reused,
-//! the window's inputs, the output, the job list and a readback buffer.
+//! all the history it touches and commits it in place); the layer's weights; and, per call, the inputs, the
+//! output, the job list and a readback buffer, kept between calls only up to `Options::keep_bytes` each.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use gdn::backend::{check_slot_io, head_history};
-use gdn::{Error, Gate, HeadMap, Layer, LayerPool, OutputLayout, Result, StepArgs, StepTiming};
+use gdn::step::Checked;
+use gdn::{
+    bf16, DType, Error, Gate, HeadMap, Layer, LayerPool, OutputLayout, PoolOptions, Result,
+    StateLayout, Step, StepTiming, Tensor, TensorMut,
+};
 
 use crate::kernel::{choose_row_blocks, KernelKey};
 use crate::Gpu;
@@ -18,8 +23,6 @@ use crate::Gpu;
 #[repr(C)]
 #[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
 struct Params {
-    t: u32,
-    commit_at: u32,
     plane: u32,
     qkv_off: u32,
     alpha_off: u32,
@@ -32,19 +35,26 @@ struct Params {
     grouped: u32,
     silu: u32,
     eps: f32,
-    pad: u32,
 }
 
-/// A buffer that grows on demand (to the next power of two, at least 256 bytes) and is otherwise reused.
-struct Growable {
+/// What a pool takes from the backend's options.
+pub(crate) struct Settings {
+    pub row_blocks: usize,
+    pub checked: bool,
+    pub keep_bytes: u64,
+}
+
+/// A buffer sized per call: reused while large enough, grown to the next power of two up to the keep cap (to
+/// exactly what the call needs above it), and released after a call that needed more than the cap.
+struct Scratch {
     buf: Option<wgpu::Buffer>,
     usage: wgpu::BufferUsages,
     label: &'static str,
 }
 
-impl Growable {
+impl Scratch {
     fn new(label: &'static str, usage: wgpu::BufferUsages) -> Self {
-        Growable {
+        Scratch {
             buf: None,
             usage,
             label,
@@ -52,20 +62,15 @@ impl Growable {
     }
 
     /// Makes room for `bytes`; true when the buffer was replaced.
-    fn reserve(&mut self, gpu: &Gpu, bytes: u64) -> Result<bool> {
+    fn reserve(&mut self, gpu: &Gpu, bytes: u64, keep: u64) -> Result<bool> {
+        let bytes = bytes.max(16).next_multiple_of(16);
         if self.buf.as_ref().is_some_and(|b| b.size() >= bytes) {
             return Ok(false);
         }
-        let size = bytes
-            .max(256)
-            .checked_next_power_of_two()
-            .unwrap_or(bytes)
-            .min(
-                gpu.limits
-                    .max_buffer_size
-                    .min(gpu.limits.max_storage_buffer_binding_size),
-            );
-        let size = size.max(bytes.max(256).div_ceil(4) * 4);
+        let size = match bytes.checked_next_power_of_two() {
+            Some(p) if p <= keep => p,
+            _ => bytes,
+        };
         check_size(gpu, self.label, size)?;
         self.buf = None;
         let buf = gpu.scoped(self.label, || {
@@ -78,6 +83,20 @@ impl Growable {
         })?;
         self.buf = Some(buf);
         Ok(true)
+    }
+
+    /// Releases the buffer where it is above `keep` bytes; true when it did.
+    fn trim(&mut self, keep: u64) -> bool {
+        if self.bytes() > keep {
+            self.buf = None;
+            true
+        } else {
+            false
+        }
+    }
+
+    fn bytes(&self) -> u64 {
+        self.buf.as_ref().map_or(0, |b| b.size())
     }
 
     fn get(&self) -> Result<&wgpu::Buffer> {
@@ -98,22 +117,98 @@ fn check_size(gpu: &Gpu, what: &str, bytes: u64) -> Result<()> {
     Ok(())
 }
 
+/// `a * b`, an error naming `what` where it overflows.
+fn mul(a: usize, b: usize, what: &str) -> Result<usize> {
+    a.checked_mul(b)
+        .ok_or_else(|| Error::Backend(format!("{what}: {a} x {b} overflows")))
+}
+
+/// `x` as a shader index: every index the kernel computes is below the size it is checked against here, so a
+/// size above u32 is an error, never a wrapped offset.
+fn index(x: usize, what: &str) -> Result<u32> {
+    u32::try_from(x).map_err(|_| {
+        Error::Backend(format!(
+            "{what}: {x} elements is beyond the kernel's 32-bit indices"
+        ))
+    })
+}
+
+/// The device's output layout for one call: y [R][n] at 0, planes at `plane`, 2 `plane`, 3 `plane` (the
+/// caller's plane stride need not be even, the device's is), group sums [R][h_v][gw] at 4 `plane`.
+#[derive(Clone, Copy, Debug)]
+struct DevOut {
+    /// Elements of y; also the device's plane stride where planes are on.
+    y: usize,
+    planes: bool,
+    gw: usize,
+    /// Elements of the whole buffer, and bytes of one.
+    elems: usize,
+    size: usize,
+}
+
+impl DevOut {
+    fn new(key: &KernelKey, h_v: usize, layout: &OutputLayout) -> Result<Self> {
+        let what = "the step's output";
+        let y = mul(layout.rows, layout.n, what)?;
+        let gw = key.group_width();
+        let elems = if layout.plane_stride.is_some() {
+            mul(y, 4, what)?
+                .checked_add(mul(mul(layout.rows, h_v, what)?, gw, what)?)
+                .ok_or_else(|| Error::Backend(format!("{what} overflows")))?
+        } else {
+            y
+        };
+        index(elems, what)?;
+        Ok(DevOut {
+            y,
+            planes: layout.plane_stride.is_some(),
+            gw,
+            elems,
+            size: key.out.size(),
+        })
+    }
+
+    fn bytes(&self) -> u64 {
+        (self.elems * self.size) as u64
+    }
+}
+
+/// Bytes of a host tensor, as the kernel reads it (16-bit types two a word, little-endian).
+fn tensor_bytes<'a>(t: &Tensor<'a>) -> &'a [u8] {
+    match *t {
+        Tensor::F32(x) => bytemuck::cast_slice(x),
+        Tensor::Bf16(x) => bytemuck::cast_slice(x),
+        Tensor::F16(x) => bytemuck::cast_slice(x),
+    }
+}
+
+fn tensor_bytes_mut<'a>(t: &'a mut TensorMut<'_>) -> &'a mut [u8] {
+    match t {
+        TensorMut::F32(x) => bytemuck::cast_slice_mut(x),
+        TensorMut::Bf16(x) => bytemuck::cast_slice_mut(x),
+        TensorMut::F16(x) => bytemuck::cast_slice_mut(x),
+    }
+}
+
 pub struct WgpuPool {
     gpu: Arc<Gpu>,
     layer: Layer,
     slots: usize,
+    options: PoolOptions,
+    /// The pool's specialisation with f32 activations; a step sets its own dtypes.
     key: KernelKey,
+    keep: u64,
     state: wgpu::Buffer,
     hist: wgpu::Buffer,
     weights: wgpu::Buffer,
     params: wgpu::Buffer,
-    inputs: Growable,
-    out: Growable,
-    jobs: Growable,
-    readback: Growable,
+    inputs: Scratch,
+    out: Scratch,
+    jobs: Scratch,
+    readback: Scratch,
     bind_group: Option<wgpu::BindGroup>,
-    /// Host scratch: live (sequence, slot) pairs, history conversions.
-    job_list: Vec<[u32; 2]>,
+    /// Host scratch: the live sequences' jobs (slot, first row, length, commit point), history conversions.
+    job_list: Vec<[u32; 4]>,
     scratch: Vec<f32>,
 }
 
@@ -122,13 +217,13 @@ impl WgpuPool {
         gpu: Arc<Gpu>,
         layer: &Layer,
         slots: usize,
-        row_blocks: usize,
-        checked: bool,
-        onepass: bool,
+        options: PoolOptions,
+        settings: Settings,
     ) -> Result<Self> {
+        options.validate()?;
         layer.validate()?;
         let sh = *layer.shape();
-        let row_blocks = choose_row_blocks(sh.d, &gpu.limits, row_blocks);
+        let row_blocks = choose_row_blocks(sh.d, &gpu.limits, settings.row_blocks);
         // the subgroup path wants full subgroups: a workgroup size that is a multiple of every subgroup size the
         // adapter may use (always so with four row blocks: 4 d is a multiple of 64); else workgroup memory
         let w = sh.d * row_blocks;
@@ -137,8 +232,11 @@ impl WgpuPool {
             d: sh.d,
             subgroups: gpu.subgroups && full,
             row_blocks,
-            checked,
-            onepass,
+            checked: settings.checked,
+            state: options.state,
+            layout: options.layout,
+            inputs: [DType::F32; 4],
+            out: DType::F32,
         };
         // build the pipeline now, so that a shape the adapter cannot run fails here
         gpu.pipeline(key)?;
@@ -148,8 +246,12 @@ impl WgpuPool {
                 sh.h_v, gpu.limits.max_compute_workgroups_per_dimension
             )));
         }
-        let state_bytes = (slots * sh.state_len() * 4) as u64;
-        let hist_bytes = (slots * sh.h_v * 9 * sh.d * 4) as u64;
+        let state_elems = mul(slots, sh.state_len(), "the state pool")?;
+        let hist_elems = mul(slots, head_history::len(layer), "the history pool")?;
+        index(state_elems, "the state pool")?;
+        index(hist_elems, "the history pool")?;
+        let state_bytes = mul(state_elems, options.state.size(), "the state pool")? as u64;
+        let hist_bytes = mul(hist_elems, 4, "the history pool")? as u64;
         check_size(&gpu, "the state pool", state_bytes)?;
         check_size(&gpu, "the history pool", hist_bytes)?;
         let p = &layer.params;
@@ -187,15 +289,17 @@ impl WgpuPool {
         Ok(WgpuPool {
             layer: layer.clone(),
             slots,
+            options,
             key,
+            keep: settings.keep_bytes,
             state,
             hist,
             weights: weights_buf,
             params,
-            inputs: Growable::new("gdn inputs", rw),
-            out: Growable::new("gdn output", rw | wgpu::BufferUsages::COPY_SRC),
-            jobs: Growable::new("gdn jobs", rw),
-            readback: Growable::new(
+            inputs: Scratch::new("gdn inputs", rw),
+            out: Scratch::new("gdn output", rw | wgpu::BufferUsages::COPY_SRC),
+            jobs: Scratch::new("gdn jobs", rw),
+            readback: Scratch::new(
                 "gdn readback",
                 wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             ),
@@ -206,20 +310,65 @@ impl WgpuPool {
         })
     }
 
-    /// Uploads a step's inputs and job list and records its arguments; returns the number of live sequences
-    /// and the pipeline.
+    /// Bytes of the per-call device buffers the pool holds now (inputs, output, jobs, readback).
+    pub fn scratch_bytes(&self) -> u64 {
+        [&self.inputs, &self.out, &self.jobs, &self.readback]
+            .iter()
+            .map(|s| s.bytes())
+            .sum()
+    }
+
+    /// The specialisation a step with these activation dtypes runs.
+    pub fn kernel_key(&self, inputs: [DType; 4], out: DType) -> KernelKey {
+        KernelKey {
+            inputs,
+            out,
+            ..self.key
+        }
+    }
+
+    /// Releases the per-call buffers a call needed above the keep cap, and large host scratch.
+    fn trim(&mut self) {
+        let keep = self.keep;
+        let mut dropped = false;
+        for s in [
+            &mut self.inputs,
+            &mut self.out,
+            &mut self.jobs,
+            &mut self.readback,
+        ] {
+            dropped |= s.trim(keep);
+        }
+        if dropped {
+            self.bind_group = None;
+        }
+        if self.job_list.capacity() * 16 > keep as usize {
+            self.job_list = Vec::new();
+        }
+    }
+
+    /// Uploads a step's inputs and job list and records its arguments; returns the number of live sequences,
+    /// the pipeline and the device's output layout.
     fn prepare(
         &mut self,
-        args: &StepArgs<'_>,
-        layout: &OutputLayout,
-        commit_at: usize,
-    ) -> Result<(u32, Arc<wgpu::ComputePipeline>)> {
+        step: &Step<'_>,
+        checked: &Checked,
+        out_dtype: DType,
+    ) -> Result<(u32, Arc<wgpu::ComputePipeline>, DevOut)> {
         let gpu = self.gpu.clone();
         let sh = *self.layer.shape();
+        let key = self.kernel_key(step.rows.dtypes(), out_dtype);
+        let pipeline = gpu.pipeline(key)?;
         self.job_list.clear();
-        for (b, &s) in args.slots.iter().enumerate() {
-            if s >= 0 {
-                self.job_list.push([b as u32, s as u32]);
+        for (s, &commit_at) in step.seqs.iter().zip(&checked.commit_at) {
+            if s.slot >= 0 {
+                // validate() put start + len within the rows, whose element count is checked below
+                self.job_list.push([
+                    s.slot as u32,
+                    index(s.start, "a sequence's first row")?,
+                    index(s.len, "a sequence's length")?,
+                    index(commit_at, "a commit point")?,
+                ]);
             }
         }
         let live = self.job_list.len() as u32;
@@ -229,21 +378,26 @@ impl WgpuPool {
                 gpu.limits.max_compute_workgroups_per_dimension
             )));
         }
-        let batch = &args.batch;
-        let floats = [batch.qkv, batch.alpha, batch.beta, batch.z];
-        let total: usize = floats.iter().map(|v| v.len()).sum();
-        let to_u32 = |x: usize| {
-            u32::try_from(x)
-                .map_err(|_| Error::Backend(format!("a window of {x} floats is too large")))
-        };
-        let out_floats = layout.len();
-        to_u32(total)?;
-        to_u32(out_floats)?;
-        let mut grown = self.inputs.reserve(&gpu, (total * 4) as u64)?;
-        grown |= self.out.reserve(&gpu, (out_floats * 4) as u64)?;
+        let rows = step.rows;
+        let tensors = [rows.qkv, rows.alpha, rows.beta, rows.z];
+        // each tensor starts on a word; offsets in words
+        let mut offs = [0u32; 4];
+        let mut words = 0usize;
+        for (i, t) in tensors.iter().enumerate() {
+            index(t.len(), "an input tensor")?;
+            offs[i] = index(words, "the step's inputs")?;
+            words = words
+                .checked_add((t.len() * t.dtype().size()).div_ceil(4))
+                .ok_or_else(|| Error::Backend("the step's inputs overflow".into()))?;
+        }
+        index(words, "the step's inputs")?;
+        let dev = DevOut::new(&key, sh.h_v, &checked.layout)?;
+        let keep = self.keep;
+        let mut grown = self.inputs.reserve(&gpu, words as u64 * 4, keep)?;
+        grown |= self.out.reserve(&gpu, dev.bytes(), keep)?;
         grown |= self
             .jobs
-            .reserve(&gpu, (self.job_list.len().max(1) * 8) as u64)?;
+            .reserve(&gpu, (self.job_list.len().max(1) * 16) as u64, keep)?;
         if grown || self.bind_group.is_none() {
             let entries = [
                 self.state.as_entire_binding(),
@@ -272,24 +426,30 @@ impl WgpuPool {
             self.bind_group = Some(bg);
         }
         let inputs = self.inputs.get()?;
-        let mut off = 0usize;
-        let mut offs = [0u32; 4];
-        for (i, v) in floats.iter().enumerate() {
-            offs[i] = off as u32;
-            if !v.is_empty() {
-                gpu.queue
-                    .write_buffer(inputs, (off * 4) as u64, bytemuck::cast_slice(v));
+        for (t, &off) in tensors.iter().zip(&offs) {
+            // write_buffer takes whole words: a 16-bit tensor of odd length ends in a padded word
+            let bytes = tensor_bytes(t);
+            let whole = bytes.len() / 4 * 4;
+            let at = off as u64 * 4;
+            if whole > 0 {
+                gpu.queue.write_buffer(inputs, at, &bytes[..whole]);
             }
-            off += v.len();
+            if whole < bytes.len() {
+                let mut tail = [0u8; 4];
+                tail[..bytes.len() - whole].copy_from_slice(&bytes[whole..]);
+                gpu.queue.write_buffer(inputs, at + whole as u64, &tail);
+            }
         }
         if live > 0 {
             gpu.queue
                 .write_buffer(self.jobs.get()?, 0, bytemuck::cast_slice(&self.job_list));
         }
         let params = Params {
-            t: batch.t as u32,
-            commit_at: commit_at as u32,
-            plane: layout.plane_stride.map_or(Ok(0), to_u32)?,
+            plane: if dev.planes {
+                index(dev.y, "the plane stride")?
+            } else {
+                0
+            },
             qkv_off: offs[0],
             alpha_off: offs[1],
             beta_off: offs[2],
@@ -301,12 +461,10 @@ impl WgpuPool {
             grouped: (self.layer.config.head_map == HeadMap::Grouped) as u32,
             silu: (self.layer.config.gate == Gate::Silu) as u32,
             eps: self.layer.config.eps,
-            pad: 0,
         };
         gpu.queue
             .write_buffer(&self.params, 0, bytemuck::bytes_of(&params));
-        let pipeline = gpu.pipeline(self.key)?;
-        Ok((live, pipeline))
+        Ok((live, pipeline, dev))
     }
 
     fn record_dispatch(
@@ -319,6 +477,86 @@ impl WgpuPool {
         pass.set_bind_group(0, self.bind_group.as_ref(), &[]);
         pass.dispatch_workgroups(self.layer.shape().h_v as u32, live, 1);
     }
+
+    fn step_inner(&mut self, step: &Step<'_>, mut out: TensorMut<'_>) -> Result<()> {
+        let checked = step.validate(&self.layer, self.slots, out.len())?;
+        let (live, pipeline, dev) = self.prepare(step, &checked, out.dtype())?;
+        if live == 0 {
+            return Ok(());
+        }
+        let gpu = self.gpu.clone();
+        let bytes = dev.bytes();
+        self.readback.reserve(&gpu, bytes, self.keep)?;
+        let mut enc = gpu
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("gdn step"),
+                timestamp_writes: None,
+            });
+            self.record_dispatch(&mut pass, &pipeline, live);
+        }
+        enc.copy_buffer_to_buffer(self.out.get()?, 0, self.readback.get()?, 0, bytes);
+        gpu.queue.submit([enc.finish()]);
+        // only the rows of live sequences (and no plane padding) reach `out`
+        let sh = *self.layer.shape();
+        let layout = checked.layout;
+        let seqs = step.seqs;
+        gpu.read_mapped_with(self.readback.get()?, bytes, |raw| {
+            scatter_rows(
+                raw,
+                tensor_bytes_mut(&mut out),
+                &dev,
+                &layout,
+                seqs.iter().filter(|s| s.slot >= 0).map(|s| (s.start, s.len)),
+                sh.d,
+                sh.h_v,
+            );
+        })?;
+        gpu.take_errors()
+    }
+}
+
+/// Copies the rows `start..start + len` of every live sequence from the device's output layout (`src`) into the
+/// caller's (`dst`), in every plane; bytes, both in the output's dtype.
+fn scatter_rows(
+    src: &[u8],
+    dst: &mut [u8],
+    dev: &DevOut,
+    layout: &OutputLayout,
+    seqs: impl Iterator<Item = (usize, usize)>,
+    d: usize,
+    h_v: usize,
+) {
+    let es = dev.size;
+    let n = layout.n;
+    let g = d / 16;
+    let mut copy = |from: usize, to: usize, len: usize| {
+        dst[to * es..(to + len) * es].copy_from_slice(&src[from * es..(from + len) * es]);
+    };
+    for (start, len) in seqs {
+        copy(start * n, start * n, len * n);
+        if let Some(p) = layout.plane_stride {
+            for k in 1..4 {
+                copy(k * dev.y + start * n, k * p + start * n, len * n);
+            }
+            let (from, to) = (4 * dev.y, 4 * p);
+            if dev.gw == g {
+                copy(from + start * h_v * g, to + start * (n / 16), len * h_v * g);
+            } else {
+                for r in start..start + len {
+                    for h in 0..h_v {
+                        copy(
+                            from + (r * h_v + h) * dev.gw,
+                            to + r * (n / 16) + h * g,
+                            g,
+                        );
+                    }
+                }
+            }
+        }
+    }
 }
 
 impl LayerPool for WgpuPool {
@@ -330,6 +568,10 @@ impl LayerPool for WgpuPool {
         self.slots
     }
 
+    fn options(&self) -> PoolOptions {
+        self.options
+    }
+
     fn write_slot(&mut self, slot: usize, state: &[f32], hist: &[f32]) -> Result<()> {
         check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
         let sh = *self.layer.shape();
@@ -339,11 +581,19 @@ impl LayerPool for WgpuPool {
         own.resize(hl, 0.0);
         head_history::from_spec(&self.layer, hist, &mut own);
         let gpu = &self.gpu;
-        gpu.queue.write_buffer(
-            &self.state,
-            (slot * sh.state_len() * 4) as u64,
-            bytemuck::cast_slice(state),
-        );
+        let es = self.options.state.size();
+        let at = (slot * sh.state_len() * es) as u64;
+        match self.options.state {
+            DType::Bf16 => {
+                // rounded to nearest even here, once
+                let s: Vec<bf16> = state.iter().map(|&x| bf16::from_f32(x)).collect();
+                gpu.queue
+                    .write_buffer(&self.state, at, bytemuck::cast_slice(&s));
+            }
+            _ => gpu
+                .queue
+                .write_buffer(&self.state, at, bytemuck::cast_slice(state)),
+        }
         gpu.queue.write_buffer(
             &self.hist,
             (slot * hl * 4) as u64,
@@ -359,9 +609,10 @@ impl LayerPool for WgpuPool {
         let sh = *self.layer.shape();
         let hl = head_history::len(&self.layer);
         let gpu = self.gpu.clone();
-        let sb = (sh.state_len() * 4) as u64;
+        let sdt = self.options.state;
+        let sb = (sh.state_len() * sdt.size()) as u64;
         let hb = (hl * 4) as u64;
-        self.readback.reserve(&gpu, sb + hb)?;
+        self.readback.reserve(&gpu, sb + hb, self.keep)?;
         let rb = self.readback.get()?;
         let mut enc = gpu
             .device
@@ -374,84 +625,46 @@ impl LayerPool for WgpuPool {
         own.resize(hl, 0.0);
         gpu.read_mapped_with(rb, sb + hb, |bytes| {
             let (s, h) = bytes.split_at(sb as usize);
-            bytemuck::cast_slice_mut::<f32, u8>(state).copy_from_slice(s);
+            match sdt {
+                DType::Bf16 => {
+                    for (x, b) in state.iter_mut().zip(s.chunks_exact(2)) {
+                        *x = bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                    }
+                }
+                _ => bytemuck::cast_slice_mut::<f32, u8>(state).copy_from_slice(s),
+            }
             bytemuck::cast_slice_mut::<f32, u8>(&mut own).copy_from_slice(h);
         })?;
         head_history::to_spec(&self.layer, &own, hist);
         self.scratch = own;
+        self.trim();
         gpu.take_errors()
     }
 
-    fn options(&self) -> gdn::PoolOptions {
-        gdn::PoolOptions::default()
-    }
-
-    fn step_varlen(&mut self, step: &gdn::Step<'_>, out: gdn::TensorMut<'_>) -> Result<()> {
-        step.validate(&self.layer, self.slots, out.len())?;
-        Err(Error::Unsupported("varlen steps (being ported)".into()))
-    }
-
-    fn step(&mut self, args: &StepArgs<'_>, out: &mut [f32]) -> Result<()> {
-        let (layout, commit_at) = args.validate(&self.layer, self.slots, out.len())?;
-        let (live, pipeline) = self.prepare(args, &layout, commit_at)?;
-        if live == 0 {
-            return Ok(());
-        }
-        let gpu = self.gpu.clone();
-        let bytes = (layout.len() * 4) as u64;
-        self.readback.reserve(&gpu, bytes)?;
-        let mut enc = gpu
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-        {
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some("gdn step"),
-                timestamp_writes: None,
-            });
-            self.record_dispatch(&mut pass, &pipeline, live);
-        }
-        enc.copy_buffer_to_buffer(self.out.get()?, 0, self.readback.get()?, 0, bytes);
-        gpu.queue.submit([enc.finish()]);
-        // only the rows of live sequences (and no plane padding) reach `out`
-        let (t, n) = (args.batch.t, layout.n);
-        let job_list = &self.job_list;
-        gpu.read_mapped_with(self.readback.get()?, bytes, |raw| {
-            let src: &[f32] = bytemuck::cast_slice(raw);
-            let mut copy =
-                |lo: usize, len: usize| out[lo..lo + len].copy_from_slice(&src[lo..lo + len]);
-            for &[b, _] in job_list {
-                let b = b as usize;
-                match layout.plane_stride {
-                    None => copy(b * t * n, t * n),
-                    Some(p) => {
-                        for k in 0..4 {
-                            copy(k * p + b * t * n, t * n);
-                        }
-                        copy(4 * p + b * t * (n / 16), t * (n / 16));
-                    }
-                }
-            }
-        })?;
-        gpu.take_errors()
+    fn step_varlen(&mut self, step: &Step<'_>, out: TensorMut<'_>) -> Result<()> {
+        let r = self.step_inner(step, out);
+        self.trim();
+        r
     }
 
     /// Inputs uploaded once; then rounds of back-to-back dispatches in one compute pass, timed with GPU
     /// timestamps where the adapter has them (else the host clock around submit and wait); the median round.
-    fn time_step(&mut self, args: &StepArgs<'_>, iters: usize) -> Result<StepTiming> {
+    fn time_varlen(
+        &mut self,
+        step: &Step<'_>,
+        out_dtype: DType,
+        iters: usize,
+    ) -> Result<StepTiming> {
         // the output buffer is ours here: validate against the length the layout asks for
-        let len = OutputLayout::new(
-            self.layer.shape(),
-            args.batch.b,
-            args.batch.t,
-            args.plane_stride,
-        )
-        .map_or(0, |l| l.len());
-        let (layout, commit_at) = args.validate(&self.layer, self.slots, len)?;
-        let (live, pipeline) = self.prepare(args, &layout, commit_at)?;
+        let sh = *self.layer.shape();
+        let rows = step.rows.count(&sh)?;
+        let len = OutputLayout::for_rows(&sh, rows, step.plane_stride)?.len();
+        let checked = step.validate(&self.layer, self.slots, len)?;
+        let (live, pipeline, _) = self.prepare(step, &checked, out_dtype)?;
         let gpu = self.gpu.clone();
         let iters = iters.max(1);
         let this = &*self;
-        let (secs, host, method) = gpu.time_gpu(7, iters, true, |enc, ts| {
+        let timed = gpu.time_gpu(7, iters, true, |enc, ts| {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
                 label: Some("gdn step timing"),
                 timestamp_writes: ts,
@@ -460,14 +673,23 @@ impl LayerPool for WgpuPool {
                 pass.set_pipeline(&pipeline);
                 pass.set_bind_group(0, this.bind_group.as_ref(), &[]);
                 for _ in 0..iters {
-                    pass.dispatch_workgroups(this.layer.shape().h_v as u32, live, 1);
+                    pass.dispatch_workgroups(sh.h_v as u32, live, 1);
                 }
             }
-        })?;
+        });
+        self.trim();
+        let (secs, host, method) = timed?;
         Ok(StepTiming {
             per_call: Duration::from_secs_f64(secs),
             host_per_call: Some(Duration::from_secs_f64(host)),
             method: format!("{method}; {}", gpu.info.name),
         })
+    }
+}
+
+impl WgpuPool {
+    /// The pool's state layout (what `read_slot` and `write_slot` take).
+    pub fn state_layout(&self) -> StateLayout {
+        self.options.layout
     }
 }

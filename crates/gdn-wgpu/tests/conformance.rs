@@ -1,14 +1,16 @@
-//! The conformance suite on the wgpu backend, once per reduction path and token loop (two-pass, one-pass). Without an adapter (or, for the first
+//! The conformance suite on the wgpu backend, once per reduction path. Without an adapter (or, for the first
 //! module, without subgroup operations) every test is skipped with a message on stderr, unless
 //! `GDN_WGPU_REQUIRE=1` (CI with lavapipe installed), which turns a missing adapter into a failure.
+//! `GDN_WGPU_ADAPTER` (a part of the adapter's name) and `GDN_WGPU_CHECKS=1` (wgpu's runtime checks kept in the
+//! kernel) are read here and passed in as options: the library reads no environment.
 
-fn make(
-    subgroups: gdn_wgpu::Subgroups,
-    kernel: gdn_wgpu::Kernel,
-) -> gdn::Result<Box<dyn gdn::Backend>> {
+fn make(subgroups: gdn_wgpu::Subgroups) -> gdn::Result<Box<dyn gdn::Backend>> {
     let options = gdn_wgpu::Options {
         subgroups,
-        kernel,
+        adapter: std::env::var("GDN_WGPU_ADAPTER")
+            .ok()
+            .filter(|s| !s.is_empty()),
+        runtime_checks: std::env::var("GDN_WGPU_CHECKS").is_ok_and(|v| v == "1"),
         ..Default::default()
     };
     match gdn_wgpu::Wgpu::with_options(options) {
@@ -25,29 +27,9 @@ fn make(
 }
 
 mod subgroups {
-    gdn_conformance::conformance_tests!(|| super::make(
-        gdn_wgpu::Subgroups::Require,
-        gdn_wgpu::Kernel::TwoPass
-    ));
+    gdn_conformance::conformance_tests!(|| super::make(gdn_wgpu::Subgroups::Require));
 }
 
 mod workgroup_memory {
-    gdn_conformance::conformance_tests!(|| super::make(
-        gdn_wgpu::Subgroups::Off,
-        gdn_wgpu::Kernel::TwoPass
-    ));
-}
-
-mod onepass_subgroups {
-    gdn_conformance::conformance_tests!(|| super::make(
-        gdn_wgpu::Subgroups::Require,
-        gdn_wgpu::Kernel::OnePass
-    ));
-}
-
-mod onepass_workgroup_memory {
-    gdn_conformance::conformance_tests!(|| super::make(
-        gdn_wgpu::Subgroups::Off,
-        gdn_wgpu::Kernel::OnePass
-    ));
+    gdn_conformance::conformance_tests!(|| super::make(gdn_wgpu::Subgroups::Off));
 }
