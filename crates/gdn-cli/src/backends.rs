@@ -9,7 +9,7 @@ pub fn make(name: &str) -> Result<Box<dyn Backend>> {
     match name {
         "cpu" => Ok(Box::new(cpu())),
         "cuda" => Ok(Box::new(gdn_cuda::Cuda::new()?)),
-        "wgpu" => Ok(Box::new(gdn_wgpu::Wgpu::new()?)),
+        "wgpu" => Ok(Box::new(gdn_wgpu::Wgpu::with_options(wgpu_options())?)),
         other => Err(Error::Unavailable(format!(
             "no backend '{other}' in this build (known: {})",
             NAMES.join(", ")
@@ -28,6 +28,23 @@ fn cpu() -> gdn::Cpu {
         .filter(|&n: &usize| n > 0)
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     gdn::Cpu::with_calling_thread(threads).unwrap_or_default()
+}
+
+/// The wgpu backend's options from the environment (the library itself reads none): `GDN_WGPU_ADAPTER` (a part
+/// of the adapter's name, e.g. `nvidia` or `llvmpipe`), `GDN_WGPU_ROW_BLOCKS` (1, 2, 4 or 8) and
+/// `GDN_WGPU_CHECKS=1` (keep wgpu's runtime checks in the kernel).
+fn wgpu_options() -> gdn_wgpu::Options {
+    let var = |name| std::env::var(name).ok().filter(|s: &String| !s.is_empty());
+    let default = gdn_wgpu::Options::default();
+    gdn_wgpu::Options {
+        adapter: var("GDN_WGPU_ADAPTER"),
+        row_blocks: var("GDN_WGPU_ROW_BLOCKS")
+            .and_then(|s| s.parse().ok())
+            .filter(|n| [1, 2, 4, 8].contains(n))
+            .unwrap_or(default.row_blocks),
+        runtime_checks: var("GDN_WGPU_CHECKS").is_some_and(|v| v == "1"),
+        ..default
+    }
 }
 
 /// Whether a backend computes on a device with its own memory (the benchmark then uses the GPU grid).

@@ -3,7 +3,7 @@
 //!
 //! `cargo run --release -p gdn-wgpu --example timing [-- --row-blocks 4,8] [--checks on,off]
 //! [--no-subgroups | --both] [--batches 1,256]`
-//! `GDN_WGPU_ADAPTER=nvidia` picks an adapter by name.
+//! `GDN_WGPU_ADAPTER=nvidia` picks an adapter by name (read here and passed in: the library reads no environment).
 
 use gdn::synth::Synth;
 use gdn::{Backend, Commit, Config, Shape, StepArgs};
@@ -76,6 +76,9 @@ fn run() -> gdn::Result<()> {
                 subgroups: sg,
                 row_blocks: ib,
                 runtime_checks: checked,
+                adapter: std::env::var("GDN_WGPU_ADAPTER")
+                    .ok()
+                    .filter(|s| !s.is_empty()),
                 ..Options::default()
             })?;
             println!(

@@ -147,12 +147,7 @@ impl Wgpu {
     }
 
     /// A pool as its concrete type (what [`Backend::create_pool_with`] boxes).
-    pub fn pool(
-        &self,
-        layer: &Layer,
-        slots: usize,
-        options: gdn::PoolOptions,
-    ) -> Result<WgpuPool> {
+    pub fn pool(&self, layer: &Layer, slots: usize, options: gdn::PoolOptions) -> Result<WgpuPool> {
         WgpuPool::new(
             self.gpu.clone(),
             layer,
@@ -670,5 +665,182 @@ impl Wgpu {
             }
         })?;
         Ok((buffer, 2.0 * half as f64 / secs))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernel's by-hand conversions (f16 and bf16 to nearest even, f16 widening) agree bit for bit with
+    /// the host's `half` on ties, subnormals, overflow and random values; WGSL's own `pack2x16float` is run on
+    /// the same values and its disagreements counted (WGSL lets it round either way and leaves values beyond
+    /// f16's range indeterminate, so the kernel does not use it). Skipped without an adapter.
+    #[test]
+    fn kernel_rounding_is_to_nearest_even() {
+        let Ok(backend) = Wgpu::with_options(Options::default()) else {
+            eprintln!("SKIPPED: no adapter");
+            return;
+        };
+        let gpu = &backend.gpu;
+        let t = kernel::TEMPLATE;
+        let helpers = &t[t.find("fn bf16_lo").unwrap()..t.find("fn val(").unwrap()];
+        let src = format!(
+            "{helpers}
+@group(0) @binding(0) var<storage, read> xin: array<f32>;
+@group(0) @binding(1) var<storage, read_write> res: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    let i = id.x;
+    if (i < arrayLength(&xin)) {{
+        let x = xin[i];
+        res[4u * i] = f16_bits(x);
+        res[4u * i + 1u] = bf16_bits(x);
+        res[4u * i + 2u] = bitcast<u32>(f16_f32(f16_bits(x)));
+        res[4u * i + 3u] = pack2x16float(vec2<f32>(x, 0.0)) & 0xffffu;
+    }}
+}}"
+        );
+        // f16 ties and their neighbours over every binade (subnormals included), the overflow threshold,
+        // bf16 ties, specials, and a spread of random values
+        let mut xs: Vec<f32> = Vec::new();
+        for h in (0u16..0x7c00).step_by(7) {
+            let a = gdn::f16::from_bits(h).to_f32();
+            let b = gdn::f16::from_bits(h + 1).to_f32();
+            let mid = (a + b) / 2.0;
+            xs.extend([
+                mid,
+                -mid,
+                f32::from_bits(mid.to_bits() + 1),
+                f32::from_bits(mid.to_bits() - 1),
+                a,
+            ]);
+        }
+        for u in (0u32..0xffff).step_by(13) {
+            xs.push(f32::from_bits((u << 16) | 0x8000));
+            xs.push(f32::from_bits((u << 16) | 0x8001));
+        }
+        xs.extend([
+            65504.0,
+            65519.0,
+            65520.0,
+            1e6,
+            -1e9,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            0.0,
+            -0.0,
+        ]);
+        xs.extend([
+            2f32.powi(-25),
+            2f32.powi(-24),
+            1.5 * 2f32.powi(-25),
+            3e-8,
+            6e-5,
+        ]);
+        let mut rng = gdn::synth::Synth::new(3);
+        xs.extend(rng.uniform(4096, -8.0, 8.0));
+        let n = xs.len() as u64;
+        let (inp, out, read) = gpu
+            .scoped("rounding test buffers", || {
+                let mk = |size, usage| {
+                    gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                        label: None,
+                        size,
+                        usage,
+                        mapped_at_creation: false,
+                    })
+                };
+                let s = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
+                (
+                    mk(4 * n, s),
+                    mk(16 * n, s | wgpu::BufferUsages::COPY_SRC),
+                    mk(
+                        16 * n,
+                        wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                    ),
+                )
+            })
+            .unwrap();
+        gpu.queue.write_buffer(&inp, 0, bytemuck::cast_slice(&xs));
+        let pipeline = gpu
+            .scoped("rounding test pipeline", || {
+                let module = gpu
+                    .device
+                    .create_shader_module(wgpu::ShaderModuleDescriptor {
+                        label: None,
+                        source: wgpu::ShaderSource::Wgsl(src.into()),
+                    });
+                gpu.device
+                    .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                        label: None,
+                        layout: None,
+                        module: &module,
+                        entry_point: Some("main"),
+                        compilation_options: Default::default(),
+                        cache: None,
+                    })
+            })
+            .unwrap();
+        let bind = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &pipeline.get_bind_group_layout(0),
+            entries: &[
+                wgpu::BindGroupEntry {
+                    binding: 0,
+                    resource: inp.as_entire_binding(),
+                },
+                wgpu::BindGroupEntry {
+                    binding: 1,
+                    resource: out.as_entire_binding(),
+                },
+            ],
+        });
+        let mut enc = gpu
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: None,
+                timestamp_writes: None,
+            });
+            pass.set_pipeline(&pipeline);
+            pass.set_bind_group(0, &bind, &[]);
+            pass.dispatch_workgroups(n.div_ceil(64) as u32, 1, 1);
+        }
+        enc.copy_buffer_to_buffer(&out, 0, &read, 0, 16 * n);
+        gpu.queue.submit([enc.finish()]);
+        let raw = gpu.read_mapped(&read, 16 * n).unwrap();
+        let res: &[u32] = bytemuck::cast_slice(&raw);
+        let mut pack_off = 0;
+        let nan16 = |b: u32| b & 0x7fff > 0x7c00;
+        for (i, &x) in xs.iter().enumerate() {
+            let [f16b, bf16b, widened, packed] = [0, 1, 2, 3].map(|k| res[4 * i + k]);
+            let want16 = gdn::f16::from_f32(x).to_bits() as u32;
+            let wantb = gdn::bf16::from_f32(x).to_bits() as u32;
+            if x.is_nan() {
+                assert!(
+                    nan16(f16b) && bf16b & 0x7fff > 0x7f80,
+                    "NaN {:#x}",
+                    x.to_bits()
+                );
+                continue;
+            }
+            assert_eq!(f16b, want16, "f16 of {x:e} ({:#x})", x.to_bits());
+            assert_eq!(bf16b, wantb, "bf16 of {x:e} ({:#x})", x.to_bits());
+            let back = gdn::f16::from_bits(want16 as u16).to_f32().to_bits();
+            assert_eq!(widened, back, "f16 {want16:#x} widened");
+            let same = packed == want16 || (x.is_nan() && nan16(packed));
+            if !same {
+                if pack_off < 12 {
+                    eprintln!("  pack2x16float({x:e}) = {packed:#06x}, nearest even {want16:#06x}");
+                }
+                pack_off += 1;
+            }
+        }
+        eprintln!(
+            "pack2x16float on {}: {pack_off} of {n} values differ from round-to-nearest-even",
+            gpu.info.name
+        );
     }
 }

@@ -509,7 +509,9 @@ impl WgpuPool {
                 tensor_bytes_mut(&mut out),
                 &dev,
                 &layout,
-                seqs.iter().filter(|s| s.slot >= 0).map(|s| (s.start, s.len)),
+                seqs.iter()
+                    .filter(|s| s.slot >= 0)
+                    .map(|s| (s.start, s.len)),
                 sh.d,
                 sh.h_v,
             );
@@ -547,11 +549,7 @@ fn scatter_rows(
             } else {
                 for r in start..start + len {
                     for h in 0..h_v {
-                        copy(
-                            from + (r * h_v + h) * dev.gw,
-                            to + r * (n / 16) + h * g,
-                            g,
-                        );
+                        copy(from + (r * h_v + h) * dev.gw, to + r * (n / 16) + h * g, g);
                     }
                 }
             }
