@@ -55,10 +55,12 @@ pub fn replay(backend: &dyn Backend, path: &Path) -> (f64, f64, f64) {
         .get("commit")
         .map_or(Ok(Commit::All), |s| s.parse())
         .expect("commit metadata");
-    let out = input.run(backend, commit, false).expect("fixture runs");
+    let out = input
+        .run(backend, commit, false, None)
+        .expect("fixture runs");
     let st = SafeTensors::deserialize(&bytes).expect("fixture deserializes");
     (
-        gdn::relative_error(out.y(), &f64_tensor(&st, "expect_y")),
+        gdn::relative_error(&out.y(), &f64_tensor(&st, "expect_y")),
         gdn::relative_error(&out.state, &f64_tensor(&st, "expect_state")),
         gdn::relative_error(&out.hist, &f64_tensor(&st, "expect_hist")),
     )
