@@ -378,6 +378,9 @@ impl CpuPool {
                 conv_tasks.push((*s, blk, out_blk, hist_blk));
             }
         }
+        // longest windows first, so that a long window's tasks do not start last and run on alone (the order of
+        // independent tasks changes no bits)
+        conv_tasks.sort_by_key(|task| std::cmp::Reverse(task.0.len));
         let conv_w_lanes = &self.conv_w_lanes;
         let qkv = inp.qkv;
         conv_tasks.into_par_iter().for_each(
@@ -431,6 +434,7 @@ impl CpuPool {
                 });
             }
         }
+        head_tasks.sort_by_key(|task| std::cmp::Reverse(task.seq.len));
         let conv = &*conv_buf;
         let head_stage = |task: HeadTask<'_, E>, scratch: &mut [f32]| {
             let (s, h) = (task.seq, task.h);
