@@ -190,6 +190,18 @@ impl Backend for Cpu {
         slots: usize,
         options: PoolOptions,
     ) -> Result<Box<dyn LayerPool>> {
+        Ok(Box::new(self.create_cpu_pool(layer, slots, options)?))
+    }
+}
+
+impl Cpu {
+    /// A pool with the concrete type.
+    pub fn create_cpu_pool(
+        &self,
+        layer: &Layer,
+        slots: usize,
+        options: PoolOptions,
+    ) -> Result<CpuPool> {
         layer.validate()?;
         options.validate()?;
         let sh = layer.shape();
@@ -204,7 +216,7 @@ impl Backend for Cpu {
         };
         // a bf16 state packs two elements in each f32 of its buffer (state_len is even: d is a multiple of 16)
         let state_floats = sh.state_len() * options.state.size() / 4;
-        Ok(Box::new(CpuPool {
+        Ok(CpuPool {
             layer: layer.clone(),
             options,
             slots,
@@ -216,7 +228,7 @@ impl Backend for Cpu {
             threads: self.threads.clone(),
             pending: zeros(sh.h_v * kernels::pending_len(sh.d))?,
             owes: vec![false; slots],
-        }))
+        })
     }
 }
 
@@ -237,7 +249,9 @@ impl Work {
     const KEEP: usize = 4 << 20;
 
     fn floats(&self) -> usize {
-        self.conv.len() + self.heads_y.len() + self.widened.iter().map(|w| w.len()).sum::<usize>()
+        self.conv.capacity()
+            + self.heads_y.capacity()
+            + self.widened.iter().map(|w| w.capacity()).sum::<usize>()
     }
 
     fn trim(&mut self) {
@@ -298,10 +312,19 @@ struct Inputs<'a> {
 }
 
 impl CpuPool {
-    /// Floats of work buffers the pool holds now (besides its states and per-thread scratch).
+    /// Floats of work buffers the pool holds now between steps (besides its states), per-thread scratch included:
+    /// at most [`CpuPool::WORK_KEEP`] per buffer after any step.
     pub fn work_floats(&self) -> usize {
-        self.work.floats()
+        let scratch: usize = self
+            .scratch
+            .iter()
+            .map(|m| m.lock().map_or(0, |b| b.capacity()))
+            .sum();
+        self.work.floats() + scratch
     }
+
+    /// The most floats a work buffer keeps after a step.
+    pub const WORK_KEEP: usize = Work::KEEP;
 
     fn run_step<E: kernels::StateElem>(
         &mut self,
@@ -378,6 +401,9 @@ impl CpuPool {
                 conv_tasks.push((*s, blk, out_blk, hist_blk));
             }
         }
+        // longest windows first, so that a long window's tasks do not start last and run on alone (the order of
+        // independent tasks changes no bits)
+        conv_tasks.sort_by_key(|task| std::cmp::Reverse(task.0.len));
         let conv_w_lanes = &self.conv_w_lanes;
         let qkv = inp.qkv;
         conv_tasks.into_par_iter().for_each(
@@ -431,6 +457,7 @@ impl CpuPool {
                 });
             }
         }
+        head_tasks.sort_by_key(|task| std::cmp::Reverse(task.seq.len));
         let conv = &*conv_buf;
         let head_stage = |task: HeadTask<'_, E>, scratch: &mut [f32]| {
             let (s, h) = (task.seq, task.h);
