@@ -2,11 +2,14 @@
 //! all, through `LayerPool::time_step` (what `gdn bench --backend wgpu` uses), and the copy ceiling.
 //!
 //! `cargo run --release -p gdn-wgpu --example timing [-- --row-blocks 4,8] [--checks on,off]
-//! [--no-subgroups | --both] [--batches 1,256]`
+//! [--no-subgroups | --both] [--batches 1,256] [--state f32|bf16] [--layout key-major|value-major]
+//! [--io f32|bf16|f16]` (`--io`: every activation and the output in that dtype; the byte counts follow the state's
+//! dtype).
 //! `GDN_WGPU_ADAPTER=nvidia` picks an adapter by name (read here and passed in: the library reads no environment).
 
+use gdn::step::{RowsData, Step};
 use gdn::synth::Synth;
-use gdn::{Backend, Commit, Config, Shape, StepArgs};
+use gdn::{Backend, Commit, Config, DType, PoolOptions, Shape, StateLayout, StepArgs};
 use gdn_wgpu::{Options, Subgroups, Wgpu};
 
 fn main() {
@@ -22,6 +25,8 @@ fn run() -> gdn::Result<()> {
     let mut subgroups = Subgroups::Auto;
     let mut batches = vec![1usize, 256];
     let mut checks = vec![Options::default().runtime_checks];
+    let mut pool_options = PoolOptions::default();
+    let mut io = DType::F32;
     let mut i = 1;
     while i < args.len() {
         match args[i].as_str() {
@@ -48,6 +53,16 @@ fn run() -> gdn::Result<()> {
                     .unwrap_or_default();
             }
             "--both" => subgroups = Subgroups::Require,
+            "--state" | "--layout" | "--io" => {
+                let flag = args[i].clone();
+                i += 1;
+                let v = args.get(i).map_or("", |s| s.as_str());
+                match flag.as_str() {
+                    "--state" => pool_options.state = v.parse()?,
+                    "--layout" => pool_options.layout = v.parse::<StateLayout>()?,
+                    _ => io = v.parse()?,
+                }
+            }
             other => {
                 return Err(gdn::Error::Param {
                     name: "argument",
@@ -82,9 +97,12 @@ fn run() -> gdn::Result<()> {
                 ..Options::default()
             })?;
             println!(
-                "{} (row blocks {ib}, runtime checks {})",
+                "{} (row blocks {ib}, runtime checks {}; {} {} state, {} activations)",
                 backend.name(),
-                if checked { "on" } else { "off" }
+                if checked { "on" } else { "off" },
+                pool_options.state.name(),
+                pool_options.layout.name(),
+                io.name()
             );
             // the cost of one tiny dispatch (a 32-byte shader copy) back to back: the floor under B 1
             let (_, tiny) = backend.copy_rates(64)?;
@@ -93,15 +111,16 @@ fn run() -> gdn::Result<()> {
                 64.0 / tiny * 1e6
             );
             for &b in &batches {
-                let bytes = 2.0 * (b * shape.state_len() * 4) as f64;
-                let (by_buffer, by_shader) = backend.copy_rates(b * shape.state_len() * 4)?;
+                let state_bytes = b * shape.state_len() * pool_options.state.size();
+                let bytes = 2.0 * state_bytes as f64;
+                let (by_buffer, by_shader) = backend.copy_rates(state_bytes)?;
                 let ceiling = by_buffer.max(by_shader);
                 println!(
                     "  B {b:3}: copy with the state's footprint: buffer-to-buffer {:.0} GB/s, shader {:.0} GB/s (read + write)",
                     by_buffer / 1e9,
                     by_shader / 1e9
                 );
-                let mut pool = backend.create_pool(&layer, b)?;
+                let mut pool = backend.create_pool_with(&layer, b, pool_options)?;
                 for s in 0..b {
                     pool.write_slot(s, &st, &h)?;
                 }
@@ -115,7 +134,19 @@ fn run() -> gdn::Result<()> {
                         plane_stride: None,
                     };
                     let iters = if b == 1 { 200 } else { 20 };
-                    let timing = pool.time_step(&args, iters)?;
+                    let seqs = args.seqs()?;
+                    let rows = RowsData::from_f32(
+                        &batch.qkv,
+                        &batch.alpha,
+                        &batch.beta,
+                        &batch.z,
+                        [io; 4],
+                    );
+                    let step = Step {
+                        rows: rows.view(),
+                        ..args.varlen(&seqs)
+                    };
+                    let timing = pool.time_varlen(&step, io, iters)?;
                     let us = timing.per_call.as_secs_f64() * 1e6;
                     println!(
                         "  B {b:3} T {t}: {us:9.1} us per call ({:.0} GB/s of state read + written, {:.0}% of the ceiling; host {:.1} us per call) [{}]",
