@@ -28,4 +28,9 @@ echo "== timing"
 [ -n "${SKIP_TIMING:-}" ] || {
   timeout 200 $D/timing --row-blocks 4,8 --checks off --both 2>&1 | tee $OUT/timing.log
   timeout 100 $D/timing --row-blocks 4 --checks on 2>&1 | tee -a $OUT/timing.log
+  # the pool options and 16-bit activations of the varlen kernel
+  timeout 100 $D/timing --state bf16 2>&1 | tee -a $OUT/timing.log
+  timeout 100 $D/timing --state bf16 --io bf16 2>&1 | tee -a $OUT/timing.log
+  timeout 100 $D/timing --layout value-major 2>&1 | tee -a $OUT/timing.log
+  timeout 100 $D/timing --state bf16 --layout value-major --io bf16 2>&1 | tee -a $OUT/timing.log
 }

@@ -1,5 +1,5 @@
 //! Times the wgpu step at the seed's shape (d 128, h_k 16, h_v 48) for B in {1, 256} x T in {1, 8}, commit
-//! all, through `LayerPool::time_step` (what `gdn bench --backend wgpu` uses), and the copy ceiling.
+//! all, through `LayerPool::time_varlen` (what `gdn bench --backend wgpu` uses), and the copy ceiling.
 //!
 //! `cargo run --release -p gdn-wgpu --example timing [-- --row-blocks 4,8] [--checks on,off]
 //! [--no-subgroups | --both] [--batches 1,256] [--state f32|bf16] [--layout key-major|value-major]

@@ -1,10 +1,14 @@
-//! gdn-wgpu: the GDN window step (SPEC.md) on wgpu, for Vulkan, Metal and DX12 adapters (and WebGPU's
+//! gdn-wgpu: the GDN window step (docs/SPEC.md) on wgpu, for Vulkan, Metal and DX12 adapters (and WebGPU's
 //! limits where a browser runs it).
 //!
-//! One WGSL kernel (`gdn_step.wgsl`), specialised per head dim when its pipeline is built (the loops over
-//! state rows written out, so the state stays in registers): one workgroup per (sequence, value head), the head's state in registers for the whole window, the conv,
-//! norms, delta rule, readout, gated RMS norm, planes and group sums fused. Two reduction paths: subgroup
-//! operations where the adapter has them (any subgroup size), workgroup memory where it has none.
+//! One WGSL kernel template (`gdn_step.wgsl`), specialised when its pipeline is built per head dim (the loops over
+//! state rows written out, so the state stays in registers), per pool (f32 or bf16 state, key- or value-major
+//! layout) and per step dtypes (qkv, alpha, beta, z and the output each f32, bf16 or f16). A varlen step is one
+//! dispatch: one workgroup per (sequence, value head), each reading its sequence's slot, rows, length and commit
+//! point from a job list, the head's state in registers for the whole window, the conv, norms, delta rule,
+//! readout, gated RMS norm, planes and group sums fused. Two reduction paths: subgroup operations where the
+//! adapter has them (any subgroup size), workgroup memory where it has none. The library reads no environment
+//! variables: everything is in [`Options`].
 //!
 //! ```no_run
 //! use gdn::Backend;

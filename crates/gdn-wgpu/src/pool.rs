@@ -371,6 +371,9 @@ impl WgpuPool {
                 ]);
             }
         }
+        // longest windows first: the GPU starts workgroups roughly in order, so a long window (a prefill chunk in
+        // a decode batch) starts at once instead of after every short one; each job's bits do not depend on it
+        self.job_list.sort_by_key(|j| std::cmp::Reverse(j[2]));
         let live = self.job_list.len() as u32;
         if live > gpu.limits.max_compute_workgroups_per_dimension {
             return Err(Error::Backend(format!(
