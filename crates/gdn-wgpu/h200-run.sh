@@ -2,6 +2,7 @@
 # The device run of gdn-wgpu (what produced measurements/h200-run2-*.log). Prepare it here, then run it there:
 #   cargo test --release --no-run -p gdn-wgpu; cargo build --release --example timing -p gdn-wgpu
 #   mkdir -p /work/main/.devbin/wgpu; cp target/release/deps/conformance-<newest> /work/main/.devbin/wgpu/conformance
+#   (and target/release/deps/varlen-<newest> as .devbin/wgpu/varlen: the crate's own varlen tests, run if present)
 #   cp target/release/examples/timing /work/main/.devbin/wgpu/; strip /work/main/.devbin/wgpu/{conformance,timing}
 #   cp crates/gdn-wgpu/h200-run.sh /work/main/.devbin/wgpu/run.sh   (and the Vulkan loaders in /work/main/.gl)
 #   device run, carry [".devbin/wgpu", ".gl"]:
@@ -24,6 +25,12 @@ for checks in 0 1; do
   echo "rc $?"
   grep -E "test result|worst|SKIPPED|panicked|FAILED" $OUT/tests$checks.log | sort | uniq | head -30
 done
+if [ -x $D/varlen ]; then
+  echo "== varlen tests"
+  timeout 100 $D/varlen --test-threads 8 >$OUT/varlen.log 2>&1
+  echo "rc $?"
+  grep -E "test result|SKIPPED|panicked|FAILED" $OUT/varlen.log | head -10
+fi
 echo "== timing"
 [ -n "${SKIP_TIMING:-}" ] || {
   timeout 200 $D/timing --row-blocks 4,8 --checks off --both 2>&1 | tee $OUT/timing.log

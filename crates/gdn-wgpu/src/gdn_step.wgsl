@@ -10,7 +10,7 @@
 //                                        (or a real loop when COUNT is large); each copy gets its own braces
 //
 // Thread layout: thread `tid = ib * D + j` owns column j of the head's state and the RPT rows
-// `ib * RPT .. + RPT`. The first 3 D threads (or all of them, several channels each when the workgroup is
+// `ib * RPT .. + RPT` (value-major pools: `tid = j * IB + ib`, rows interleaved by four, see below). The first 3 D threads (or all of them, several channels each when the workgroup is
 // smaller) run the conv of one channel: q and k of the value head's q/k head, then its own v. The gates and
 // write strengths are computed W tokens at a time, one token a thread from the last thread down.
 //
@@ -279,9 +279,18 @@ fn gdn_step(
     if (prm.grouped != 0u) {
         g = h / (h_v / h_k);
     }
+//#if VMAJOR
+    // value-major: a column's row blocks are adjacent threads and a thread's row groups are interleaved (group
+    // q holds rows 4 (q IB + ib) ..), so adjacent threads read adjacent keys of one column
+    let ib = tid % IB;
+    let j = tid / IB;
+    let r0 = ib;
+//#else
     let ib = tid / D;
     let j = tid % D;
     let i0 = ib * RPT;
+    let r0 = i0 / 4u;
+//#endif
 
     // conv channels of this thread: local index cl = tid + m W < 3 D
     var cw: array<vec4<f32>, CPT>;
@@ -330,14 +339,14 @@ fn gdn_step(
     var st: array<vec4<f32>, RPT4>;
 //#if VMAJOR
     // S[i][h][j] at (h D + j) D + i: this thread's rows are contiguous, four keys a vector
-    let v_base = slot * (h_v * D * D / 4u) + (h * D + j) * (D / 4u) + i0 / 4u;
+    let v_base = slot * (h_v * D * D / 4u) + (h * D + j) * (D / 4u) + r0;
     //#for q RPT4
     {
 //#if SBF16
-        let w = state[v_base + $q];
+        let w = state[v_base + $q * RS];
         st[$q] = vec4<f32>(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y));
 //#else
-        st[$q] = state[v_base + $q];
+        st[$q] = state[v_base + $q * RS];
 //#endif
     }
     //#endfor
@@ -457,10 +466,10 @@ fn gdn_step(
         var kv4 = vec4<f32>(0.0);
         //#for q RPT4
         {
-            kv4 = fma(st[$q], kh[i0 / 4u + $q], kv4);
+            kv4 = fma(st[$q], kh[r0 + $q * RS], kv4);
         }
         //#endfor
-        red[tid] = (kv4.x + kv4.y) + (kv4.z + kv4.w);
+        red[ib * D + j] = (kv4.x + kv4.y) + (kv4.z + kv4.w);
         if (t > 0u) {
             emit_late(tid, h, row0 + t - 1u);
         }
@@ -480,11 +489,11 @@ fn gdn_step(
         var o4 = vec4<f32>(0.0);
         //#for q RPT4
         {
-            st[$q] = fma(gate4, st[$q], kh[i0 / 4u + $q] * delta);
-            o4 = fma(st[$q], qh[i0 / 4u + $q], o4);
+            st[$q] = fma(gate4, st[$q], kh[r0 + $q * RS] * delta);
+            o4 = fma(st[$q], qh[r0 + $q * RS], o4);
         }
         //#endfor
-        red2[tid] = (o4.x + o4.y) + (o4.z + o4.w);
+        red2[ib * D + j] = (o4.x + o4.y) + (o4.z + o4.w);
         if (commit) {
             // the state after token commit_at - 1, rounded once to bf16 where the pool keeps bf16
 //#if VMAJOR
@@ -492,10 +501,10 @@ fn gdn_step(
             {
                 let v = st[$q];
 //#if SBF16
-                state[v_base + $q] = vec2<u32>(bf16_bits(v.x) | (bf16_bits(v.y) << 16u),
+                state[v_base + $q * RS] = vec2<u32>(bf16_bits(v.x) | (bf16_bits(v.y) << 16u),
                                                bf16_bits(v.z) | (bf16_bits(v.w) << 16u));
 //#else
-                state[v_base + $q] = v;
+                state[v_base + $q * RS] = v;
 //#endif
             }
             //#endfor

@@ -129,7 +129,14 @@ impl KernelKey {
         let rpt = self.rows_per_thread();
         let cpt = (3 * d).div_ceil(w);
         let scale = 1.0f32 / (d as f32).sqrt();
-        let consts: [(&str, usize); 7] = [
+        // the stride, in vec4 row groups, between a thread's row groups: value-major threads interleave theirs
+        let rs = if self.layout == StateLayout::ValueMajor {
+            ib
+        } else {
+            1
+        };
+        let consts: [(&str, usize); 8] = [
+            ("RS", rs),
             ("D", d),
             ("IB", ib),
             ("RPT", rpt),

@@ -417,3 +417,74 @@ fn sizes_beyond_32_bit_indices_are_errors() {
         .expect("f16 state refused");
     assert!(matches!(err, Error::Unsupported(_)), "{err}");
 }
+
+/// The seed's shape (d 128: the unrolled pipelines an H200 runs) in every pool option, f32 and bf16 activations,
+/// against the oracle.
+#[test]
+fn seed_shape_in_every_pool_option() {
+    let seqs = [
+        Seq {
+            slot: 1,
+            start: 0,
+            len: 3,
+            commit: Commit::First(2),
+        },
+        Seq {
+            slot: 0,
+            start: 3,
+            len: 1,
+            commit: Commit::All,
+        },
+    ];
+    for b in backends() {
+        for (k, options) in all_options().into_iter().enumerate() {
+            let (dtypes, out_dt) = if k % 2 == 0 {
+                ([DType::F32; 4], DType::F32)
+            } else {
+                ([DType::Bf16; 4], DType::Bf16)
+            };
+            let mut rng = Synth::new(40 + k as u64);
+            let layer = rng.layer(Config::new(Shape::SEED)).unwrap();
+            let sh = *layer.shape();
+            let init: Vec<_> = (0..2).map(|_| rng.seq_state(&layer)).collect();
+            let bd = rng.batch(&layer, 1, 4);
+            let s = Setup {
+                layer,
+                init,
+                rows: RowsData::from_f32(&bd.qkv, &bd.alpha, &bd.beta, &bd.z, dtypes),
+            };
+            let step = Step {
+                rows: s.rows.view(),
+                seqs: &seqs,
+                plane_stride: None,
+            };
+            let layout = OutputLayout::for_rows(&sh, 4, None).unwrap();
+            let what = format!("{} {options:?} {dtypes:?}", b.name());
+            let mut p = pool(&b, &s, options);
+            let before = read_all(p.as_mut());
+            let mut out = TensorData::filled(layout.len(), FILL, out_dt);
+            p.step_varlen(&step, out.view_mut()).expect(&what);
+            let after = read_all(p.as_mut());
+            let mut states: Vec<SeqState> = before
+                .iter()
+                .map(|(st, h)| {
+                    SeqState::from_f32(&options.layout.convert(StateLayout::KeyMajor, &sh, st), h)
+                })
+                .collect();
+            let want =
+                oracle::step_varlen(&s.layer, &mut states, &step, options.state, out_dt).unwrap();
+            let e = gdn::relative_error(&out.to_f32(), &want);
+            assert!(e < out_bound(out_dt), "{what}: output error {e:.2e}");
+            let s_bound = if options.state == DType::Bf16 {
+                1e-2
+            } else {
+                1e-5
+            };
+            for ((st, _), o) in after.iter().zip(&states) {
+                let km = options.layout.convert(StateLayout::KeyMajor, &sh, st);
+                let es = gdn::relative_error(&km, &o.s);
+                assert!(es < s_bound, "{what}: state error {es:.2e}");
+            }
+        }
+    }
+}
