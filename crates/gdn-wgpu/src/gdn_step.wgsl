@@ -208,6 +208,16 @@ fn f16_bits(x: f32) -> u32 {
     return s | (q + up);
 }
 
+// where row block ib's partial for column j sits in `red` and `red2`: the writing thread's own index, so that
+// neither the writes nor the reads (the same address for a column's row blocks) conflict on banks
+fn red_at(ib: u32, j: u32) -> u32 {
+//#if VMAJOR
+    return j * IB + ib;
+//#else
+    return ib * D + j;
+//#endif
+}
+
 fn val(x: u32) -> f32 {
     return vals[x / 4u][x % 4u];
 }
@@ -469,7 +479,7 @@ fn gdn_step(
             kv4 = fma(st[$q], kh[r0 + $q * RS], kv4);
         }
         //#endfor
-        red[ib * D + j] = (kv4.x + kv4.y) + (kv4.z + kv4.w);
+        red[red_at(ib, j)] = (kv4.x + kv4.y) + (kv4.z + kv4.w);
         if (t > 0u) {
             emit_late(tid, h, row0 + t - 1u);
         }
@@ -479,7 +489,7 @@ fn gdn_step(
         var kvs = 0.0;
         //#for k IB
         {
-            kvs += red[$k * D + j];
+            kvs += red[red_at($k, j)];
         }
         //#endfor
         let gbeta = gates[t % W];
@@ -493,7 +503,7 @@ fn gdn_step(
             o4 = fma(st[$q], qh[r0 + $q * RS], o4);
         }
         //#endfor
-        red2[ib * D + j] = (o4.x + o4.y) + (o4.z + o4.w);
+        red2[red_at(ib, j)] = (o4.x + o4.y) + (o4.z + o4.w);
         if (commit) {
             // the state after token commit_at - 1, rounded once to bf16 where the pool keeps bf16
 //#if VMAJOR
@@ -553,7 +563,7 @@ fn gdn_step(
             var os = 0.0;
             //#for k IB
             {
-                os += red2[$k * D + j];
+                os += red2[red_at($k, j)];
             }
             //#endfor
             set_val(3u * D + j, os * SCALE);

@@ -688,7 +688,7 @@ mod tests {
         };
         let gpu = &backend.gpu;
         let t = kernel::TEMPLATE;
-        let helpers = &t[t.find("fn bf16_lo").unwrap()..t.find("fn val(").unwrap()];
+        let helpers = &t[t.find("fn bf16_lo").unwrap()..t.find("// where row block ib").unwrap()];
         let src = format!(
             "{helpers}
 @group(0) @binding(0) var<storage, read> xin: array<f32>;
