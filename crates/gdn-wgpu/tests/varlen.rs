@@ -488,3 +488,75 @@ fn seed_shape_in_every_pool_option() {
         }
     }
 }
+
+/// Odd sizes where 16-bit tensors do not fill whole words: d 48 (three group sums a head, padded to four on
+/// the device), h_v 3 and an odd row count (alpha and beta end in half a word), an odd plane stride; 16-bit
+/// outputs equal the f32 ones rounded to nearest even, and match the oracle.
+#[test]
+fn odd_sizes_with_16_bit_tensors() {
+    for b in backends() {
+        let mut rng = Synth::new(77);
+        let layer = rng
+            .layer(Config::new(Shape::new(48, 1, 3).unwrap()))
+            .unwrap();
+        let sh = *layer.shape();
+        let rows = 7;
+        let init: Vec<_> = (0..2).map(|_| rng.seq_state(&layer)).collect();
+        let bd = rng.batch(&layer, 1, rows);
+        let seqs = [
+            Seq {
+                slot: 1,
+                start: 0,
+                len: 3,
+                commit: Commit::Verify,
+            },
+            Seq {
+                slot: 0,
+                start: 3,
+                len: 4,
+                commit: Commit::Verify,
+            },
+        ];
+        let stride = Some(rows * sh.n() + 5);
+        let layout = OutputLayout::for_rows(&sh, rows, stride).unwrap();
+        for dtypes in [[DType::Bf16; 4], [DType::F16; 4]] {
+            let s = Setup {
+                layer: layer.clone(),
+                init: init.clone(),
+                rows: RowsData::from_f32(&bd.qkv, &bd.alpha, &bd.beta, &bd.z, dtypes),
+            };
+            let step = Step {
+                rows: s.rows.view(),
+                seqs: &seqs,
+                plane_stride: stride,
+            };
+            let mut p = pool(&b, &s, PoolOptions::default());
+            let mut o32 = TensorData::filled(layout.len(), FILL, DType::F32);
+            p.step_varlen(&step, o32.view_mut()).unwrap();
+            let o32 = o32.to_f32();
+            for out_dt in [DType::Bf16, DType::F16] {
+                let what = format!("{} {dtypes:?} -> {out_dt:?}", b.name());
+                let mut o16 = TensorData::filled(layout.len(), FILL, out_dt);
+                p.step_varlen(&step, o16.view_mut()).unwrap();
+                let want = TensorData::from_f32(&o32, out_dt).to_f32();
+                let got = o16.to_f32();
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{what}: not the f32 outputs rounded"
+                );
+                let mut states: Vec<SeqState> = init
+                    .iter()
+                    .map(|(st, h)| SeqState::from_f32(st, h))
+                    .collect();
+                let oracle_out =
+                    oracle::step_varlen(&layer, &mut states, &step, DType::F32, out_dt).unwrap();
+                let idx = written(&layout, &seqs);
+                let g: Vec<f32> = idx.iter().map(|&i| got[i]).collect();
+                let w: Vec<f64> = idx.iter().map(|&i| oracle_out[i]).collect();
+                let e = gdn::relative_error(&g, &w);
+                assert!(e < out_bound(out_dt), "{what}: output error {e:.2e}");
+            }
+        }
+    }
+}
