@@ -430,7 +430,7 @@ impl CpuPool {
         // rows of 16 values per head and per slot
         let head_len = d * d / LANES;
         let pend_len = kernels::pending_len(d);
-        let mut state_of_slot: Vec<Option<(&mut [E::Row], &mut [f32])>> = state
+        let mut state_of_slot: Vec<Option<_>> = state
             .chunks_mut(sh.state_len() / LANES)
             .zip(self.pending.chunks_mut(h_v * pend_len))
             .map(Some)
