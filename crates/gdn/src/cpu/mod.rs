@@ -542,11 +542,18 @@ impl CpuPool {
 /// An element of an output buffer: f32, bf16 or f16, rounded once from the f32 result.
 trait OutElem: Copy + Send + Sync {
     fn from_f32(x: f32) -> Self;
+    /// The buffer itself where it is f32 (y is then written in place, with no copy).
+    fn as_f32(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
 }
 impl OutElem for f32 {
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
         x
+    }
+    fn as_f32(x: &mut [f32]) -> Option<&mut [f32]> {
+        Some(x)
     }
 }
 impl OutElem for half::bf16 {
@@ -571,23 +578,23 @@ fn write_rows<T: OutElem>(
     fill_row: &(dyn Fn(usize, &mut [f32]) + Sync),
 ) {
     let n = layout.n;
-    let round = |dst: &mut [T], src: &[f32]| {
-        for (d, &s) in dst.iter_mut().zip(src) {
-            *d = T::from_f32(s);
-        }
-    };
     match layout.plane_stride {
         None => out[..layout.rows * n]
             .par_chunks_mut(n)
             .enumerate()
             .filter(|(r, _)| is_live(*r))
-            .for_each_init(
-                || vec![0.0f32; n],
-                |y, (r, dst)| {
-                    fill_row(r, y);
-                    round(dst, y);
-                },
-            ),
+            .for_each_init(Vec::new, |tmp: &mut Vec<f32>, (r, dst)| {
+                match T::as_f32(dst) {
+                    Some(d) => fill_row(r, d),
+                    None => {
+                        tmp.resize(n, 0.0);
+                        fill_row(r, tmp);
+                        for (d, &s) in dst.iter_mut().zip(tmp.iter()) {
+                            *d = T::from_f32(s);
+                        }
+                    }
+                }
+            }),
         Some(ps) => {
             let (y_all, rest) = out.split_at_mut(ps);
             let (p1, rest) = rest.split_at_mut(ps);
@@ -604,8 +611,11 @@ fn write_rows<T: OutElem>(
                 .for_each_init(
                     || vec![0.0f32; n],
                     |y, (r, ((((dy, d1), d2), d3), gs))| {
+                        // the planes read y in f32: the row goes through `y` whatever the output type
                         fill_row(r, y);
-                        round(dy, y);
+                        for (d, &s) in dy.iter_mut().zip(y.iter()) {
+                            *d = T::from_f32(s);
+                        }
                         for m in 0..n {
                             d1[m] = T::from_f32(y[m] * crate::plane_scale(1, m));
                             d2[m] = T::from_f32(y[m] * crate::plane_scale(2, m));
