@@ -265,8 +265,8 @@ fn update_rows<E: StateElem, const FROM_POOL: bool, const MORE: bool, const COMM
     let (mut kv, mut sq) = ([[0.0f32; LANES]; 2], [[0.0f32; LANES]; 2]);
     for i in (0..d).step_by(2) {
         // opaque to the optimizer, so that each row stays one vector of 16 lanes: left to itself, LLVM's loop
-        // vectorizer took 16 rows at a time in the AVX-512 clone, with a gather and a scatter per lane (CPU-NOTES
-        // 32); the AVX2 clone never did
+        // vectorizer took 16 rows at a time in the AVX-512 clone, with a gather and a scatter per lane
+        // (CPU-NOTES.md); the AVX2 clone never did
         let i = std::hint::black_box(i);
         for r in 0..2 {
             let src = if FROM_POOL {
@@ -308,7 +308,7 @@ fn block_lanes(x: &[f32], c0: usize) -> Lanes {
 /// block in memory (past a head's last block: the next head's first, which this thread likely runs next) is
 /// fetched row by row, so memory streams while this block computes. Always: in an engine a layer's state is not
 /// in cache at its next call (the other layers' states pass through in between), and where it is, in a
-/// benchmark stepping one layer over and over, its cost was within this VM's noise (CPU-NOTES.md, 29).
+/// benchmark stepping one layer over and over, its cost was within this VM's noise (CPU-NOTES.md).
 #[inline(always)]
 fn first_read<E: StateElem, const APPLY: bool, const TO_POOL: bool, const TO_WORK: bool>(
     inp: &HeadInputs<'_>,
