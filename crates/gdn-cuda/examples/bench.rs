@@ -168,28 +168,26 @@ fn main() -> gdn::Result<()> {
         }
     }
     if arg("sweep") {
-        // the register budget (blocks a multiprocessor) of the bf16 state at T 1, where the packed registers
-        // leave room for more
+        // splits and register budgets of the bf16 state (the packed registers at T 1 leave room for more blocks)
         for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
-            for minb in [2usize, 3] {
+            // (a staged bf16 state at T 1 compiles for the plan's minb + 2 blocks a multiprocessor)
+            for (ncb, rg, minb) in [(1, 2, 1), (1, 2, 2), (1, 2, 3), (1, 2, 4)] {
                 let c = Case {
                     state: DType::Bf16,
                     layout,
                     ..base
                 };
-                let p = Plan {
-                    ncb: 1,
-                    rg: 2,
-                    minb,
-                };
-                push(
-                    format!("bf16 {} minb {minb}", layout.name()),
-                    c,
-                    256,
-                    1,
-                    &[1; 256],
-                    Some(p),
-                );
+                let p = Plan { ncb, rg, minb };
+                for (b, t) in [(256usize, 1usize), (1, 1)] {
+                    push(
+                        format!("bf16 {} plan {ncb}/{rg}/{minb}", layout.name()),
+                        c,
+                        b,
+                        t,
+                        &vec![t; b],
+                        Some(p),
+                    );
+                }
             }
         }
     }

@@ -35,6 +35,24 @@ fn main() {
         }
     }
     eprintln!("{:.1} s", t0.elapsed().as_secs_f64());
+    for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+        for (rg, minb) in [(2, 3), (4, 2)] {
+            for t in [Some(1), None] {
+                let p = Plan { ncb: 1, rg, minb };
+                let s = Spec::new((9, 0), &cfg, t, true, false, p).with_pool(PoolOptions {
+                    state: DType::Bf16,
+                    layout,
+                });
+                if let Ok(c) = compiled(&s) {
+                    println!(
+                        "bf16 {} plan 1/{rg}/{minb} T {t:?}: {}",
+                        layout.name(),
+                        resource_line(&c.log)
+                    );
+                }
+            }
+        }
+    }
     for ncb in CLUSTER_SIZES {
         let Some(p) = Plan::for_ncb(128, ncb) else {
             continue;

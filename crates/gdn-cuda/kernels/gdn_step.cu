@@ -135,13 +135,27 @@ typedef Elt<GDN_Z_DT> EZ;
 typedef Elt<GDN_OUT_DT> EO;
 typedef Elt<GDN_STATE_DT> ES;
 
-// A bf16 state at T 1 stays packed in registers (two rows a register, the even row in the low half), widened
-// on use: the update's result is rounded right away (T 1 commits, if at all, after its only token), so the
-// f32 value is never needed again. Half the registers, more blocks resident. The arithmetic is the same as
-// with f32 registers (the widening is exact), so the bits are those of the run-time-length kernel.
-#define PACKED (GDN_STATE_DT == 1 && GDN_T == 1)
-// Value-major: a thread's rows of its column are contiguous, loaded and stored 16 bytes at a time.
-#define VEC_STATE (GDN_VMAJOR && (GDN_STATE_DT == 0 ? RPT % 4 == 0 : RPT % 8 == 0))
+// A bf16 state at T 1 with one block a head (STAGE) is not held in registers: the block copies its head's
+// state into shared memory with cp.async as soon as the slot is known, computes the conv and the norms while
+// the copies are in flight, and both sweeps read the state from there; the updated state is rounded and
+// stored straight from the update sweep. No registers hold data in flight, so more blocks fit on a
+// multiprocessor and each block's load overlaps its own prologue. The arithmetic (values, operations and
+// their order) is that of the register path, so the bits are those of the run-time-length kernel.
+#define STAGE (GDN_STATE_DT == 1 && GDN_T == 1 && GDN_NCB == 1 && D <= 128 && RPT % 8 == 0)
+#define SPITCH (2 * D + 16)  // bytes of one staged row (16-byte aligned; the skew spreads a warp's loads)
+// Which keys a thread holds. Key-major: row group g holds the keys g * RPT .. + RPT (a warp's load of one
+// register row reads CPW consecutive columns of RG rows). Value-major (a column's keys contiguous): the keys
+// are dealt in chunks of VCH (16 bytes) round the RG row groups, so the RG lanes of a column read RG adjacent
+// chunks with one 16-byte load each. Register row r of row group g holds key KEY(g, r); the q / k vectors in
+// shared memory follow the same map (kidx), so a thread's rows are contiguous there too.
+#if GDN_VMAJOR
+#define VCH (GDN_STATE_DT == 0 || RPT % 8 != 0 ? 4 : 8)
+#define KEY(g, r) (((r) / VCH) * (VCH * RG) + (g) * VCH + (r) % VCH)
+#define VEC_STATE (VCH * (GDN_STATE_DT == 0 ? 4 : 2) == 16)
+#else
+#define KEY(g, r) ((g) * RPT + (r))
+#define VEC_STATE 0
+#endif
 
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -182,7 +196,30 @@ __device__ __forceinline__ int hist_off(int e, int rank) {
 
 // index of row i of a normalized q or k vector in shared memory: the rows of one row group contiguous, the
 // groups KPAD apart, so the RG different 16-byte loads of a warp fall in different banks
+#if GDN_VMAJOR
+__device__ __forceinline__ int kidx(int i) { return ((i / VCH) % RG) * KPAD + (i / (VCH * RG)) * VCH + i % VCH; }
+#else
 __device__ __forceinline__ int kidx(int i) { return (i / RPT) * KPAD + (i % RPT); }
+#endif
+
+#if STAGE
+// register rows r .. r + 7 of row group rg of column j from the staged state, widened
+__device__ __forceinline__ void staged8(const unsigned char* sst, int rg, int j, int r, float f[8]) {
+#if GDN_VMAJOR
+    const uint4 w = *reinterpret_cast<const uint4*>(sst + j * SPITCH + KEY(rg, r) * 2);
+    const unsigned u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        f[2 * c] = __uint_as_float(u[c] << 16);
+        f[2 * c + 1] = __uint_as_float(u[c] & 0xffff0000u);
+    }
+#else
+#pragma unroll
+    for (int q = 0; q < 8; ++q)
+        f[q] = ES::ld(*reinterpret_cast<const unsigned short*>(sst + KEY(rg, r + q) * SPITCH + j * 2));
+#endif
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(NT, GDN_MINB)
 #if GDN_NCB > 1
@@ -212,6 +249,10 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #if GDN_PLANES
     __shared__ float ys[COLS];
 #endif
+#if STAGE
+    // row = key i (key-major) or value column j (value-major) of this head: D bf16 and a skew
+    __shared__ __align__(16) unsigned char sst[D * SPITCH];
+#endif
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -227,7 +268,6 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     const int rg = lane % RG;
     const int col = warp * CPW + lane / RG;
     const int j = rank * COLS + col;  // column of the head's state
-    const int i0 = rg * RPT;
     const float inv_sqrt_d = 1.0f / sqrtf((float)D);
 
     // This thread's conv channels (list entry e: q 0..D, k D..2D, v of this block's columns 2D..NE). Their
@@ -268,6 +308,26 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #endif
     if (slot < 0 || slot >= n_slots || T < 1 || start < 0 || start > n_rows - T) return;
 
+#if STAGE
+    {
+        const char* gbase = reinterpret_cast<const char*>(state + (size_t)slot * D * HV * D);
+        const unsigned sbase = (unsigned)__cvta_generic_to_shared(sst);
+        constexpr int PER_ROW = 2 * D / 16;
+#pragma unroll
+        for (int c = tid; c < D * PER_ROW; c += NT) {
+            const int row = c / PER_ROW, part = c % PER_ROW;
+#if GDN_VMAJOR
+            const char* src = gbase + (size_t)(h * D + row) * D * 2 + part * 16;
+#else
+            const char* src = gbase + ((size_t)row * HV + h) * D * 2 + part * 16;
+#endif
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sbase + row * SPITCH + part * 16), "l"(src)
+                         : "memory");
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+#endif
+
     // inputs of the first token
     const EQ::T* qkv_b = qkv + (size_t)start * C_ALL;
     float in[NCH];
@@ -294,37 +354,20 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     }
 
     // the state: RPT rows of column j, read once
+    // register row r sits at st_base + SOFF(r)
 #if GDN_VMAJOR
-    ES::T* st_base = state + (size_t)slot * D * HV * D + ((size_t)h * D + j) * D + i0;
-#define SSTRIDE 1
+    ES::T* st_base = state + (size_t)slot * D * HV * D + ((size_t)h * D + j) * D + KEY(rg, 0);
+#define SOFF(r) ((size_t)(KEY(0, r)))
 #else
-    ES::T* st_base = state + (size_t)slot * D * HV * D + ((size_t)i0 * HV + h) * D + j;
-#define SSTRIDE ((size_t)HV * D)
+    ES::T* st_base = state + (size_t)slot * D * HV * D + ((size_t)KEY(rg, 0) * HV + h) * D + j;
+#define SOFF(r) ((size_t)(r) * HV * D)
 #endif
-#if PACKED
-    unsigned sp[RPT / 2];
-#define ST_GET(r) (((r) & 1) ? __uint_as_float(sp[(r) >> 1] & 0xffff0000u) : __uint_as_float(sp[(r) >> 1] << 16))
-#if VEC_STATE
-#pragma unroll
-    for (int r = 0; r < RPT; r += 8) {
-        const uint4 w = *reinterpret_cast<const uint4*>(st_base + r);
-        sp[r / 2] = w.x;
-        sp[r / 2 + 1] = w.y;
-        sp[r / 2 + 2] = w.z;
-        sp[r / 2 + 3] = w.w;
-    }
-#else
-#pragma unroll
-    for (int r = 0; r < RPT; r += 2)
-        sp[r / 2] = (unsigned)st_base[(size_t)r * SSTRIDE] | ((unsigned)st_base[(size_t)(r + 1) * SSTRIDE] << 16);
-#endif
-#else
+#if !STAGE
     float st[RPT];
-#define ST_GET(r) st[r]
 #if VEC_STATE && GDN_STATE_DT == 0
 #pragma unroll
     for (int r = 0; r < RPT; r += 4) {
-        const float4 w = *reinterpret_cast<const float4*>(st_base + r);
+        const float4 w = *reinterpret_cast<const float4*>(st_base + SOFF(r));
         st[r] = w.x;
         st[r + 1] = w.y;
         st[r + 2] = w.z;
@@ -333,7 +376,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #elif VEC_STATE
 #pragma unroll
     for (int r = 0; r < RPT; r += 8) {
-        const uint4 w = *reinterpret_cast<const uint4*>(st_base + r);
+        const uint4 w = *reinterpret_cast<const uint4*>(st_base + SOFF(r));
         const unsigned u[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
@@ -343,9 +386,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     }
 #else
 #pragma unroll
-    for (int r = 0; r < RPT; ++r) st[r] = ES::ld(st_base[(size_t)r * SSTRIDE]);
+    for (int r = 0; r < RPT; ++r) st[r] = ES::ld(st_base[SOFF(r)]);
 #endif
-#endif
+#endif  // !STAGE
 
     for (int t = 0; t < T; ++t) {
         const size_t row = row0 + t;
@@ -403,19 +446,38 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                 else kn[kidx(e - D)] = x;
             }
         }
+#if STAGE
+        asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's copies; the barrier makes all visible
+#endif
         __syncthreads();
 
         // 3. kv_j, the delta rule and the readout: column sums over the RG lanes of the column
         // two partial sums (rows 4q.. and 4q+2..) halve the dependent chain; combined in a fixed order
         float kv0 = 0.0f, kv1 = 0.0f;
+#if STAGE
+#pragma unroll
+        for (int r = 0; r < RPT; r += 8) {
+            float f[8];
+            staged8(sst, rg, j, r, f);
+#pragma unroll
+            for (int q = 0; q < 8; q += 4) {
+                const float4 k4 = *reinterpret_cast<const float4*>(&kn[rg * KPAD + r + q]);
+                kv0 = fmaf(f[q + 0], k4.x, kv0);
+                kv0 = fmaf(f[q + 1], k4.y, kv0);
+                kv1 = fmaf(f[q + 2], k4.z, kv1);
+                kv1 = fmaf(f[q + 3], k4.w, kv1);
+            }
+        }
+#else
 #pragma unroll
         for (int r = 0; r < RPT; r += 4) {
             const float4 k4 = *reinterpret_cast<const float4*>(&kn[rg * KPAD + r]);
-            kv0 = fmaf(ST_GET(r + 0), k4.x, kv0);
-            kv0 = fmaf(ST_GET(r + 1), k4.y, kv0);
-            kv1 = fmaf(ST_GET(r + 2), k4.z, kv1);
-            kv1 = fmaf(ST_GET(r + 3), k4.w, kv1);
+            kv0 = fmaf(st[r + 0], k4.x, kv0);
+            kv0 = fmaf(st[r + 1], k4.y, kv0);
+            kv1 = fmaf(st[r + 2], k4.z, kv1);
+            kv1 = fmaf(st[r + 3], k4.w, kv1);
         }
+#endif
         float kv = kv0 + kv1;
         kv = row_sum(kv);
         // read k again below rather than keep RPT values of it live across the butterfly (registers)
@@ -423,47 +485,68 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         const float gt = gb[0], bt = gb[1];
         const float delta = (vs[col] - gt * kv) * bt;
         float o0 = 0.0f, o1 = 0.0f;
+#if STAGE
+        // the same operations in the same order as the register path below; the committed value is rounded
+        // and stored right here (T 1: the commit, if any, is after this token)
+#if GDN_COMMIT
+        const bool commit_now = commit_at == 1;
+#endif
+#pragma unroll
+        for (int r = 0; r < RPT; r += 8) {
+            float f[8], n[8];
+            staged8(sst, rg, j, r, f);
+#pragma unroll
+            for (int q = 0; q < 8; q += 4) {
+                const float4 k4 = *reinterpret_cast<const float4*>(&kn[rg * KPAD + r + q]);
+                const float4 q4 = *reinterpret_cast<const float4*>(&qn[rg * KPAD + r + q]);
+                n[q + 0] = fmaf(gt, f[q + 0], k4.x * delta);
+                o0 = fmaf(n[q + 0], q4.x, o0);
+                n[q + 1] = fmaf(gt, f[q + 1], k4.y * delta);
+                o0 = fmaf(n[q + 1], q4.y, o0);
+                n[q + 2] = fmaf(gt, f[q + 2], k4.z * delta);
+                o1 = fmaf(n[q + 2], q4.z, o1);
+                n[q + 3] = fmaf(gt, f[q + 3], k4.w * delta);
+                o1 = fmaf(n[q + 3], q4.w, o1);
+            }
+#if GDN_COMMIT
+            if (commit_now) {
+#if GDN_VMAJOR
+                unsigned u[4];
+#pragma unroll
+                for (int c = 0; c < 4; ++c) u[c] = (unsigned)ES::st(n[2 * c]) | ((unsigned)ES::st(n[2 * c + 1]) << 16);
+                *reinterpret_cast<uint4*>(st_base + SOFF(r)) = make_uint4(u[0], u[1], u[2], u[3]);
+#else
+#pragma unroll
+                for (int q = 0; q < 8; ++q) st_base[SOFF(r + q)] = ES::st(n[q]);
+#endif
+            }
+#endif
+        }
+        float o = o0 + o1;
+        o = row_sum(o) * inv_sqrt_d;
+#else
 #pragma unroll
         for (int r = 0; r < RPT; r += 4) {
             const float4 k4 = *reinterpret_cast<const float4*>(&kn[rg * KPAD + r]);
             const float4 q4 = *reinterpret_cast<const float4*>(&qn[rg * KPAD + r]);
-            const float n0 = fmaf(gt, ST_GET(r + 0), k4.x * delta);
-            o0 = fmaf(n0, q4.x, o0);
-            const float n1 = fmaf(gt, ST_GET(r + 1), k4.y * delta);
-            o0 = fmaf(n1, q4.y, o0);
-            const float n2 = fmaf(gt, ST_GET(r + 2), k4.z * delta);
-            o1 = fmaf(n2, q4.z, o1);
-            const float n3 = fmaf(gt, ST_GET(r + 3), k4.w * delta);
-            o1 = fmaf(n3, q4.w, o1);
-#if PACKED
-            sp[r / 2] = (unsigned)ES::st(n0) | ((unsigned)ES::st(n1) << 16);
-            sp[r / 2 + 1] = (unsigned)ES::st(n2) | ((unsigned)ES::st(n3) << 16);
-#else
-            st[r + 0] = n0;
-            st[r + 1] = n1;
-            st[r + 2] = n2;
-            st[r + 3] = n3;
-#endif
+            st[r + 0] = fmaf(gt, st[r + 0], k4.x * delta);
+            o0 = fmaf(st[r + 0], q4.x, o0);
+            st[r + 1] = fmaf(gt, st[r + 1], k4.y * delta);
+            o0 = fmaf(st[r + 1], q4.y, o0);
+            st[r + 2] = fmaf(gt, st[r + 2], k4.z * delta);
+            o1 = fmaf(st[r + 2], q4.z, o1);
+            st[r + 3] = fmaf(gt, st[r + 3], k4.w * delta);
+            o1 = fmaf(st[r + 3], q4.w, o1);
             if ((r & 7) == 4) __syncwarp();  // keeps ptxas from loading all of q and k ahead (registers)
         }
         float o = o0 + o1;
         o = row_sum(o) * inv_sqrt_d;
 #if GDN_COMMIT
         if (t + 1 == commit_at) {
-#if PACKED && VEC_STATE
-#pragma unroll
-            for (int r = 0; r < RPT; r += 8)
-                *reinterpret_cast<uint4*>(st_base + r) = make_uint4(sp[r / 2], sp[r / 2 + 1], sp[r / 2 + 2], sp[r / 2 + 3]);
-#elif PACKED
-#pragma unroll
-            for (int r = 0; r < RPT; r += 2) {
-                st_base[(size_t)r * SSTRIDE] = (unsigned short)(sp[r / 2] & 0xffffu);
-                st_base[(size_t)(r + 1) * SSTRIDE] = (unsigned short)(sp[r / 2] >> 16);
-            }
-#elif VEC_STATE && GDN_STATE_DT == 0
+#if VEC_STATE && GDN_STATE_DT == 0
 #pragma unroll
             for (int r = 0; r < RPT; r += 4)
-                *reinterpret_cast<float4*>(st_base + r) = make_float4(st[r], st[r + 1], st[r + 2], st[r + 3]);
+                *reinterpret_cast<float4*>(st_base + SOFF(r)) = make_float4(st[r], st[r + 1], st[r + 2], st[r + 3]);
 #elif VEC_STATE
 #pragma unroll
             for (int r = 0; r < RPT; r += 8) {
@@ -471,14 +554,15 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #pragma unroll
                 for (int c = 0; c < 4; ++c)
                     u[c] = (unsigned)ES::st(st[r + 2 * c]) | ((unsigned)ES::st(st[r + 2 * c + 1]) << 16);
-                *reinterpret_cast<uint4*>(st_base + r) = make_uint4(u[0], u[1], u[2], u[3]);
+                *reinterpret_cast<uint4*>(st_base + SOFF(r)) = make_uint4(u[0], u[1], u[2], u[3]);
             }
 #else
 #pragma unroll
-            for (int r = 0; r < RPT; ++r) st_base[(size_t)r * SSTRIDE] = ES::st(st[r]);
+            for (int r = 0; r < RPT; ++r) st_base[SOFF(r)] = ES::st(st[r]);
 #endif
         }
 #endif
+#endif  // STAGE
         // 4. the output norm: per-warp partial of sum_j o_j^2 (each column once: its rg 0 lane)
         float osq = rg == 0 ? o * o : 0.0f;
 #pragma unroll

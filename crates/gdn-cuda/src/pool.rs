@@ -90,7 +90,8 @@ impl DeviceTensorMut<'_, '_> {
 /// verify, k: the state after its first k tokens; 1..=len). The slots of one call must be distinct (the
 /// device cannot check that). Two hints pick the kernel, as the host knows them: `uniform_len` (every sequence
 /// has this length, <= 8: the compile-time-length kernel; the bits are the same either way) and `commits`
-/// (false: no sequence commits, the verify-only kernel; `commit_at` is then not read).
+/// (false: no sequence commits, the verify-only kernel; `commit_at` is then not read). Blocks start in sequence
+/// order: put long windows first, so that they do not trail the call.
 pub struct DeviceStep<'a> {
     pub rows: usize,
     pub qkv: DeviceTensor<'a>,
@@ -642,9 +643,7 @@ impl LayerPool for CudaPool {
         let rows = checked.rows;
         int(rows, "rows")?;
         // only the sequences that run go to the device, as four int arrays
-        let live: Vec<usize> = (0..step.seqs.len())
-            .filter(|&i| step.seqs[i].slot >= 0)
-            .collect();
+        let live = live_longest_first(step.seqs);
         if live.is_empty() {
             return Ok(());
         }
@@ -744,9 +743,7 @@ impl LayerPool for CudaPool {
             up(&step.rows.beta)?,
             up(&step.rows.z)?,
         );
-        let live: Vec<usize> = (0..step.seqs.len())
-            .filter(|&i| step.seqs[i].slot >= 0)
-            .collect();
+        let live = live_longest_first(step.seqs);
         let col = |f: &dyn Fn(usize) -> Result<i32>| -> Result<CudaSlice<i32>> {
             let v = live.iter().map(|&i| f(i)).collect::<Result<Vec<i32>>>()?;
             // an empty call still needs a buffer to point at
@@ -841,6 +838,14 @@ impl LayerPool for CudaPool {
             ),
         })
     }
+}
+
+/// The sequences that run, longest first: the blocks of a long window start in the first wave instead of
+/// trailing the call (the order changes no bits: each block reads only its own sequence).
+fn live_longest_first(seqs: &[gdn::Seq]) -> Vec<usize> {
+    let mut live: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].slot >= 0).collect();
+    live.sort_by_key(|&i| std::cmp::Reverse(seqs[i].len));
+    live
 }
 
 fn bytes_of_mut_tensor<'a>(t: &'a mut TensorMut<'_>) -> &'a mut [u8] {

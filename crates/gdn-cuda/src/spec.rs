@@ -201,11 +201,25 @@ impl Spec {
         Spec { pool, ..self }
     }
 
-    /// The register budget compiled in: the plan's. (A bf16 state at T 1 stays packed in registers, half of
-    /// them, so a plan with a larger `minb` fits there; only the register allocation changes with it, not the
-    /// arithmetic, so the bits stay those of the run-time-length kernel.)
+    /// Whether the kernel stages the state through shared memory instead of registers (the kernel's `STAGE`:
+    /// a bf16 state at T 1, one block a head, d <= 128).
+    pub fn staged(&self) -> bool {
+        let d = self.shape.d;
+        self.pool.state == DType::Bf16
+            && self.t == 1
+            && self.plan.ncb == 1
+            && d <= 128
+            && (d / self.plan.rg.max(1)).is_multiple_of(8)
+    }
+
+    /// The register budget compiled in: the plan's, and for a staged state (no registers hold it) two blocks
+    /// a multiprocessor more. Only the register allocation changes with it, not the arithmetic.
     pub fn minb(&self) -> usize {
-        self.plan.minb
+        if self.staged() {
+            (self.plan.minb + 2).min((2048 / self.threads().max(1)).max(1))
+        } else {
+            self.plan.minb
+        }
     }
 
     /// The macro lines that select this specialisation, put before the kernel source.
