@@ -9,10 +9,10 @@ bin="${1:-target/release/gdn}"
 dis=$(mktemp)
 objdump -d --no-show-raw-insn "$bin" >"$dis"
 status=0
-for fn in head_window conv_block; do
+for fn in head_window head_window_bf16 conv_block; do
   for clone in avx2_fma avx512f; do
     body=$(awk -v fn="$fn" -v clone="$clone" '
-      /^[0-9a-f]+ <.*>:$/ { on = index($0, fn "_") && index($0, clone) && index($0, "version") }
+      /^[0-9a-f]+ <.*>:$/ { on = index($0, length(fn) fn) && index($0, clone) && index($0, "version") }
       on' "$dis")
     if [ -z "$body" ]; then
       echo "codegen: no $clone clone of $fn in $bin"; status=1; continue

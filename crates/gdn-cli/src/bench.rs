@@ -4,7 +4,10 @@
 use std::time::Duration;
 
 use gdn::synth::Synth;
-use gdn::{Commit, Config, Gate, HeadMap, LayerPool, Result, Shape, StepArgs};
+use gdn::{
+    Commit, Config, DType, Gate, HeadMap, LayerPool, PoolOptions, Result, RowsData, Seq, Shape,
+    StateLayout, Step, StepArgs,
+};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::backends;
@@ -33,6 +36,42 @@ pub struct Args {
     /// device backends, whose small-B states stay in the GPU's L2 between calls).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=MAX_ROTATE_MIB))]
     rotate_mib: u32,
+    /// The state's element type: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    state: DType,
+    /// The state's layout: key-major or value-major.
+    #[arg(long, default_value = "key-major")]
+    layout: StateLayout,
+    /// The activations' element type, inputs and outputs: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    io: DType,
+    /// A mixed batch `B:T` (B - 1 decode sequences and one window of T tokens in one call), timed beside the two
+    /// calls it replaces; 0:0 for none (default: 256:64 on a GPU, 8:64 on the CPU).
+    #[arg(long)]
+    mixed: Option<Mixed>,
+}
+
+/// `B:T` for `--mixed`.
+#[derive(Clone, Copy, Debug)]
+pub struct Mixed {
+    b: usize,
+    t: usize,
+}
+
+impl std::str::FromStr for Mixed {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let (b, t) = s.split_once(':').ok_or("expected B:T")?;
+        let parse = |x: &str| x.trim().parse::<usize>().map_err(|e| e.to_string());
+        let m = Mixed {
+            b: parse(b)?,
+            t: parse(t)?,
+        };
+        if (m.b == 0) != (m.t == 0) || m.b == 1 {
+            return Err("B must be at least 2 and T at least 1 (or 0:0 for none)".into());
+        }
+        Ok(m)
+    }
 }
 
 /// The most state `--rotate-mib` may ask for: 4 GiB (the pool and the ceiling's buffers are each that large).
@@ -49,13 +88,19 @@ pub struct Row {
     pub fma_flops_per_s: Option<f64>,
 }
 
+/// Element types of a run, for its byte counts.
+#[derive(Clone, Copy, Debug)]
+pub struct Dtypes {
+    pub state: DType,
+    pub io: DType,
+}
+
 /// Bytes a step must move at least: S and H read and written, inputs read, y written, parameters read.
-pub fn bytes_moved(sh: &Shape, b: usize, t: usize) -> f64 {
-    let state = 2 * b * (sh.state_len() + sh.hist_len());
-    let inputs = b * t * (sh.channels() + 2 * sh.h_v + sh.n());
-    let outputs = b * t * sh.n();
-    let params = sh.channels() * 4 + 2 * sh.h_v + sh.d;
-    4.0 * (state + inputs + outputs + params) as f64
+pub fn bytes_moved(sh: &Shape, dt: Dtypes, b: usize, t: usize) -> f64 {
+    let state = 2 * b * (sh.state_len() * dt.state.size() + sh.hist_len() * 4);
+    let io = b * t * (sh.channels() + 2 * sh.h_v + 2 * sh.n()) * dt.io.size();
+    let params = 4 * (sh.channels() * 4 + 2 * sh.h_v + sh.d);
+    (state + io + params) as f64
 }
 
 /// Floating-point operations of a step: 7 d^2 per value head and token (kv, the update, the readout), the rest
@@ -76,8 +121,28 @@ fn ceiling_bytes(device: bool, state_bytes: usize) -> usize {
     }
 }
 
-pub fn state_bytes_per_call(sh: &Shape, b: usize) -> f64 {
-    (2 * b * sh.state_len() * 4) as f64
+pub fn state_bytes_per_call(sh: &Shape, dt: Dtypes, b: usize) -> f64 {
+    (2 * b * sh.state_len() * dt.state.size()) as f64
+}
+
+/// Packed rows of `r` random tokens in `dtype`.
+fn random_rows(rng: &mut Synth, layer: &gdn::Layer, r: usize, dtype: DType) -> RowsData {
+    let w = rng.batch(layer, 1, r);
+    RowsData::from_f32(&w.qkv, &w.alpha, &w.beta, &w.z, [dtype; 4])
+}
+
+/// Sequences of `len` tokens laid end to end, one per slot, each committed in full.
+fn seqs(slots: &[i32], len: usize) -> Vec<Seq> {
+    slots
+        .iter()
+        .enumerate()
+        .map(|(i, &slot)| Seq {
+            slot,
+            start: i * len,
+            len,
+            commit: Commit::All,
+        })
+        .collect()
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -106,6 +171,14 @@ pub fn run(args: Args) -> Result<()> {
     };
     let mut rng = Synth::new(2026);
     let layer = rng.layer(config)?;
+    let options = PoolOptions {
+        state: args.state,
+        layout: args.layout,
+    };
+    let dt = Dtypes {
+        state: args.state,
+        io: args.io,
+    };
     let progress = ProgressBar::new((batches.len() * tokens.len()) as u64);
     progress.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
@@ -129,7 +202,7 @@ pub fn run(args: Args) -> Result<()> {
     let mut rows = Vec::new();
     let mut sets_of_batch = Vec::new();
     for &b in &batches {
-        let state_bytes = b * shape.state_len() * 4;
+        let state_bytes = b * shape.state_len() * args.state.size();
         let sets = rotate_bytes.div_ceil(state_bytes).max(1);
         sets_of_batch.push(format!("B {b}: {sets}"));
         progress.set_message(format!("copy ceiling, B {b}"));
@@ -143,7 +216,7 @@ pub fn run(args: Args) -> Result<()> {
         // on a GPU one ceiling per batch size (a 1 GiB copy, stable); on the CPU, whose shared L3 and memory move
         // with the neighbours from one second to the next, a ceiling right before each case
         let per_batch = if device { Some(ceiling()?) } else { None };
-        let mut pool = backend.create_pool(&layer, b * sets)?;
+        let mut pool = backend.create_pool_with(&layer, b * sets, options)?;
         for s in 0..b {
             let (st, h) = rng.seq_state(&layer);
             for set in 0..sets {
@@ -155,13 +228,13 @@ pub fn run(args: Args) -> Result<()> {
             .collect();
         for &t in &tokens {
             progress.set_message(format!("B {b} T {t}"));
-            let batch = rng.batch(&layer, b, t);
-            let steps: Vec<StepArgs> = slot_sets
+            let data = random_rows(&mut rng, &layer, b * t, args.io);
+            let set_seqs: Vec<Vec<Seq>> = slot_sets.iter().map(|s| seqs(s, t)).collect();
+            let steps: Vec<Step> = set_seqs
                 .iter()
-                .map(|slots| StepArgs {
-                    batch: batch.view(),
-                    slots,
-                    commit: Commit::All,
+                .map(|q| Step {
+                    rows: data.view(),
+                    seqs: q,
                     plane_stride: None,
                 })
                 .collect();
@@ -169,7 +242,7 @@ pub fn run(args: Args) -> Result<()> {
                 Some(c) => c,
                 None => ceiling()?,
             };
-            let timing = time_case(pool.as_mut(), &steps, args.round_ms)?;
+            let timing = time_case(pool.as_mut(), &steps, args.io, args.round_ms)?;
             rows.push(Row {
                 b,
                 t,
@@ -181,9 +254,41 @@ pub fn run(args: Args) -> Result<()> {
             progress.inc(1);
         }
     }
+    let mixed = args.mixed.unwrap_or(if device {
+        Mixed { b: 256, t: 64 }
+    } else {
+        Mixed { b: 8, t: 64 }
+    });
+    let mixed_times = if mixed.b > 0 {
+        progress.set_message(format!("mixed {}:{}", mixed.b, mixed.t));
+        Some(time_mixed(
+            backend.as_ref(),
+            &layer,
+            options,
+            args.io,
+            mixed,
+            &mut rng,
+            args.round_ms,
+        )?)
+    } else {
+        None
+    };
     progress.finish_and_clear();
     let method = timing_method(&mut *backend.create_pool(&layer, 1)?)?;
-    print_table(&backend.name(), &config, &rows, &method, device);
+    print_table(&backend.name(), &config, dt, &rows, &method, device);
+    if let Some([one, decode, window]) = mixed_times {
+        println!(
+            "mixed batch, {} x 1 token + 1 x {} tokens in one call: {:.2} us; the two calls it replaces: {} x 1 token {:.2} us + 1 x {} tokens {:.2} us = {:.2} us",
+            mixed.b - 1,
+            mixed.t,
+            one * 1e6,
+            mixed.b - 1,
+            decode * 1e6,
+            mixed.t,
+            window * 1e6,
+            (decode + window) * 1e6
+        );
+    }
     if args.rotate_mib > 0 {
         println!(
             "rotation: each call steps the next of several sets of B slots spanning at least {} MiB of state ({}), and the copy ceiling's pass takes the next of as many buffers",
@@ -192,6 +297,62 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The mixed batch in one call, then its decode sequences alone and its long window alone (seconds per call).
+fn time_mixed(
+    backend: &dyn gdn::Backend,
+    layer: &gdn::Layer,
+    options: PoolOptions,
+    io: DType,
+    m: Mixed,
+    rng: &mut Synth,
+    round_ms: u64,
+) -> Result<[f64; 3]> {
+    let mut pool = backend.create_pool_with(layer, m.b, options)?;
+    for s in 0..m.b {
+        let (st, h) = rng.seq_state(layer);
+        pool.write_slot(s, &st, &h)?;
+    }
+    let data = random_rows(rng, layer, m.b - 1 + m.t, io);
+    let decode_slots: Vec<i32> = (0..(m.b - 1) as i32).collect();
+    let mut all = seqs(&decode_slots, 1);
+    all.push(Seq {
+        slot: (m.b - 1) as i32,
+        start: m.b - 1,
+        len: m.t,
+        commit: Commit::All,
+    });
+    let decode_rows = random_rows(rng, layer, m.b - 1, io);
+    let window_rows = random_rows(rng, layer, m.t, io);
+    let window = [Seq {
+        start: 0,
+        ..all[m.b - 1]
+    }];
+    let cases = [
+        Step {
+            rows: data.view(),
+            seqs: &all,
+            plane_stride: None,
+        },
+        Step {
+            rows: decode_rows.view(),
+            seqs: &all[..m.b - 1],
+            plane_stride: None,
+        },
+        Step {
+            rows: window_rows.view(),
+            seqs: &window,
+            plane_stride: None,
+        },
+    ];
+    let mut out = [0.0; 3];
+    for (o, step) in out.iter_mut().zip(&cases) {
+        *o = time_case(pool.as_mut(), std::slice::from_ref(step), io, round_ms)?
+            .per_call
+            .as_secs_f64();
+    }
+    Ok(out)
 }
 
 fn timing_method(pool: &mut dyn LayerPool) -> Result<String> {
@@ -213,29 +374,37 @@ fn timing_method(pool: &mut dyn LayerPool) -> Result<String> {
 /// slots, by the host clock over the sets in turn for several (CPU only).
 fn time_case(
     pool: &mut dyn LayerPool,
-    steps: &[StepArgs<'_>],
+    steps: &[Step<'_>],
+    out: DType,
     round_ms: u64,
 ) -> Result<gdn::StepTiming> {
-    let probe = pool.time_step(&steps[0], 1)?;
+    let probe = pool.time_varlen(&steps[0], out, 1)?;
     let per = probe.per_call.as_secs_f64().max(1e-7);
     let iters = ((round_ms as f64 / 1000.0) / per).clamp(1.0, 20000.0) as usize;
     if steps.len() == 1 {
-        return pool.time_step(&steps[0], iters);
+        return pool.time_varlen(&steps[0], out, iters);
     }
-    let seqs = steps.iter().map(|s| s.seqs()).collect::<Result<Vec<_>>>()?;
-    let varlen: Vec<gdn::Step<'_>> = steps.iter().zip(&seqs).map(|(s, q)| s.varlen(q)).collect();
-    gdn::backend::time_steps_host(pool, &varlen, gdn::DType::F32, iters)
+    gdn::backend::time_steps_host(pool, steps, out, iters)
 }
 
-pub fn print_table(backend: &str, config: &Config, rows: &[Row], method: &str, device: bool) {
+pub fn print_table(
+    backend: &str,
+    config: &Config,
+    dt: Dtypes,
+    rows: &[Row],
+    method: &str,
+    device: bool,
+) {
     let sh = config.shape;
     println!(
-        "gdn bench: {backend}; d {} h_k {} h_v {}, {} map, {} gate, commit all; timing: {method}",
+        "gdn bench: {backend}; d {} h_k {} h_v {}, {} map, {} gate, commit all; {} state, {} activations; timing: {method}",
         sh.d,
         sh.h_k,
         sh.h_v,
         config.head_map.name(),
-        config.gate.name()
+        config.gate.name(),
+        dt.state.name(),
+        dt.io.name()
     );
     println!(
         "{:>4} {:>3} {:>11} {:>12} {:>11} {:>10} {:>7} {:>9} {:>8} {:>6} {:>10}",
@@ -253,7 +422,7 @@ pub fn print_table(backend: &str, config: &Config, rows: &[Row], method: &str, d
     );
     for r in rows {
         let secs = r.per_call.as_secs_f64();
-        let state_bw = state_bytes_per_call(&sh, r.b) / secs;
+        let state_bw = state_bytes_per_call(&sh, dt, r.b) / secs;
         let flop_rate = flops(&sh, r.b, r.t) / secs;
         println!(
             "{:>4} {:>3} {:>11.2} {:>12.0} {:>11.1} {:>10.1} {:>6.1}% {:>9.2} {:>8.1} {:>6} {:>10}",
@@ -264,7 +433,7 @@ pub fn print_table(backend: &str, config: &Config, rows: &[Row], method: &str, d
             state_bw / 1e9,
             r.copy_bytes_per_s / 1e9,
             100.0 * state_bw / r.copy_bytes_per_s,
-            bytes_moved(&sh, r.b, r.t) / 1e6,
+            bytes_moved(&sh, dt, r.b, r.t) / 1e6,
             flop_rate / 1e9,
             r.fma_flops_per_s.map_or_else(
                 || "-".to_string(),

@@ -9,7 +9,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use gdn::stepfile::{Overrides, StepInput};
-use gdn::{Commit, Gate, HeadMap};
+use gdn::{Commit, DType, Gate, HeadMap, StateLayout};
 
 #[derive(Parser)]
 #[command(
@@ -32,7 +32,8 @@ enum Command {
         output: PathBuf,
         #[arg(long, default_value = "cpu")]
         backend: String,
-        /// verify, all, or K (commit after the first K tokens).
+        /// verify, all, or K (commit after the first K tokens), for every sequence; a varlen file's `commit`
+        /// tensor takes precedence.
         #[arg(long, default_value = "all")]
         commit: Commit,
         /// tiled or grouped; overrides the file's metadata (default tiled).
@@ -47,6 +48,13 @@ enum Command {
         /// Also write the prepared-activation planes and the group sums.
         #[arg(long)]
         planes: bool,
+        /// The layout of the file's `state` and of the pool: key-major or value-major; overrides the file's
+        /// metadata (default key-major).
+        #[arg(long)]
+        state_layout: Option<StateLayout>,
+        /// The outputs' dtype: f32, bf16 or f16 (default: z's dtype in the file).
+        #[arg(long)]
+        out_dtype: Option<DType>,
     },
     /// Time the step at the seed's shape beside a memory-copy ceiling measured in the same run.
     Bench(bench::Args),
@@ -65,6 +73,8 @@ fn run(cli: Cli) -> gdn::Result<()> {
             gate,
             eps,
             planes,
+            state_layout,
+            out_dtype,
         } => {
             let backend = backends::make(&backend)?;
             let inp = StepInput::read(
@@ -73,9 +83,10 @@ fn run(cli: Cli) -> gdn::Result<()> {
                     head_map,
                     gate,
                     eps,
+                    state_layout,
                 },
             )?;
-            let out = inp.run(backend.as_ref(), commit, planes)?;
+            let out = inp.run(backend.as_ref(), commit, planes, out_dtype)?;
             out.write(&output)
         }
         Command::Bench(args) => bench::run(args),

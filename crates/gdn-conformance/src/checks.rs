@@ -710,6 +710,13 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!(@one $make, nan_inputs_are_not_hidden, $crate::checks::nan_inputs_are_not_hidden);
         $crate::conformance_tests!(@one $make, bad_input_is_rejected_and_changes_nothing, $crate::checks::bad_input_is_rejected_and_changes_nothing);
         $crate::conformance_tests!(@one $make, hf_fixtures_replay, $crate::fixtures::replay_all);
+        $crate::conformance_tests!(@one $make, varlen_mixed_batches_match_oracle, |b| $crate::varlen::varlen_mixed_batches_match_oracle(b, 48));
+        $crate::conformance_tests!(@one $make, varlen_sequence_bits_do_not_depend_on_the_batch, $crate::varlen::varlen_sequence_bits_do_not_depend_on_the_batch);
+        $crate::conformance_tests!(@one $make, every_dtype_and_layout_matches_oracle, $crate::varlen::every_dtype_and_layout_matches_oracle);
+        $crate::conformance_tests!(@one $make, bf16_state_invariants_hold, $crate::varlen::bf16_state_invariants_hold);
+        $crate::conformance_tests!(@one $make, slot_io_in_every_layout, $crate::varlen::slot_io_in_every_layout);
+        $crate::conformance_tests!(@one $make, bad_varlen_input_is_rejected_and_changes_nothing, $crate::varlen::bad_varlen_input_is_rejected_and_changes_nothing);
+        $crate::conformance_tests!(@one $make, bf16_state_drift_is_bounded, |b| $crate::varlen::bf16_state_drift_is_bounded(b, 10_000));
     };
     (@one $make:expr, $name:ident, $check:expr) => {
         #[test]

@@ -78,3 +78,46 @@ fn calling_thread_pool_is_one_per_thread_and_serves_other_threads() {
             .expect("step from another thread");
     });
 }
+
+/// A long prefill window's work buffers are not kept for the decode steps after it: after any step each buffer
+/// holds at most `CpuPool::WORK_KEEP` floats, so a pool's memory beyond its states stays bounded.
+#[test]
+fn cpu_work_buffers_stay_bounded_after_a_long_window() {
+    use gdn::{DType, LayerPool, PoolOptions, RowsData, Seq, Step, TensorData};
+    let shape = gdn::Shape::new(128, 1, 2).unwrap();
+    let mut rng = gdn::synth::Synth::new(12);
+    let layer = rng.layer(gdn::Config::new(shape)).unwrap();
+    let mut pool = gdn::Cpu::new()
+        .create_cpu_pool(&layer, 1, PoolOptions::default())
+        .unwrap();
+    let mut run = |len: usize| {
+        let w = rng.batch(&layer, 1, len);
+        let rows = RowsData::from_f32(&w.qkv, &w.alpha, &w.beta, &w.z, [DType::Bf16; 4]);
+        let seqs = [Seq {
+            slot: 0,
+            start: 0,
+            len,
+            commit: gdn::Commit::All,
+        }];
+        let mut out = TensorData::filled(len * shape.n(), 0.0, DType::Bf16);
+        let step = Step {
+            rows: rows.view(),
+            seqs: &seqs,
+            plane_stride: None,
+        };
+        pool.step_varlen(&step, out.view_mut()).unwrap();
+        pool.work_floats()
+    };
+    // 9000 tokens: conv outputs and widened qkv of 4.6 M floats each, over the limit
+    let need = 2 * 9000 * shape.channels() + 9000 * shape.n();
+    let after_long = run(9000);
+    let keep = gdn::cpu::CpuPool::WORK_KEEP;
+    assert!(
+        after_long < need,
+        "{after_long} floats kept of the {need} the long window used"
+    );
+    // six work buffers and two threads' scratch, each at most `keep`
+    assert!(after_long <= 8 * keep, "{after_long} floats kept");
+    let after_decode = run(1);
+    assert!(after_decode <= after_long, "{after_decode} > {after_long}");
+}

@@ -166,6 +166,16 @@ impl Commit {
     }
 }
 
+impl std::fmt::Display for Commit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Commit::Verify => write!(f, "verify"),
+            Commit::All => write!(f, "all"),
+            Commit::First(k) => write!(f, "first {k}"),
+        }
+    }
+}
+
 impl std::str::FromStr for Commit {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {

@@ -36,7 +36,7 @@ pub enum Error {
     },
     #[error("sequences {a} and {b} share rows")]
     SeqOverlap { a: usize, b: usize },
-    #[error("sequence {seq}: commit {commit:?} is outside 1..={len} for its {len} tokens")]
+    #[error("sequence {seq}: commit {commit} is outside 1..={len} for its {len} tokens")]
     SeqCommit {
         seq: usize,
         commit: crate::Commit,

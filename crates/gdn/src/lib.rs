@@ -1,4 +1,4 @@
-//! gdn: the fused Gated DeltaNet window step (SPEC.md), exact and fast.
+//! gdn: the fused Gated DeltaNet window step (docs/SPEC.md), exact and fast.
 //!
 //! - [`config`]: shape, head map, gate, commit mode, layer parameters.
 //! - [`step`]: the varlen step as engines call it: packed rows in f32/bf16/f16, one entry per sequence, pool options.
@@ -10,22 +10,27 @@
 //! - [`synth`]: random layers and windows for tests, demos and benchmarks.
 //!
 //! ```
-//! use gdn::{synth::Synth, Backend, Commit, Config, Cpu, Gate, HeadMap, Shape, StepArgs};
+//! use gdn::{synth::Synth, Backend, Commit, Config, Cpu, DType, Gate, HeadMap, PoolOptions, RowsData, Seq};
+//! use gdn::{Shape, StateLayout, Step, TensorData};
 //!
 //! let mut config = Config::new(Shape::new(128, 16, 48)?); // d, h_k, h_v
-//! config.head_map = HeadMap::Grouped; // HF / FLA / vLLM order
+//! config.head_map = "repeat_interleave".parse::<HeadMap>()?; // HF's name for the grouped map
 //! config.gate = Gate::Silu; // Qwen3.5's output gate
-//! let layer = Synth::new(0).layer(config)?; // or gdn::Layer::new(config, params)
+//! let layer = Synth::new(0).layer(config)?; // or Layer::new(config, Params::from_checkpoint(..))
 //!
 //! let backend = Cpu::new();
-//! let mut pool = backend.create_pool(&layer, 64)?; // 64 sequences' states
-//! let batch = Synth::new(1).batch(&layer, 2, 4); // 2 sequences, 4 tokens each
-//! let mut y = vec![0.0; 2 * 4 * layer.shape().n()];
-//! let slots = [5, 9];
-//! // verify: y for every token, the state untouched
-//! pool.step(&StepArgs { batch: batch.view(), slots: &slots, commit: Commit::Verify, plane_stride: None }, &mut y)?;
-//! // keep the state after the first 3 tokens
-//! pool.step(&StepArgs { batch: batch.view(), slots: &slots, commit: Commit::First(3), plane_stride: None }, &mut y)?;
+//! let options = PoolOptions { state: DType::Bf16, layout: StateLayout::ValueMajor };
+//! let mut pool = backend.create_pool_with(&layer, 64, options)?;
+//! // a decode token, a 4-token verify window, a 3-token window keeping 2 tokens: one call
+//! let seqs = [
+//!     Seq { slot: 5, start: 0, len: 1, commit: Commit::All },
+//!     Seq { slot: 9, start: 1, len: 4, commit: Commit::Verify },
+//!     Seq { slot: 2, start: 5, len: 3, commit: Commit::First(2) },
+//! ];
+//! let w = Synth::new(1).batch(&layer, 1, 8); // 8 rows of inputs
+//! let rows = RowsData::from_f32(&w.qkv, &w.alpha, &w.beta, &w.z, [DType::Bf16; 4]);
+//! let mut y = TensorData::filled(8 * layer.shape().n(), 0.0, DType::Bf16);
+//! pool.step_varlen(&Step { rows: rows.view(), seqs: &seqs, plane_stride: None }, y.view_mut())?;
 //! # Ok::<(), gdn::Error>(())
 //! ```
 

@@ -1,5 +1,6 @@
-//! The `gdn step` file format (SPEC.md, "The `gdn step` file format"): safetensors files, f32, row-major, an
-//! optional leading batch dimension.
+//! The `gdn step` file format (SPEC.md, "The `gdn step` file format"): safetensors files, row-major, uniform
+//! (`[B, T, ...]`, the batch dimension optional) or varlen (`[R, ...]` rows plus `cu_seqlens`); activations and
+//! the state in f32, bf16 or f16.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -8,36 +9,60 @@ use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::{
-    Backend, BatchData, Commit, Config, Error, Gate, HeadMap, Layer, OutputLayout, Params, Result,
-    Shape,
+    Backend, BatchData, Commit, Config, DType, Error, Gate, HeadMap, Layer, OutputLayout, Params,
+    PoolOptions, Result, RowsData, Seq, Shape, StateLayout, Step, TensorData,
 };
 
-/// A window file as read: the layer, the windows, and each sequence's starting state.
+/// How a file lays out its sequences.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Form {
+    /// B windows of T tokens; `batched` whether the tensors carry the batch dimension.
+    Uniform { b: usize, t: usize, batched: bool },
+    /// Packed rows with `cu_seqlens` [S+1].
+    Varlen { cu_seqlens: Vec<usize> },
+}
+
+/// A window file as read: the layer, the packed rows, the sequences, and each sequence's starting state.
 #[derive(Clone, Debug)]
 pub struct StepInput {
     pub layer: Layer,
-    pub batch: BatchData,
-    /// [b][d][h_v][d]; zeros when the file has none.
+    pub form: Form,
+    /// The rows of every sequence, packed (for a uniform file, sequence b's token at row `b * t + token`).
+    pub rows: RowsData,
+    /// Per sequence: its first row and length.
+    pub spans: Vec<(usize, usize)>,
+    /// Per sequence commits from the file's `commit` tensor, if it has one.
+    pub commits: Option<Vec<Commit>>,
+    /// [S][d][h_v][d] in `options.layout`, values representable in `options.state`; zeros when absent.
     pub state: Vec<f32>,
-    /// [b][C][3]; zeros when the file has none.
+    /// [S][C][3]; zeros when the file has none.
     pub hist: Vec<f32>,
-    /// Whether the file's tensors carry the batch dimension (the output then carries it too).
-    pub batched: bool,
+    /// The state's dtype (from the `state` tensor's) and layout (from the metadata or the command line).
+    pub options: PoolOptions,
     /// The file's `__metadata__`.
     pub metadata: HashMap<String, String>,
 }
 
-/// Conventions given on the command line; each overrides the file's `__metadata__`, which overrides the
-/// seed's defaults (tiled, sigmoid, 1e-6).
+/// Options given on the command line; each overrides the file's `__metadata__`, which overrides the seed's
+/// defaults (tiled, sigmoid, 1e-6, key-major).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Overrides {
     pub head_map: Option<HeadMap>,
     pub gate: Option<Gate>,
     pub eps: Option<f32>,
+    pub state_layout: Option<StateLayout>,
 }
 
 fn bad(msg: impl Into<String>) -> Error {
     Error::File(msg.into())
+}
+
+fn file_dtype(dt: DType) -> Dtype {
+    match dt {
+        DType::F32 => Dtype::F32,
+        DType::Bf16 => Dtype::BF16,
+        DType::F16 => Dtype::F16,
+    }
 }
 
 struct Tensors<'a> {
@@ -45,29 +70,82 @@ struct Tensors<'a> {
 }
 
 impl Tensors<'_> {
-    fn get(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<f32>)>> {
-        let view = match self.st.tensor(name) {
-            Ok(v) => v,
-            Err(safetensors::SafeTensorError::TensorNotFound(_)) => return Ok(None),
-            Err(e) => return Err(bad(format!("tensor '{name}': {e}"))),
-        };
-        if view.dtype() != Dtype::F32 {
-            return Err(bad(format!(
-                "tensor '{name}' is {:?}, expected F32",
-                view.dtype()
-            )));
+    fn view(&self, name: &str) -> Result<Option<TensorView<'_>>> {
+        match self.st.tensor(name) {
+            Ok(v) => Ok(Some(v)),
+            Err(safetensors::SafeTensorError::TensorNotFound(_)) => Ok(None),
+            Err(e) => Err(bad(format!("tensor '{name}': {e}"))),
         }
-        let data = view
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
+    }
+
+    /// A tensor of activations (or a state) with its own dtype: F32, BF16 or F16.
+    fn get_data(&self, name: &str) -> Result<Option<(Vec<usize>, TensorData)>> {
+        let Some(view) = self.view(name)? else {
+            return Ok(None);
+        };
+        let raw = view.data();
+        let data = match view.dtype() {
+            Dtype::F32 => TensorData::F32(
+                raw.chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+            ),
+            Dtype::BF16 => TensorData::Bf16(
+                raw.chunks_exact(2)
+                    .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])))
+                    .collect(),
+            ),
+            Dtype::F16 => TensorData::F16(
+                raw.chunks_exact(2)
+                    .map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])))
+                    .collect(),
+            ),
+            other => {
+                return Err(bad(format!(
+                    "tensor '{name}' is {other:?}, expected F32, BF16 or F16"
+                )))
+            }
+        };
         Ok(Some((view.shape().to_vec(), data)))
+    }
+
+    /// A tensor widened to f32 (parameters, the history).
+    fn get(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<f32>)>> {
+        Ok(self.get_data(name)?.map(|(s, d)| (s, d.to_f32())))
     }
 
     fn need(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
         self.get(name)?
             .ok_or_else(|| bad(format!("tensor '{name}' is missing")))
+    }
+
+    fn need_data(&self, name: &str) -> Result<(Vec<usize>, TensorData)> {
+        self.get_data(name)?
+            .ok_or_else(|| bad(format!("tensor '{name}' is missing")))
+    }
+
+    /// An integer tensor (I32 or I64) as i64 values.
+    fn get_ints(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<i64>)>> {
+        let Some(view) = self.view(name)? else {
+            return Ok(None);
+        };
+        let raw = view.data();
+        let v = match view.dtype() {
+            Dtype::I32 => raw
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64)
+                .collect(),
+            Dtype::I64 => raw
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
+                .collect(),
+            other => {
+                return Err(bad(format!(
+                    "tensor '{name}' is {other:?}, expected I32 or I64"
+                )))
+            }
+        };
+        Ok(Some((view.shape().to_vec(), v)))
     }
 }
 
@@ -78,6 +156,14 @@ fn expect_shape(name: &str, got: &[usize], want: &[usize]) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// `n * per` floats of zeros, an error where the count overflows.
+fn zeros(name: &str, n: usize, per: usize) -> Result<Vec<f32>> {
+    let len = n
+        .checked_mul(per)
+        .ok_or_else(|| bad(format!("{n} sequences' {name} overflow the address space")))?;
+    Ok(vec![0.0; len])
 }
 
 impl StepInput {
@@ -100,7 +186,6 @@ impl StepInput {
         let (gs, gamma) = ts.need("gamma")?;
         let (ds, dt) = ts.need("dt")?;
         let (cs, conv_w) = ts.need("conv_w")?;
-        let (as_, a) = ts.need("a")?;
         let d = match gs[..] {
             [d] => d,
             _ => {
@@ -114,14 +199,26 @@ impl StepInput {
             _ => return Err(bad(format!("tensor 'dt' has shape {ds:?}, expected [h_v]"))),
         };
         let c = match cs[..] {
-            [c, 4] => c,
+            [c, 4] | [c, 1, 4] => c,
             _ => {
                 return Err(bad(format!(
-                    "tensor 'conv_w' has shape {cs:?}, expected [C, 4]"
+                    "tensor 'conv_w' has shape {cs:?}, expected [C, 4] or [C, 1, 4]"
                 )))
             }
         };
-        expect_shape("a", &as_, &[h_v])?;
+        // the decay rate as `a`, or the checkpoint's A_log (a = -exp(A_log))
+        let a = match (ts.get("a")?, ts.get("A_log")?) {
+            (Some((s, a)), None) => {
+                expect_shape("a", &s, &[h_v])?;
+                a
+            }
+            (None, Some((s, a_log))) => {
+                expect_shape("A_log", &s, &[h_v])?;
+                a_log.iter().map(|&x| -x.exp()).collect()
+            }
+            (Some(_), Some(_)) => return Err(bad("the file has both 'a' and 'A_log'; give one")),
+            (None, None) => return Err(bad("tensor 'a' (or 'A_log') is missing")),
+        };
         if d == 0 || c % d != 0 || c / d <= h_v || (c / d - h_v) % 2 != 0 {
             return Err(bad(format!(
                 "conv_w has {c} channels, which is not (2 h_k + h_v) d for d {d}, h_v {h_v}"
@@ -148,6 +245,11 @@ impl StepInput {
                 .map_err(|_| bad(format!("metadata eps '{s}' is not a number")))?,
             (None, None) => 1e-6,
         };
+        let layout = match (overrides.state_layout, meta_parse("state_layout")) {
+            (Some(l), _) => l,
+            (None, Some(s)) => s.parse()?,
+            (None, None) => StateLayout::KeyMajor,
+        };
         let config = Config {
             shape,
             head_map,
@@ -164,94 +266,200 @@ impl StepInput {
             },
         )?;
 
-        let (qs, qkv) = ts.need("qkv")?;
-        let (batched, b, t) = match qs[..] {
-            [b, t, cc] if cc == c => (true, b, t),
-            [t, cc] if cc == c => (false, 1, t),
-            _ => {
+        let (qs, qkv) = ts.need_data("qkv")?;
+        let cu = ts.get_ints("cu_seqlens")?;
+        // the leading dimensions every activation carries, and the per-sequence ones of state and hist
+        let (form, lead, per_seq) = match (&qs[..], cu) {
+            ([r, cc], Some((cus, cu))) if *cc == c => {
+                if cus.len() != 1 || cu.is_empty() {
+                    return Err(bad(format!(
+                        "tensor 'cu_seqlens' has shape {cus:?}, expected [S+1]"
+                    )));
+                }
+                let cu: Vec<usize> = cu
+                    .iter()
+                    .map(|&x| usize::try_from(x))
+                    .collect::<std::result::Result<_, _>>()
+                    .map_err(|_| bad("cu_seqlens has a negative offset"))?;
+                if cu[0] != 0 || cu.windows(2).any(|w| w[1] < w[0]) || cu[cu.len() - 1] > *r {
+                    return Err(bad(format!(
+                        "cu_seqlens must rise from 0 to at most the {r} rows of qkv"
+                    )));
+                }
+                let s = cu.len() - 1;
+                (Form::Varlen { cu_seqlens: cu }, vec![*r], vec![s])
+            }
+            ([b, t, cc], None) if *cc == c => (
+                Form::Uniform {
+                    b: *b,
+                    t: *t,
+                    batched: true,
+                },
+                vec![*b, *t],
+                vec![*b],
+            ),
+            ([t, cc], None) if *cc == c => (
+                Form::Uniform {
+                    b: 1,
+                    t: *t,
+                    batched: false,
+                },
+                vec![*t],
+                vec![],
+            ),
+            (_, cu) => {
+                let want = if cu.is_some() {
+                    format!("[R, {c}] with cu_seqlens")
+                } else {
+                    format!("[B, T, {c}] or [T, {c}]")
+                };
                 return Err(bad(format!(
-                    "tensor 'qkv' has shape {qs:?}, expected [B, T, {c}] or [T, {c}]"
-                )))
+                    "tensor 'qkv' has shape {qs:?}, expected {want}"
+                )));
             }
         };
-        if t == 0 {
-            return Err(Error::EmptyWindow);
-        }
-        let dims = |w: &[usize]| -> Vec<usize> {
-            let mut v = if batched { vec![b, t] } else { vec![t] };
-            v.extend_from_slice(w);
-            v
+        let spans: Vec<(usize, usize)> = match &form {
+            Form::Uniform { b, t, .. } => {
+                if *t == 0 {
+                    return Err(Error::EmptyWindow);
+                }
+                (0..*b).map(|i| (i * t, *t)).collect()
+            }
+            Form::Varlen { cu_seqlens } => {
+                cu_seqlens.windows(2).map(|w| (w[0], w[1] - w[0])).collect()
+            }
         };
-        let seq = |w: &[usize]| -> Vec<usize> {
-            let mut v = if batched { vec![b] } else { vec![] };
-            v.extend_from_slice(w);
-            v
-        };
-        let (al_s, alpha) = ts.need("alpha")?;
+        let n_seqs = spans.len();
+        let dims = |w: &[usize]| -> Vec<usize> { lead.iter().chain(w).copied().collect() };
+        let seq = |w: &[usize]| -> Vec<usize> { per_seq.iter().chain(w).copied().collect() };
+        let (al_s, alpha) = ts.need_data("alpha")?;
         expect_shape("alpha", &al_s, &dims(&[h_v]))?;
-        let (be_s, beta) = ts.need("beta")?;
+        let (be_s, beta) = ts.need_data("beta")?;
         expect_shape("beta", &be_s, &dims(&[h_v]))?;
-        let (z_s, z) = ts.need("z")?;
+        let (z_s, z) = ts.need_data("z")?;
         expect_shape("z", &z_s, &dims(&[shape.n()]))?;
-        let state = match ts.get("state")? {
+        let commits = match ts.get_ints("commit")? {
+            None => None,
+            Some((s, v)) => {
+                expect_shape("commit", &s, &[n_seqs])?;
+                Some(
+                    v.iter()
+                        .zip(&spans)
+                        .enumerate()
+                        .map(|(i, (&k, &(_, len)))| match k {
+                            0 => Ok(Commit::Verify),
+                            k if k > 0 && k as u64 == len as u64 => Ok(Commit::All),
+                            k if k > 0 => {
+                                Ok(Commit::First(usize::try_from(k).unwrap_or(usize::MAX)))
+                            }
+                            _ => Err(bad(format!("commit[{i}] = {k} is negative"))),
+                        })
+                        .collect::<Result<Vec<_>>>()?,
+                )
+            }
+        };
+        let (state, state_dtype) = match ts.get_data("state")? {
             Some((s, v)) => {
                 expect_shape("state", &s, &seq(&[d, h_v, d]))?;
-                v
+                let dt = v.dtype();
+                if dt == DType::F16 {
+                    return Err(Error::Unsupported(
+                        "an F16 'state' (a state is F32 or BF16)".into(),
+                    ));
+                }
+                (v.to_f32(), dt)
             }
-            None => vec![0.0; b * shape.state_len()],
+            None => (zeros("state", n_seqs, shape.state_len())?, DType::F32),
         };
         let hist = match ts.get("hist")? {
             Some((s, v)) => {
                 expect_shape("hist", &s, &seq(&[c, 3]))?;
                 v
             }
-            None => vec![0.0; b * shape.hist_len()],
+            None => zeros("hist", n_seqs, shape.hist_len())?,
         };
         Ok(StepInput {
             layer,
-            batch: BatchData {
-                b,
-                t,
+            form,
+            rows: RowsData {
                 qkv,
                 alpha,
                 beta,
                 z,
             },
+            spans,
+            commits,
             state,
             hist,
-            batched,
+            options: PoolOptions {
+                state: state_dtype,
+                layout,
+            },
             metadata,
         })
     }
 
-    /// Runs the file's windows on a backend: one pool slot per sequence, loaded with the file's states.
-    pub fn run(&self, backend: &dyn Backend, commit: Commit, planes: bool) -> Result<StepOutput> {
+    /// The file's windows as a uniform f32 batch, where the file is uniform.
+    pub fn batch(&self) -> Option<BatchData> {
+        match self.form {
+            Form::Uniform { b, t, .. } => Some(BatchData {
+                b,
+                t,
+                qkv: self.rows.qkv.to_f32(),
+                alpha: self.rows.alpha.to_f32(),
+                beta: self.rows.beta.to_f32(),
+                z: self.rows.z.to_f32(),
+            }),
+            Form::Varlen { .. } => None,
+        }
+    }
+
+    /// Runs the file's windows on a backend: one pool slot per sequence (with the file's state dtype and layout),
+    /// loaded with the file's states; each sequence commits as the file's `commit` tensor says, else `commit`.
+    /// The output is in `out_dtype`, or the dtype of the file's `z` when `None`.
+    pub fn run(
+        &self,
+        backend: &dyn Backend,
+        commit: Commit,
+        planes: bool,
+        out_dtype: Option<DType>,
+    ) -> Result<StepOutput> {
         let sh = *self.layer.shape();
-        let (b, t) = (self.batch.b, self.batch.t);
-        commit.commit_at(t)?;
-        let mut pool = backend.create_pool(&self.layer, b)?;
-        for i in 0..b {
+        let s_n = self.spans.len();
+        let seqs: Vec<Seq> = self
+            .spans
+            .iter()
+            .enumerate()
+            .map(|(i, &(start, len))| Seq {
+                slot: i as i32,
+                start,
+                len,
+                commit: self.commits.as_ref().map_or(commit, |c| c[i]),
+            })
+            .collect();
+        let rows = self.rows.view().count(&sh)?;
+        let layout = OutputLayout::for_rows(&sh, rows, planes.then(|| rows * sh.n()))?;
+        let step = Step {
+            rows: self.rows.view(),
+            seqs: &seqs,
+            plane_stride: layout.plane_stride,
+        };
+        // bad sequences are reported before a pool is made
+        step.validate(&self.layer, s_n, layout.len())?;
+        let mut pool = backend.create_pool_with(&self.layer, s_n, self.options)?;
+        for i in 0..s_n {
             pool.write_slot(
                 i,
                 &self.state[i * sh.state_len()..(i + 1) * sh.state_len()],
                 &self.hist[i * sh.hist_len()..(i + 1) * sh.hist_len()],
             )?;
         }
-        let layout = OutputLayout::new(&sh, b, t, planes.then_some(b * t * sh.n()))?;
-        let mut out = vec![0.0; layout.len()];
-        let slots: Vec<i32> = (0..b as i32).collect();
-        pool.step(
-            &crate::StepArgs {
-                batch: self.batch.view(),
-                slots: &slots,
-                commit,
-                plane_stride: layout.plane_stride,
-            },
-            &mut out,
-        )?;
-        let mut state = vec![0.0; b * sh.state_len()];
-        let mut hist = vec![0.0; b * sh.hist_len()];
-        for i in 0..b {
+        let out_dtype = out_dtype.unwrap_or(self.rows.z.dtype());
+        let mut out = TensorData::filled(layout.len(), 0.0, out_dtype);
+        pool.step_varlen(&step, out.view_mut())?;
+        let mut state = vec![0.0; s_n * sh.state_len()];
+        let mut hist = vec![0.0; s_n * sh.hist_len()];
+        for i in 0..s_n {
             pool.read_slot(
                 i,
                 &mut state[i * sh.state_len()..(i + 1) * sh.state_len()],
@@ -261,14 +469,13 @@ impl StepInput {
         Ok(StepOutput {
             shape: sh,
             config: self.layer.config,
-            commit,
-            b,
-            t,
-            batched: self.batched,
+            commits: seqs.iter().map(|s| s.commit).collect(),
+            form: self.form.clone(),
             out,
             layout,
             state,
             hist,
+            options: self.options,
         })
     }
 }
@@ -277,90 +484,131 @@ impl StepInput {
 #[derive(Clone, Debug)]
 pub struct StepOutput {
     pub shape: Shape,
-    /// The conventions the step ran with, and its commit mode: written to the file's metadata.
+    /// The conventions the step ran with, and each sequence's commit: written to the file's metadata.
     pub config: Config,
-    pub commit: Commit,
-    pub b: usize,
-    pub t: usize,
-    pub batched: bool,
+    pub commits: Vec<Commit>,
+    pub form: Form,
     /// The backend's output buffer, in `layout`.
-    pub out: Vec<f32>,
+    pub out: TensorData,
     pub layout: OutputLayout,
+    /// [S][d][h_v][d] in `options.layout`.
     pub state: Vec<f32>,
     pub hist: Vec<f32>,
+    pub options: PoolOptions,
 }
 
-fn le_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+/// One tensor of an output file.
+pub struct FileTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub data: TensorData,
 }
 
 impl StepOutput {
-    pub fn y(&self) -> &[f32] {
-        &self.out[..self.layout.rows * self.layout.n]
+    /// y, widened to f32.
+    pub fn y(&self) -> Vec<f32> {
+        let mut y = vec![0.0; self.layout.rows * self.layout.n];
+        self.out.view().widen_into(0, &mut y);
+        y
     }
 
-    /// The tensors of the output file: `y`, `state`, `hist`, and with planes `planes` [B, 4, T, n] (plane 0 is y)
-    /// and `group_sums` [B, T, n / 16].
-    pub fn tensors(&self) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-        let (b, t, sh) = (self.b, self.t, self.shape);
+    /// The tensors of the output file: `y`, `state`, `hist`, and with planes `planes` ([B, 4, T, n] or
+    /// [4, R, n]; plane 0 is y) and `group_sums` ([B, T, n / 16] or [R, n / 16]).
+    pub fn tensors(&self) -> Vec<FileTensor> {
+        let sh = self.shape;
         let n = sh.n();
-        let lead = |w: &[usize]| -> Vec<usize> {
-            let mut v = if self.batched { vec![b] } else { vec![] };
-            v.extend_from_slice(w);
+        let rows = self.layout.rows;
+        let (lead, per_seq, uniform): (Vec<usize>, Vec<usize>, Option<(usize, usize)>) =
+            match self.form {
+                Form::Uniform { b, t, batched } => (
+                    if batched { vec![b, t] } else { vec![t] },
+                    if batched { vec![b] } else { vec![] },
+                    Some((b, t)),
+                ),
+                Form::Varlen { ref cu_seqlens } => (vec![rows], vec![cu_seqlens.len() - 1], None),
+            };
+        let dims = |w: &[usize]| -> Vec<usize> { lead.iter().chain(w).copied().collect() };
+        let seq = |w: &[usize]| -> Vec<usize> { per_seq.iter().chain(w).copied().collect() };
+        let dt = self.out.dtype();
+        let part = |at: usize, len: usize| {
+            let mut v = vec![0.0; len];
+            self.out.view().widen_into(at, &mut v);
             v
         };
+        // the values are already rounded to `dt`: narrowing them again is exact
+        let out_tensor = |name: &str, shape: Vec<usize>, v: &[f32]| FileTensor {
+            name: name.into(),
+            shape,
+            data: TensorData::from_f32(v, dt),
+        };
         let mut ts = vec![
-            ("y".to_string(), lead(&[t, n]), self.y().to_vec()),
-            (
-                "state".to_string(),
-                lead(&[sh.d, sh.h_v, sh.d]),
-                self.state.clone(),
-            ),
-            (
-                "hist".to_string(),
-                lead(&[sh.channels(), 3]),
-                self.hist.clone(),
-            ),
+            out_tensor("y", dims(&[n]), &self.y()),
+            FileTensor {
+                name: "state".into(),
+                shape: seq(&[sh.d, sh.h_v, sh.d]),
+                data: TensorData::from_f32(&self.state, self.options.state),
+            },
+            FileTensor {
+                name: "hist".into(),
+                shape: seq(&[sh.channels(), 3]),
+                data: TensorData::F32(self.hist.clone()),
+            },
         ];
         if let Some(ps) = self.layout.plane_stride {
-            let mut planes = Vec::with_capacity(b * 4 * t * n);
-            for s in 0..b {
-                for p in 0..4 {
-                    planes
-                        .extend_from_slice(&self.out[p * ps + s * t * n..p * ps + (s + 1) * t * n]);
+            let mut planes = Vec::with_capacity(4 * rows * n);
+            let shape = match uniform {
+                Some((b, t)) => {
+                    for s in 0..b {
+                        for p in 0..4 {
+                            planes.extend(part(p * ps + s * t * n, t * n));
+                        }
+                    }
+                    seq(&[4, t, n])
                 }
-            }
-            ts.push(("planes".to_string(), lead(&[4, t, n]), planes));
-            let sums = &self.out[4 * ps..4 * ps + b * t * n / 16];
-            ts.push(("group_sums".to_string(), lead(&[t, n / 16]), sums.to_vec()));
+                None => {
+                    for p in 0..4 {
+                        planes.extend(part(p * ps, rows * n));
+                    }
+                    vec![4, rows, n]
+                }
+            };
+            ts.push(out_tensor("planes", shape, &planes));
+            ts.push(out_tensor(
+                "group_sums",
+                dims(&[n / 16]),
+                &part(4 * ps, rows * n / 16),
+            ));
         }
         ts
     }
 
     /// Writes the output file atomically: a temporary file in the same folder, synced, then renamed into place;
-    /// on any error nothing is left behind. The metadata records the conventions and the commit mode used.
+    /// on any error nothing is left behind. The metadata records the conventions, the state layout and the
+    /// commits used (one for all where they agree, else a comma-separated list).
     pub fn write(&self, path: &Path) -> Result<()> {
         let ts = self.tensors();
         let c = &self.config;
-        let commit = match self.commit {
+        let name = |k: &Commit| match k {
             Commit::Verify => "verify".to_string(),
             Commit::All => "all".to_string(),
             Commit::First(k) => k.to_string(),
+        };
+        let commit = if self.commits.windows(2).all(|w| w[0] == w[1]) {
+            self.commits.first().map_or_else(|| "all".into(), name)
+        } else {
+            self.commits.iter().map(name).collect::<Vec<_>>().join(",")
         };
         let meta = [
             ("head_map", c.head_map.name().to_string()),
             ("gate", c.gate.name().to_string()),
             ("eps", format!("{:e}", c.eps)),
+            ("state_layout", self.options.layout.name().to_string()),
             ("commit", commit),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
-        let buf = serialize(
-            ts.iter()
-                .map(|(n, s, v)| (n.as_str(), s.clone(), v.as_slice())),
-            Some(meta),
-        )?;
+        let buf = serialize(&ts, Some(meta))?;
         let dir = match path.parent() {
             Some(p) if !p.as_os_str().is_empty() => p,
             _ => Path::new("."),
@@ -373,23 +621,81 @@ impl StepOutput {
     }
 }
 
-/// Serializes f32 tensors (name, shape, data) with optional metadata.
-fn serialize<'a>(
-    tensors: impl Iterator<Item = (&'a str, Vec<usize>, &'a [f32])>,
-    metadata: Option<HashMap<String, String>>,
-) -> Result<Vec<u8>> {
-    let owned: Vec<(&str, Vec<usize>, Vec<u8>)> =
-        tensors.map(|(n, s, v)| (n, s, le_bytes(v))).collect();
+fn le_bytes(d: &TensorData) -> Vec<u8> {
+    match d {
+        TensorData::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        TensorData::Bf16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+        TensorData::F16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+    }
+}
+
+/// Serializes tensors with optional metadata.
+fn serialize(tensors: &[FileTensor], metadata: Option<HashMap<String, String>>) -> Result<Vec<u8>> {
+    let owned: Vec<(&FileTensor, Vec<u8>)> =
+        tensors.iter().map(|t| (t, le_bytes(&t.data))).collect();
     let mut views = Vec::with_capacity(owned.len());
-    for (name, shape, data) in &owned {
-        let view =
-            TensorView::new(Dtype::F32, shape.clone(), data).map_err(|e| bad(e.to_string()))?;
-        views.push((name.to_string(), view));
+    for (t, data) in &owned {
+        let view = TensorView::new(file_dtype(t.data.dtype()), t.shape.clone(), data)
+            .map_err(|e| bad(format!("tensor '{}': {e}", t.name)))?;
+        views.push((t.name.clone(), view));
     }
     safetensors::serialize(views, metadata).map_err(|e| bad(e.to_string()))
 }
 
-/// Writes a window file (the input format), e.g. for tests and for dumping windows from an engine.
+fn ints(name: &str, v: &[i64]) -> Result<Vec<u8>> {
+    v.iter()
+        .map(|&x| i32::try_from(x).map(|x| x.to_le_bytes()))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map(|b| b.concat())
+        .map_err(|_| bad(format!("{name} does not fit I32")))
+}
+
+fn write_file(
+    path: &Path,
+    mut ts: Vec<FileTensor>,
+    layer: &Layer,
+    int_tensors: &[(&str, Vec<i64>)],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()> {
+    let sh = layer.shape();
+    let p = &layer.params;
+    for (name, shape, v) in [
+        ("conv_w", vec![sh.channels(), 4], &p.conv_w),
+        ("dt", vec![sh.h_v], &p.dt),
+        ("a", vec![sh.h_v], &p.a),
+        ("gamma", vec![sh.d], &p.gamma),
+    ] {
+        ts.push(FileTensor {
+            name: name.into(),
+            shape,
+            data: TensorData::F32(v.clone()),
+        });
+    }
+    let ints: Vec<(String, Vec<usize>, Vec<u8>)> = int_tensors
+        .iter()
+        .map(|(n, v)| Ok((n.to_string(), vec![v.len()], ints(n, v)?)))
+        .collect::<Result<_>>()?;
+    let owned: Vec<(&FileTensor, Vec<u8>)> = ts.iter().map(|t| (t, le_bytes(&t.data))).collect();
+    let mut views = Vec::new();
+    for (t, data) in &owned {
+        views.push((
+            t.name.clone(),
+            TensorView::new(file_dtype(t.data.dtype()), t.shape.clone(), data)
+                .map_err(|e| bad(format!("tensor '{}': {e}", t.name)))?,
+        ));
+    }
+    for (n, s, data) in &ints {
+        views.push((
+            n.clone(),
+            TensorView::new(Dtype::I32, s.clone(), data).map_err(|e| bad(e.to_string()))?,
+        ));
+    }
+    let buf = safetensors::serialize(views, metadata).map_err(|e| bad(e.to_string()))?;
+    std::fs::write(path, buf)?;
+    Ok(())
+}
+
+/// Writes a uniform f32 window file (the input format), e.g. for tests and for dumping windows from an engine.
 pub fn write_input(
     path: &Path,
     layer: &Layer,
@@ -400,32 +706,105 @@ pub fn write_input(
 ) -> Result<()> {
     let sh = layer.shape();
     let (b, t) = (batch.b, batch.t);
-    let p = &layer.params;
-    let mut ts: Vec<(&str, Vec<usize>, &[f32])> = vec![
-        ("qkv", vec![b, t, sh.channels()], &batch.qkv),
-        ("alpha", vec![b, t, sh.h_v], &batch.alpha),
-        ("beta", vec![b, t, sh.h_v], &batch.beta),
-        ("z", vec![b, t, sh.n()], &batch.z),
-        ("conv_w", vec![sh.channels(), 4], &p.conv_w),
-        ("dt", vec![sh.h_v], &p.dt),
-        ("a", vec![sh.h_v], &p.a),
-        ("gamma", vec![sh.d], &p.gamma),
+    let f = |name: &str, shape: Vec<usize>, v: &[f32]| FileTensor {
+        name: name.into(),
+        shape,
+        data: TensorData::F32(v.to_vec()),
+    };
+    let mut ts = vec![
+        f("qkv", vec![b, t, sh.channels()], &batch.qkv),
+        f("alpha", vec![b, t, sh.h_v], &batch.alpha),
+        f("beta", vec![b, t, sh.h_v], &batch.beta),
+        f("z", vec![b, t, sh.n()], &batch.z),
     ];
     if let Some(s) = state {
-        ts.push(("state", vec![b, sh.d, sh.h_v, sh.d], s));
+        ts.push(f("state", vec![b, sh.d, sh.h_v, sh.d], s));
     }
     if let Some(h) = hist {
-        ts.push(("hist", vec![b, sh.channels(), 3], h));
+        ts.push(f("hist", vec![b, sh.channels(), 3], h));
     }
-    let buf = serialize(ts.into_iter(), metadata)?;
-    std::fs::write(path, buf)?;
-    Ok(())
+    write_file(path, ts, layer, &[], metadata)
+}
+
+/// Writes a varlen window file: packed rows in their dtypes, `cu_seqlens` (I32), optionally per-sequence commits
+/// (I32: 0 verify, k commit the first k), states (written in `state_dtype`, in the layout the metadata names) and
+/// histories.
+#[allow(clippy::too_many_arguments)]
+pub fn write_varlen_input(
+    path: &Path,
+    layer: &Layer,
+    rows: &RowsData,
+    cu_seqlens: &[usize],
+    commits: Option<&[Commit]>,
+    state: Option<(&[f32], DType)>,
+    hist: Option<&[f32]>,
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()> {
+    let sh = layer.shape();
+    let r = rows.view().count(sh)?;
+    let s_n = cu_seqlens.len().saturating_sub(1);
+    let t = |name: &str, shape: Vec<usize>, data: &TensorData| FileTensor {
+        name: name.into(),
+        shape,
+        data: data.clone(),
+    };
+    let mut ts = vec![
+        t("qkv", vec![r, sh.channels()], &rows.qkv),
+        t("alpha", vec![r, sh.h_v], &rows.alpha),
+        t("beta", vec![r, sh.h_v], &rows.beta),
+        t("z", vec![r, sh.n()], &rows.z),
+    ];
+    if let Some((s, dt)) = state {
+        ts.push(FileTensor {
+            name: "state".into(),
+            shape: vec![s_n, sh.d, sh.h_v, sh.d],
+            data: TensorData::from_f32(s, dt),
+        });
+    }
+    if let Some(h) = hist {
+        ts.push(FileTensor {
+            name: "hist".into(),
+            shape: vec![s_n, sh.channels(), 3],
+            data: TensorData::F32(h.to_vec()),
+        });
+    }
+    let mut ints = vec![(
+        "cu_seqlens",
+        cu_seqlens.iter().map(|&x| x as i64).collect::<Vec<_>>(),
+    )];
+    if let Some(c) = commits {
+        let lens: Vec<usize> = cu_seqlens.windows(2).map(|w| w[1] - w[0]).collect();
+        ints.push((
+            "commit",
+            c.iter()
+                .zip(&lens)
+                .map(|(k, &len)| match k {
+                    Commit::Verify => 0,
+                    Commit::All => len as i64,
+                    Commit::First(k) => *k as i64,
+                })
+                .collect(),
+        ));
+    }
+    write_file(path, ts, layer, &ints, metadata)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::synth::Synth;
+
+    fn ser(ts: &[(&str, Vec<usize>, Vec<f32>)], meta: Option<HashMap<String, String>>) -> Vec<u8> {
+        let ft: Vec<FileTensor> = ts
+            .iter()
+            .map(|(n, s, v)| FileTensor {
+                name: n.to_string(),
+                shape: s.clone(),
+                data: TensorData::F32(v.clone()),
+            })
+            .collect();
+        serialize(&ft, meta).unwrap()
+    }
 
     fn layer() -> Layer {
         Synth::new(3)
@@ -460,19 +839,21 @@ mod tests {
             ("gamma", vec![sh.d], p.gamma.clone()),
         ];
         edit(&mut ts);
-        serialize(
-            ts.iter().map(|(n, s, v)| (*n, s.clone(), v.as_slice())),
-            None,
-        )
-        .unwrap()
+        ser(&ts, None)
     }
 
     #[test]
     fn an_unbatched_file_without_state_reads_as_one_sequence_from_zeros() {
         let l = layer();
         let inp = StepInput::parse(&file(&l, None, 3, |_| {}), Overrides::default()).unwrap();
-        assert!(!inp.batched);
-        assert_eq!((inp.batch.b, inp.batch.t), (1, 3));
+        assert_eq!(
+            inp.form,
+            Form::Uniform {
+                b: 1,
+                t: 3,
+                batched: false
+            }
+        );
         assert!(inp.state.iter().all(|&x| x == 0.0) && inp.state.len() == l.shape().state_len());
         assert!(inp.hist.iter().all(|&x| x == 0.0) && inp.hist.len() == l.shape().hist_len());
         assert_eq!(
@@ -544,12 +925,11 @@ mod tests {
             .into_iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        bytes = serialize(
-            data.iter()
-                .map(|(n, s, v)| (n.as_str(), s.clone(), v.as_slice())),
-            Some(meta),
-        )
-        .unwrap();
+        let data: Vec<(&str, Vec<usize>, Vec<f32>)> = data
+            .iter()
+            .map(|(n, s, v)| (n.as_str(), s.clone(), v.clone()))
+            .collect();
+        bytes = ser(&data, Some(meta));
         let c = StepInput::parse(&bytes, Overrides::default())
             .unwrap()
             .layer
@@ -562,6 +942,7 @@ mod tests {
             head_map: Some(HeadMap::Tiled),
             gate: Some(Gate::Sigmoid),
             eps: Some(2e-6),
+            state_layout: None,
         };
         let c = StepInput::parse(&bytes, o).unwrap().layer.config;
         assert_eq!(

@@ -35,6 +35,11 @@ impl LineVec {
         v
     }
 
+    /// Floats the buffer holds room for.
+    pub fn capacity(&self) -> usize {
+        self.lines.capacity() * 16
+    }
+
     /// Grows or shrinks to `len` floats; floats past the old length are zero.
     pub fn resize(&mut self, len: usize) {
         let old = self.len;
