@@ -170,7 +170,7 @@ fn main() -> gdn::Result<()> {
     if arg("sweep") {
         // splits and register budgets of the bf16 state (the packed registers at T 1 leave room for more blocks)
         for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
-            // (a staged bf16 state at T 1 compiles for the plan's minb + 2 blocks a multiprocessor)
+            // (a staged bf16 state at T 1 compiles for the plan's minb + 4 (key-major) or + 2 blocks an SM)
             for (ncb, rg, minb) in [(1, 2, 1), (1, 2, 2), (1, 2, 3), (1, 2, 4)] {
                 let c = Case {
                     state: DType::Bf16,

@@ -14,6 +14,7 @@
 //                           0 f32, 1 bf16, 2 f16. Inputs widen exactly; outputs round once, to nearest even.
 //   GDN_STATE_DT            0: S in f32; 1: S in bf16 (widened at the window start, updated in f32, rounded
 //                           to nearest even once, at the commit token)
+//   GDN_STAGE               1: a bf16 state at T 1 goes through shared memory (see STAGE below)
 //   GDN_VMAJOR              0: S[i][h][j] at (i * HV + h) * D + j (key-major, SPEC.md); 1: at (h * D + j) * D + i
 //                           (value-major, keys contiguous)
 //   GDN_NCB                 column blocks per value head = thread-block cluster size (1, 2, 4, 8)
@@ -135,13 +136,17 @@ typedef Elt<GDN_Z_DT> EZ;
 typedef Elt<GDN_OUT_DT> EO;
 typedef Elt<GDN_STATE_DT> ES;
 
-// A bf16 state at T 1 with one block a head (STAGE) is not held in registers: the block copies its head's
+// With GDN_STAGE (the host sets it for calls that fill the device), a bf16 state at T 1 with one block a head
+// (STAGE) is not held in registers: the block copies its head's
 // state into shared memory with cp.async as soon as the slot is known, computes the conv and the norms while
 // the copies are in flight, and both sweeps read the state from there; the updated state is rounded and
 // stored straight from the update sweep. No registers hold data in flight, so more blocks fit on a
 // multiprocessor and each block's load overlaps its own prologue. The arithmetic (values, operations and
 // their order) is that of the register path, so the bits are those of the run-time-length kernel.
-#define STAGE (GDN_STATE_DT == 1 && GDN_T == 1 && GDN_NCB == 1 && D <= 128 && RPT % 8 == 0)
+#ifndef GDN_STAGE
+#define GDN_STAGE 0
+#endif
+#define STAGE (GDN_STAGE && GDN_STATE_DT == 1 && GDN_T == 1 && GDN_NCB == 1 && D <= 128 && RPT % 8 == 0)
 #define SPITCH (2 * D + 16)  // bytes of one staged row (16-byte aligned; the skew spreads a warp's loads)
 // Which keys a thread holds. Key-major: row group g holds the keys g * RPT .. + RPT (a warp's load of one
 // register row reads CPW consecutive columns of RG rows). Value-major (a column's keys contiguous): the keys
@@ -321,7 +326,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #else
             const char* src = gbase + ((size_t)row * HV + h) * D * 2 + part * 16;
 #endif
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sbase + row * SPITCH + part * 16), "l"(src)
+            asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(sbase + row * SPITCH + part * 16), "l"(src)
                          : "memory");
         }
         asm volatile("cp.async.commit_group;" ::: "memory");

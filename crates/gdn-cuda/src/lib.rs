@@ -47,7 +47,7 @@
 //! };
 //! // compile before a graph capture
 //! pool.prepare(&StepKind { uniform_len: Some(1), commits: true, planes: false,
-//!     io: Io::new([gdn::DType::Bf16; 4], gdn::DType::F32) })?;
+//!     io: Io::new([gdn::DType::Bf16; 4], gdn::DType::F32), seqs: 4 })?;
 //! pool.step_device(&step, &mut DeviceTensorMut::F32(&mut out.as_view_mut()))?; // no allocation, no sync
 //! # Ok(())
 //! # }

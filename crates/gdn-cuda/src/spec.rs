@@ -80,6 +80,9 @@ pub struct Spec {
     pub io: Io,
     /// The pool's state: element type (f32 or bf16) and layout.
     pub pool: PoolOptions,
+    /// Stage a bf16 state at T 1 through shared memory (see [`Spec::staged`]); the pool asks for it on calls
+    /// large enough to fill the device, where it pays. It changes no bits.
+    pub stage: bool,
 }
 
 /// How one value head's state is split over threads and blocks.
@@ -188,6 +191,7 @@ impl Spec {
             plan,
             io: Io::default(),
             pool: PoolOptions::default(),
+            stage: true,
         }
     }
 
@@ -196,27 +200,40 @@ impl Spec {
         Spec { io, ..self }
     }
 
+    /// The same specialisation with staging allowed or not.
+    pub fn with_stage(self, stage: bool) -> Spec {
+        Spec { stage, ..self }
+    }
+
     /// The same specialisation for another kind of pool.
     pub fn with_pool(self, pool: PoolOptions) -> Spec {
         Spec { pool, ..self }
     }
 
     /// Whether the kernel stages the state through shared memory instead of registers (the kernel's `STAGE`:
-    /// a bf16 state at T 1, one block a head, d <= 128).
+    /// asked for, a bf16 state at T 1, one block a head, d <= 128).
     pub fn staged(&self) -> bool {
         let d = self.shape.d;
-        self.pool.state == DType::Bf16
+        self.stage
+            && self.pool.state == DType::Bf16
             && self.t == 1
             && self.plan.ncb == 1
             && d <= 128
             && (d / self.plan.rg.max(1)).is_multiple_of(8)
     }
 
-    /// The register budget compiled in: the plan's, and for a staged state (no registers hold it) two blocks
-    /// a multiprocessor more. Only the register allocation changes with it, not the arithmetic.
+    /// The register budget compiled in: the plan's, and for a staged state (no registers hold it) more blocks
+    /// a multiprocessor, as many as measured best on the H200 (B 256 T 1, NOTES.md): six key-major (2-byte
+    /// shared loads, so more blocks to cover them), four value-major. Only the register allocation changes
+    /// with it, not the arithmetic.
     pub fn minb(&self) -> usize {
         if self.staged() {
-            (self.plan.minb + 2).min((2048 / self.threads().max(1)).max(1))
+            let extra = if self.pool.layout == StateLayout::KeyMajor {
+                4
+            } else {
+                2
+            };
+            (self.plan.minb + extra).min((2048 / self.threads().max(1)).max(1))
         } else {
             self.plan.minb
         }
@@ -230,7 +247,7 @@ impl Spec {
              #define GDN_GROUPED {}\n#define GDN_PLANES {}\n#define GDN_COMMIT {}\n#define GDN_NCB {}\n\
              #define GDN_RG {}\n#define GDN_MINB {}\n#define GDN_QKV_DT {}\n#define GDN_ALPHA_DT {}\n\
              #define GDN_BETA_DT {}\n#define GDN_Z_DT {}\n#define GDN_OUT_DT {}\n#define GDN_STATE_DT {}\n\
-             #define GDN_VMAJOR {}\n",
+             #define GDN_VMAJOR {}\n#define GDN_STAGE {}\n",
             s.d,
             s.h_k,
             s.h_v,
@@ -249,6 +266,7 @@ impl Spec {
             dt_code(self.io.out),
             dt_code(self.pool.state),
             (self.pool.layout == StateLayout::ValueMajor) as u8,
+            self.staged() as u8,
         )
     }
 

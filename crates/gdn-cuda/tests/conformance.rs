@@ -144,18 +144,26 @@ fn const_length_and_run_time_kernels_agree_bitwise() {
 }
 
 /// The device-native step: the same call through `step_device` with and without the uniform-length hint,
-/// and through `step_varlen`, gives the same bits (bf16 state, value-major, bf16 activations, T 1 and 4).
+/// and through `step_varlen`, gives the same bits (bf16 state, both layouts, bf16 activations, T 1 and 4). At
+/// T 1 the call is large enough (7 sequences x 48 heads) that the hinted kernel stages the state through
+/// shared memory, so this also checks the staged path against the register path of the run-time length.
 #[test]
 fn device_step_matches_host_step_bitwise() {
     let Some(cuda) = cuda_or_skip("device_step_matches_host_step_bitwise") else {
         return;
     };
+    for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+        device_step_case(&cuda, layout);
+    }
+}
+
+fn device_step_case(cuda: &Cuda, layout: StateLayout) {
     let opts = PoolOptions {
         state: DType::Bf16,
-        layout: StateLayout::ValueMajor,
+        layout,
     };
     for t in [1usize, 4] {
-        let b = 5;
+        let b = 8;
         let s = setup(Shape::SEED, b, b * t, DType::Bf16, 5 + t as u64);
         let seqs: Vec<Seq> = (0..b)
             .map(|i| Seq {
@@ -165,11 +173,11 @@ fn device_step_matches_host_step_bitwise() {
                 commit: if i == 2 { Commit::Verify } else { Commit::All },
             })
             .collect();
-        let mut host = pool(&cuda, &s, opts);
+        let mut host = pool(cuda, &s, opts);
         let y_host = run(&mut host, &s.rows, &seqs, false, DType::F32);
         let st_host = slot_bits(&mut host);
         for hint in [Some(t), None] {
-            let mut dev = pool(&cuda, &s, opts);
+            let mut dev = pool(cuda, &s, opts);
             let st = cuda.stream();
             let up = |x: &TensorData| match x {
                 TensorData::Bf16(v) => st.clone_htod(v).unwrap(),
