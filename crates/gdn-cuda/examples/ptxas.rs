@@ -36,7 +36,7 @@ fn main() {
     }
     eprintln!("{:.1} s", t0.elapsed().as_secs_f64());
     for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
-        for (rg, minb) in [(2, 3), (4, 2)] {
+        for (rg, minb) in [(2, 1), (2, 2), (2, 3), (2, 4), (4, 2)] {
             for t in [Some(1), None] {
                 let p = Plan { ncb: 1, rg, minb };
                 let s = Spec::new((9, 0), &cfg, t, true, false, p).with_pool(PoolOptions {

@@ -1,9 +1,12 @@
-//! gdn-cuda: the CUDA backend of gdn. The whole window step (SPEC.md) runs as one kernel launch, compiled by
-//! NVRTC at first use for the device's own architecture and specialised on the shape, the window length, the
-//! conventions, the planes, the commit kind and the launch split (see [`spec`]). The state pool lives on the
-//! device; [`CudaPool::step_device`] takes inputs already there and can be captured into a CUDA graph.
+//! gdn-cuda: the CUDA backend of gdn. A varlen step (SPEC.md: packed rows, one entry per sequence with its own
+//! length and commit, activations and outputs in f32/bf16/f16, an f32 or bf16 state in key-major or value-major
+//! layout) runs as one kernel launch, compiled by NVRTC at first use for the device's own architecture and
+//! specialised on the shape, the window length, the conventions, the planes, the commit kind, the dtypes, the
+//! pool's state and the launch split (see [`spec`]). The state pool lives on the device;
+//! [`CudaPool::step_device`] takes inputs already there and can be captured into a CUDA graph.
 //!
-//! With no driver, no GPU or no libnvrtc, [`Cuda::new`] returns [`gdn::Error::Unavailable`].
+//! With no driver, no GPU or no libnvrtc, [`Cuda::new`] returns [`gdn::Error::Unavailable`]. The library
+//! reads no environment variables.
 //!
 //! The device-native step, inputs already on the device (a decode step of 4 sequences at the seed shape, bf16
 //! activations, an f32 output):
