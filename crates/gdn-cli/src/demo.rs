@@ -1,11 +1,16 @@
-//! `gdn demo`: a random layer at the seed's shape, a prompt, then speculative decoding (verify a window of 4,
-//! commit the accepted tokens), every output checked against the float64 oracle as it goes.
+//! `gdn demo`: a random layer at the seed's shape and several sequences, as an engine's batch holds them:
+//! prompts of different lengths in one varlen call, then speculative decoding where every sequence drafts its
+//! own number of tokens and accepts its own prefix (one verify call and one commit call per round for the whole
+//! batch), every output checked against the float64 oracle as it goes.
 
 use std::time::{Duration, Instant};
 
 use gdn::oracle::{self, SeqState};
 use gdn::synth::Synth;
-use gdn::{relative_error, Commit, Config, Error, Gate, HeadMap, Result, Shape, StepArgs};
+use gdn::{
+    relative_error, Commit, Config, DType, Error, Gate, HeadMap, Result, RowsData, Seq, Shape,
+    Step, TensorData,
+};
 
 use crate::backends;
 
@@ -13,21 +18,59 @@ use crate::backends;
 pub struct Args {
     #[arg(long, default_value = "cpu")]
     backend: String,
-    /// Prompt length.
+    /// Sequences in the batch.
+    #[arg(long, default_value_t = 3)]
+    seqs: usize,
+    /// Longest prompt (sequence s gets a prompt of about (s + 1) / seqs of it).
     #[arg(long, default_value_t = 64)]
     prompt: usize,
     /// Speculative rounds.
     #[arg(long, default_value_t = 24)]
     rounds: usize,
-    /// Draft window length.
+    /// Longest draft window (each sequence drafts 1 to this many tokens a round).
     #[arg(long, default_value_t = 4)]
     window: usize,
     #[arg(long, default_value_t = 7)]
     seed: u64,
 }
 
+/// Random packed rows for windows of these lengths, and their sequences (slot s, rows end to end).
+fn windows(
+    rng: &mut Synth,
+    layer: &gdn::Layer,
+    lens: &[usize],
+    commits: &[Commit],
+) -> (RowsData, Vec<Seq>) {
+    let total: usize = lens.iter().sum();
+    let w = rng.batch(layer, 1, total);
+    let rows = RowsData::from_f32(&w.qkv, &w.alpha, &w.beta, &w.z, [DType::F32; 4]);
+    let mut start = 0;
+    let seqs = lens
+        .iter()
+        .zip(commits)
+        .enumerate()
+        .map(|(s, (&len, &commit))| {
+            let q = Seq {
+                slot: s as i32,
+                start,
+                len,
+                commit,
+            };
+            start += len;
+            q
+        })
+        .collect();
+    (rows, seqs)
+}
+
 pub fn run(args: Args) -> Result<()> {
     let backend = backends::make(&args.backend)?;
+    if args.seqs == 0 || args.prompt == 0 || args.window == 0 {
+        return Err(Error::Param {
+            name: "demo",
+            why: "--seqs, --prompt and --window must be at least 1".into(),
+        });
+    }
     let shape = Shape::SEED;
     let config = Config {
         shape,
@@ -39,18 +82,20 @@ pub fn run(args: Args) -> Result<()> {
     let layer = rng.layer(config)?;
     println!("gdn demo on {}", backend.name());
     println!(
-        "layer: d {} h_k {} h_v {} (Qwen3.5-27B's GDN shape), grouped heads, silu gate; state {:.1} MiB per sequence",
+        "layer: d {} h_k {} h_v {} (Qwen3.5-27B's GDN shape), grouped heads, silu gate; state {:.1} MiB per sequence; {} sequences",
         shape.d,
         shape.h_k,
         shape.h_v,
-        (shape.state_len() * 4) as f64 / (1 << 20) as f64
+        (shape.state_len() * 4) as f64 / (1 << 20) as f64,
+        args.seqs
     );
-    let mut pool = backend.create_pool(&layer, 1)?;
-    let mut reference = vec![SeqState::zeros(&layer)];
+    let b = args.seqs;
+    let mut pool = backend.create_pool(&layer, b)?;
+    let mut reference = vec![SeqState::zeros(&layer); b];
     let n = shape.n();
     let mut worst: f64 = 0.0;
-    let mut check = |what: &str, got: &[f32], want: &[f64]| -> Result<f64> {
-        let e = relative_error(got, want);
+    let mut check = |what: &str, got: &TensorData, want: &[f64]| -> Result<f64> {
+        let e = relative_error(&got.to_f32(), want);
         worst = worst.max(e);
         if e >= 1e-4 || e.is_nan() {
             return Err(Error::Backend(format!(
@@ -59,90 +104,61 @@ pub fn run(args: Args) -> Result<()> {
         }
         Ok(e)
     };
-
-    // the prompt, one window, committed
-    let prompt = rng.batch(&layer, 1, args.prompt);
-    let mut y = vec![0.0; args.prompt * n];
-    let t0 = Instant::now();
-    pool.step(
-        &StepArgs {
-            batch: prompt.view(),
-            slots: &[0],
-            commit: Commit::All,
+    let call = |pool: &mut dyn gdn::LayerPool,
+                reference: &mut [SeqState],
+                rows: &RowsData,
+                seqs: &[Seq]|
+     -> Result<(TensorData, Vec<f64>, Duration)> {
+        let total: usize = seqs.iter().map(|s| s.len).sum();
+        let step = Step {
+            rows: rows.view(),
+            seqs,
             plane_stride: None,
-        },
-        &mut y,
-    )?;
-    let prompt_time = t0.elapsed();
-    let want = oracle::step(
-        &layer,
-        &mut reference,
-        &prompt.view(),
-        &[0],
-        Commit::All,
-        None,
-    )?;
-    let e = check("prompt", &y, &want)?;
+        };
+        let mut y = TensorData::filled(total * n, 0.0, DType::F32);
+        let t0 = Instant::now();
+        pool.step_varlen(&step, y.view_mut())?;
+        let took = t0.elapsed();
+        let want = oracle::step_varlen(&layer, reference, &step, DType::F32, DType::F32)?;
+        Ok((y, want, took))
+    };
+
+    // the prompts, all in one varlen call, committed
+    let lens: Vec<usize> = (0..b)
+        .map(|s| (args.prompt * (s + 1)).div_ceil(b))
+        .collect();
+    let (rows, seqs) = windows(&mut rng, &layer, &lens, &vec![Commit::All; b]);
+    let (y, want, took) = call(pool.as_mut(), &mut reference, &rows, &seqs)?;
+    let e = check("prompts", &y, &want)?;
+    let total: usize = lens.iter().sum();
     println!(
-        "prompt: {} tokens in one window: {:.2} ms ({:.0} tokens/s), y relative error {e:.1e}",
-        args.prompt,
-        prompt_time.as_secs_f64() * 1e3,
-        args.prompt as f64 / prompt_time.as_secs_f64()
+        "prompts of {lens:?} tokens in one call: {:.2} ms ({:.0} tokens/s), y relative error {e:.1e}",
+        took.as_secs_f64() * 1e3,
+        total as f64 / took.as_secs_f64()
     );
 
-    // speculative decoding: verify a draft window, accept a random prefix, commit it
-    let w = args.window;
+    // speculative decoding: every sequence drafts its own window; one call verifies them all, one commits each
+    // sequence's accepted prefix
     let (mut verify_time, mut commit_time) = (Duration::ZERO, Duration::ZERO);
     let mut accepted_total = 0;
-    let mut y = vec![0.0; w * n];
     for round in 0..args.rounds {
-        let draft = rng.batch(&layer, 1, w);
-        let t0 = Instant::now();
-        pool.step(
-            &StepArgs {
-                batch: draft.view(),
-                slots: &[0],
-                commit: Commit::Verify,
-                plane_stride: None,
-            },
-            &mut y,
-        )?;
-        verify_time += t0.elapsed();
+        let drafts: Vec<usize> = (0..b).map(|_| rng.index(1, args.window)).collect();
+        let (rows, mut seqs) = windows(&mut rng, &layer, &drafts, &vec![Commit::Verify; b]);
         let mut scratch = reference.clone();
-        let want = oracle::step(
-            &layer,
-            &mut scratch,
-            &draft.view(),
-            &[0],
-            Commit::Verify,
-            None,
-        )?;
+        let (y, want, took) = call(pool.as_mut(), &mut scratch, &rows, &seqs)?;
+        verify_time += took;
         let e_verify = check("verify", &y, &want)?;
-        let accepted = rng.index(1, w);
-        let t0 = Instant::now();
-        pool.step(
-            &StepArgs {
-                batch: draft.view(),
-                slots: &[0],
-                commit: Commit::First(accepted),
-                plane_stride: None,
-            },
-            &mut y,
-        )?;
-        commit_time += t0.elapsed();
-        let want = oracle::step(
-            &layer,
-            &mut reference,
-            &draft.view(),
-            &[0],
-            Commit::First(accepted),
-            None,
-        )?;
+        let accepted: Vec<usize> = drafts.iter().map(|&d| rng.index(1, d)).collect();
+        for (q, &k) in seqs.iter_mut().zip(&accepted) {
+            q.commit = Commit::First(k);
+        }
+        let (y, want, took) = call(pool.as_mut(), &mut reference, &rows, &seqs)?;
+        commit_time += took;
         let e_commit = check("commit", &y, &want)?;
-        accepted_total += accepted;
+        accepted_total += accepted.iter().sum::<usize>();
         if round < 4 || round + 1 == args.rounds {
             println!(
-                "round {:>2}: verified {w} drafted tokens (error {e_verify:.1e}), accepted {accepted}, committed (error {e_commit:.1e})",
+                "round {:>2}: verified drafts of {drafts:?} tokens in one call (error {e_verify:.1e}), accepted {accepted:?}, committed in one call (error {e_commit:.1e})",
                 round + 1
             );
         } else if round == 4 {
@@ -150,24 +166,27 @@ pub fn run(args: Args) -> Result<()> {
         }
     }
     let sh = layer.shape();
-    let mut s = vec![0.0; sh.state_len()];
-    let mut h = vec![0.0; sh.hist_len()];
-    pool.read_slot(0, &mut s, &mut h)?;
-    let e_s = relative_error(&s, &reference[0].s);
-    let e_h = relative_error(&h, &reference[0].h);
+    let (mut e_s, mut e_h) = (0.0f64, 0.0f64);
+    for (slot, want) in reference.iter().enumerate() {
+        let mut s = vec![0.0; sh.state_len()];
+        let mut h = vec![0.0; sh.hist_len()];
+        pool.read_slot(slot, &mut s, &mut h)?;
+        e_s = e_s.max(relative_error(&s, &want.s));
+        e_h = e_h.max(relative_error(&h, &want.h));
+    }
     worst = worst.max(e_s).max(e_h);
     let rounds = args.rounds as f64;
     println!(
-        "{} rounds, {} tokens accepted ({:.2} per round); verify {:.1} us, commit {:.1} us per round; {:.0} accepted tokens/s",
+        "{} rounds, {} tokens accepted over {b} sequences ({:.2} per sequence and round); verify {:.1} us, commit {:.1} us per round; {:.0} accepted tokens/s",
         args.rounds,
         accepted_total,
-        accepted_total as f64 / rounds,
+        accepted_total as f64 / rounds / b as f64,
         verify_time.as_secs_f64() * 1e6 / rounds,
         commit_time.as_secs_f64() * 1e6 / rounds,
         accepted_total as f64 / (verify_time + commit_time).as_secs_f64()
     );
     println!(
-        "final state against the oracle: S {e_s:.1e}, history {e_h:.1e}; worst error seen {worst:.1e} (bound 1e-4): agreement OK"
+        "final states against the oracle: S {e_s:.1e}, history {e_h:.1e}; worst error seen {worst:.1e} (bound 1e-4): agreement OK"
     );
     Ok(())
 }

@@ -92,45 +92,32 @@ pub fn replay_all(backend: &dyn Backend) {
         "expected the HF fixtures in {}",
         hf_dir().display()
     );
-    let mut worst = (0.0f64, 0.0f64, 0.0f64);
-    for f in &files {
-        let (y, s, h) = replay(backend, f);
-        let name = f.file_stem().unwrap_or_default().to_string_lossy();
+    // f32 activations, then bf16 activations in and out
+    for (io, bound) in [(DType::F32, F32_BOUND), (DType::Bf16, BF16_IO_BOUND)] {
+        let mut worst = (0.0f64, 0.0f64, 0.0f64);
+        for f in &files {
+            let (y, s, h) = replay_as(backend, f, io);
+            let name = f.file_stem().unwrap_or_default().to_string_lossy();
+            eprintln!(
+                "{}: {name:<24} {} activations: y {y:.2e}  state {s:.2e}  hist {h:.2e}",
+                backend.name(),
+                io.name()
+            );
+            assert!(
+                y < bound && s < bound && h < bound,
+                "{name}, {} activations: relative error against HF over {bound:e}: y {y:.2e} state {s:.2e} hist {h:.2e}",
+                io.name()
+            );
+            worst = (worst.0.max(y), worst.1.max(s), worst.2.max(h));
+        }
         eprintln!(
-            "{}: {name:<24} y {y:.2e}  state {s:.2e}  hist {h:.2e}",
-            backend.name()
+            "{}: worst over {} HF fixtures, {} activations: y {:.2e}, state {:.2e}, hist {:.2e}",
+            backend.name(),
+            files.len(),
+            io.name(),
+            worst.0,
+            worst.1,
+            worst.2
         );
-        assert!(
-            y < F32_BOUND && s < F32_BOUND && h < F32_BOUND,
-            "{name}: relative error against HF over {F32_BOUND:e}: y {y:.2e} state {s:.2e} hist {h:.2e}"
-        );
-        worst = (worst.0.max(y), worst.1.max(s), worst.2.max(h));
     }
-    eprintln!(
-        "{}: worst over {} HF fixtures: y {:.2e}, state {:.2e}, hist {:.2e}",
-        backend.name(),
-        files.len(),
-        worst.0,
-        worst.1,
-        worst.2
-    );
-    // again with bf16 activations in and out
-    let mut worst = (0.0f64, 0.0f64, 0.0f64);
-    for f in &files {
-        let (y, s, h) = replay_as(backend, f, DType::Bf16);
-        let name = f.file_stem().unwrap_or_default().to_string_lossy();
-        assert!(
-            y < BF16_IO_BOUND && s < BF16_IO_BOUND && h < BF16_IO_BOUND,
-            "{name} with bf16 activations: relative error against HF over {BF16_IO_BOUND:e}: y {y:.2e} state {s:.2e} hist {h:.2e}"
-        );
-        worst = (worst.0.max(y), worst.1.max(s), worst.2.max(h));
-    }
-    eprintln!(
-        "{}: worst over {} HF fixtures with bf16 activations: y {:.2e}, state {:.2e}, hist {:.2e}",
-        backend.name(),
-        files.len(),
-        worst.0,
-        worst.1,
-        worst.2
-    );
 }

@@ -1,198 +1,269 @@
-//! The CUDA backend's benchmark at the seed shape (device runs): copy ceiling, the step at B x T, host cost,
-//! and the ptxas report of the specialisations it ran. Usage: `bench [sweep] [table]`; writes a markdown table to
-//! $OUT/bench-cuda.md when OUT is set.
+//! The CUDA backend's benchmark at the seed shape (device runs): copy ceiling, the step at B x T for f32 and
+//! bf16 states, both layouts, f32 and bf16 activations, a mixed batch, host cost, and the ptxas report of what
+//! it ran. Usage: `bench [quick] [table] [sweep] [mixed]`; writes a markdown table to $OUT/bench-cuda.md when
+//! OUT is set. `GDN_CUDA_PLAN=ncb,rg,minb` forces a split, `GDN_CUDA_PDL=0` turns off programmatic dependent
+//! launch (read here and passed in through the API; the library reads no environment).
 
 use std::fmt::Write as _;
 
 use gdn::synth::Synth;
-use gdn::{Backend, Commit, Config, Gate, Shape, StepArgs};
+use gdn::{
+    Backend, Commit, Config, DType, Gate, LayerPool, PoolOptions, RowsData, Seq, Shape,
+    StateLayout, Step,
+};
 use gdn_cuda::{spec, Cuda, Plan};
 
 struct Row {
+    what: String,
     b: usize,
     t: usize,
-    gate: Gate,
-    plan: Plan,
+    state: DType,
     us: f64,
     host_us: f64,
+    /// bytes of S read + written a call
+    bytes: f64,
 }
 
-fn run(
-    cuda: &Cuda,
+#[derive(Clone, Copy)]
+struct Case {
     gate: Gate,
-    b: usize,
-    t: usize,
-    plan: Option<Plan>,
-    pdl: bool,
-) -> gdn::Result<Row> {
-    let mut c = cuda.clone();
-    c.set_plan_override(plan);
-    c.set_pdl(pdl);
+    state: DType,
+    layout: StateLayout,
+    io: DType,
+}
+
+fn time(cuda: &Cuda, c: Case, lens: &[usize], plan: Option<Plan>) -> gdn::Result<(f64, f64)> {
+    let mut cu = cuda.clone();
+    if plan.is_some() {
+        cu.set_plan_override(plan);
+    }
     let mut cfg = Config::new(Shape::SEED);
-    cfg.gate = gate;
-    let mut rng = Synth::new(7 + b as u64 * 31 + t as u64);
+    cfg.gate = c.gate;
+    let rows: usize = lens.iter().sum();
+    let mut rng = Synth::new(7 + lens.len() as u64 * 31 + rows as u64);
     let layer = rng.layer(cfg)?;
-    let mut pool = c.create_cuda_pool(&layer, b)?;
-    let batch = rng.batch(&layer, b, t);
-    let slots: Vec<i32> = (0..b as i32).collect();
-    let args = StepArgs {
-        batch: batch.view(),
-        slots: &slots,
-        commit: Commit::All,
+    let opts = PoolOptions {
+        state: c.state,
+        layout: c.layout,
+    };
+    let mut pool = cu.create_cuda_pool(&layer, lens.len(), opts)?;
+    let batch = rng.batch(&layer, rows, 1);
+    let data = RowsData::from_f32(&batch.qkv, &batch.alpha, &batch.beta, &batch.z, [c.io; 4]);
+    let mut at = 0;
+    let seqs: Vec<Seq> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            let s = Seq {
+                slot: i as i32,
+                start: at,
+                len,
+                commit: Commit::All,
+            };
+            at += len;
+            s
+        })
+        .collect();
+    let step = Step {
+        rows: data.view(),
+        seqs: &seqs,
         plane_stride: None,
     };
-    let used = pool.plan(b)?;
-    let timing = gdn::LayerPool::time_step(&mut pool, &args, 20)?;
-    Ok(Row {
-        b,
-        t,
-        gate,
-        plan: used,
-        us: timing.per_call.as_secs_f64() * 1e6,
-        host_us: timing
+    let timing = pool.time_varlen(&step, c.io, 20)?;
+    Ok((
+        timing.per_call.as_secs_f64() * 1e6,
+        timing
             .host_per_call
             .map_or(f64::NAN, |d| d.as_secs_f64() * 1e6),
-    })
+    ))
 }
 
 fn main() -> gdn::Result<()> {
-    let sweep = std::env::args().any(|a| a == "sweep");
-    let table = std::env::args().any(|a| a == "table");
-    let cuda = Cuda::new()?;
+    let arg = |a: &str| std::env::args().any(|x| x == a);
+    let mut cuda = Cuda::new()?;
+    if let Ok(v) = std::env::var("GDN_CUDA_PLAN") {
+        let n: Vec<usize> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+        if n.len() == 3 {
+            cuda.set_plan_override(Some(Plan {
+                ncb: n[0],
+                rg: n[1],
+                minb: n[2],
+            }));
+        }
+    }
+    if std::env::var("GDN_CUDA_PDL").is_ok_and(|v| v == "0") {
+        cuda.set_pdl(false);
+    }
     println!("backend: {}", cuda.name());
-    println!(
-        "kernel: {:?} (GDN_CUDA_KERNEL=v3 selects v3)",
-        spec::Kernel::from_env()
-    );
     let copy = cuda.copy_ceiling(1 << 30)?;
     println!(
         "copy ceiling: {:.3} TB/s (read + write, 1 GiB, events, median)",
         copy / 1e12
     );
-    let state_bytes = |b: usize| 2.0 * (b * Shape::SEED.state_len() * 4) as f64;
-
-    if sweep {
-        println!("\n## plan sweep (sigmoid, commit all)");
-        println!(
-            "{:>4} {:>2} {:>14} {:>9} {:>7}",
-            "B", "T", "plan ncb/rg/mb", "us", "%copy"
-        );
-        for (b, t) in [(1, 1), (1, 8), (256, 1), (256, 8)] {
-            let plans: Vec<Plan> = [
-                (1, 4, 1),
-                (1, 4, 2),
-                (1, 2, 2),
-                (1, 2, 1),
-                (2, 4, 2),
-                (2, 4, 1),
-                (2, 8, 2),
-                (4, 8, 3),
-                (8, 8, 5),
-            ]
-            .into_iter()
-            .map(|(ncb, rg, minb)| Plan { ncb, rg, minb })
-            .collect();
-            for p in plans {
-                for pdl in [true, false] {
-                    if !pdl && b > 1 {
-                        continue;
-                    }
-                    match run(&cuda, Gate::Sigmoid, b, t, Some(p), pdl) {
-                        Ok(r) => println!(
-                            "{:>4} {:>2} {:>14} {:>5} {:>9.2} {:>7.1} {:>6.2}",
-                            b,
-                            t,
-                            format!("{}/{}/{}", p.ncb, p.rg, p.minb),
-                            pdl,
-                            r.us,
-                            100.0 * state_bytes(b) / (r.us * 1e-6) / copy,
-                            r.host_us
-                        ),
-                        Err(e) => println!("{b:>4} {t:>2} {:?} failed: {e}", p),
-                    }
-                }
-            }
-        }
-    }
-
-    // FLA, same machine 2026-11-29 (anchors/README.md): whole step and recurrence alone, graph replay, f32.
-    let fla = |b: usize, t: usize| -> (Option<f64>, Option<f64>) {
-        let full = [
-            (1, 1, 7.03, 3.55),
-            (1, 8, 19.70, 8.02),
-            (8, 1, 34.61, 20.06),
-            (8, 8, 67.38, 40.94),
-            (32, 1, 101.2, 71.45),
-            (32, 8, 211.6, 135.0),
-            (128, 1, 371.5, 280.7),
-            (128, 8, 797.5, 507.5),
-            (256, 1, 729.8, 554.3),
-            (256, 8, 1566.2, 1002.3),
-        ];
-        full.iter()
-            .find(|r| r.0 == b && r.1 == t)
-            .map_or((None, None), |r| (Some(r.2), Some(r.3)))
+    let sbytes = |b: usize, state: DType| 2.0 * (b * Shape::SEED.state_len() * state.size()) as f64;
+    let base = Case {
+        gate: Gate::Sigmoid,
+        state: DType::F32,
+        layout: StateLayout::KeyMajor,
+        io: DType::F32,
     };
     let mut rows = Vec::new();
-    for gate in [Gate::Sigmoid, Gate::Silu].into_iter().filter(|_| table) {
-        for b in [1usize, 8, 32, 128, 256] {
-            for t in [1usize, 4, 8] {
-                if gate == Gate::Silu && t == 4 {
-                    continue;
-                }
-                match run(&cuda, gate, b, t, None, true) {
-                    Ok(r) => rows.push(r),
-                    Err(e) => println!("B {b} T {t} {gate:?} failed: {e}"),
+    let mut push = |what: String, c: Case, b: usize, t: usize, lens: &[usize], plan| match time(
+        &cuda, c, lens, plan,
+    ) {
+        Ok((us, host_us)) => {
+            let r = Row {
+                what,
+                b,
+                t,
+                state: c.state,
+                us,
+                host_us,
+                bytes: sbytes(lens.len(), c.state),
+            };
+            println!(
+                "{:<40} B {:>3} T {:>2} {:>9.2} us  {:>5.1}% of copy  host {:.2} us",
+                r.what,
+                b,
+                t,
+                r.us,
+                100.0 * r.bytes / (r.us * 1e-6) / copy,
+                r.host_us
+            );
+            rows.push(r);
+        }
+        Err(e) => println!("{what} B {b} T {t} failed: {e}"),
+    };
+    if arg("quick") || arg("table") {
+        let bs: &[usize] = if arg("table") {
+            &[1, 8, 32, 128, 256]
+        } else {
+            &[1, 256]
+        };
+        for state in [DType::F32, DType::Bf16] {
+            for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+                for io in [DType::F32, DType::Bf16] {
+                    for &b in bs {
+                        for t in [1usize, 8] {
+                            if io == DType::Bf16 && t == 8 && !arg("table") {
+                                continue;
+                            }
+                            let c = Case {
+                                state,
+                                layout,
+                                io,
+                                ..base
+                            };
+                            let what = format!(
+                                "state {} {} io {}",
+                                state.name(),
+                                layout.name(),
+                                io.name()
+                            );
+                            push(what, c, b, t, &vec![t; b], None);
+                        }
+                    }
                 }
             }
         }
     }
-    println!("\n## ptxas report of the specialisations timed (commit all, no planes)");
-    let mut seen = std::collections::HashSet::new();
-    for r in &rows {
-        let mut cfg = Config::new(Shape::SEED);
-        cfg.gate = r.gate;
-        let s = spec::Spec::new(cuda.arch(), &cfg, r.t, Commit::All, false, r.plan);
-        if seen.insert(s) {
-            if let Ok(c) = spec::compiled(&s) {
-                println!(
-                    "{:?} T {} {:?} plan {}/{}/{}: {}",
-                    s.kernel,
-                    r.t,
-                    r.gate,
-                    r.plan.ncb,
-                    r.plan.rg,
-                    r.plan.minb,
-                    spec::resource_line(&c.log)
-                );
+    if arg("sweep") {
+        // splits and register budgets of the bf16 state (the packed registers at T 1 leave room for more blocks)
+        for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+            // (a staged bf16 state at T 1 compiles for the plan's minb + 4 (key-major) or + 2 blocks an SM)
+            for (ncb, rg, minb) in [(1, 2, 1), (1, 2, 2), (1, 2, 3), (1, 2, 4)] {
+                let c = Case {
+                    state: DType::Bf16,
+                    layout,
+                    ..base
+                };
+                let p = Plan { ncb, rg, minb };
+                for (b, t) in [(256usize, 1usize), (1, 1)] {
+                    push(
+                        format!("bf16 {} plan {ncb}/{rg}/{minb}", layout.name()),
+                        c,
+                        b,
+                        t,
+                        &vec![t; b],
+                        Some(p),
+                    );
+                }
+            }
+        }
+    }
+    if arg("mixed") {
+        // 255 decode sequences and one 64-token window in one call, against the two calls it replaces
+        for state in [DType::F32, DType::Bf16] {
+            let c = Case { state, ..base };
+            let mut lens = vec![1usize; 255];
+            lens.push(64);
+            push(
+                format!("mixed 255x1 + 1x64 {}", state.name()),
+                c,
+                256,
+                0,
+                &lens,
+                None,
+            );
+            push(
+                format!("alone 255x1 {}", state.name()),
+                c,
+                255,
+                1,
+                &[1; 255],
+                None,
+            );
+            push(
+                format!("alone 1x64 {}", state.name()),
+                c,
+                1,
+                64,
+                &[64],
+                None,
+            );
+        }
+    }
+    println!("\n## ptxas report of the seed specialisations (commit, no planes)");
+    let plan = Plan::choose(128, 48, 1, cuda.multiprocessors())?;
+    for state in [DType::F32, DType::Bf16] {
+        for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+            for t in [Some(1), Some(8), None] {
+                let s =
+                    spec::Spec::new(cuda.arch(), &Config::new(Shape::SEED), t, true, false, plan)
+                        .with_pool(PoolOptions { state, layout });
+                if let Ok(c) = spec::compiled(&s) {
+                    println!(
+                        "state {} {} T {t:?}: {}",
+                        state.name(),
+                        layout.name(),
+                        spec::resource_line(&c.log)
+                    );
+                }
             }
         }
     }
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "copy ceiling {:.3} TB/s; floor = state bytes (B x 48 x 64 KiB x 2) / copy ceiling",
+        "copy ceiling {:.3} TB/s; % of copy = S bytes read + written (B x 48 x 128 x 128 x 2 x dtype size) / time / ceiling",
         copy / 1e12
     );
-    let _ = writeln!(md, "\n| gate | B | T | plan ncb/rg/minb | µs / call (graph) | state GB/s | % of copy | x floor | FLA whole step µs | FLA recurrence µs | FLA whole / ours | host µs / call |");
-    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(
+        md,
+        "\n| case | B | T | state | µs / call (graph) | % of copy | host µs / call |"
+    );
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|");
     for r in &rows {
-        let bytes = state_bytes(r.b);
-        let gbs = bytes / (r.us * 1e-6) / 1e9;
-        let floor_us = bytes / copy * 1e6;
-        let (ff, fr) = if r.gate == Gate::Silu {
-            fla(r.b, r.t)
-        } else {
-            (None, None)
-        };
-        let f = |x: Option<f64>| x.map_or("".to_string(), |v| format!("{v:.2}"));
-        let ratio = ff.map_or("".to_string(), |v| format!("{:.2}", v / r.us));
-        let _ =
-            writeln!(
+        let _ = writeln!(
             md,
-            "| {} | {} | {} | {}/{}/{} | {:.2} | {:.0} | {:.1} | {:.2} | {} | {} | {} | {:.2} |",
-            r.gate.name(), r.b, r.t, r.plan.ncb, r.plan.rg, r.plan.minb, r.us, gbs,
-            100.0 * gbs * 1e9 / copy, r.us / floor_us, f(ff), f(fr), ratio, r.host_us
+            "| {} | {} | {} | {} | {:.2} | {:.1} | {:.2} |",
+            r.what,
+            r.b,
+            r.t,
+            r.state.name(),
+            r.us,
+            100.0 * r.bytes / (r.us * 1e-6) / copy,
+            r.host_us
         );
     }
     println!("\n{md}");

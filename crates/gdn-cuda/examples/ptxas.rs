@@ -1,92 +1,75 @@
 //! Prints the plan and ptxas's resource report of the main seed-shape specialisations (no GPU needed).
-use gdn::{Commit, Config, Shape};
-use gdn_cuda::spec::{compiled, resource_line, Kernel, Plan, Spec, CLUSTER_SIZES};
+use gdn::{Config, DType, PoolOptions, Shape, StateLayout};
+use gdn_cuda::spec::{compiled, resource_line, Io, Plan, Spec, CLUSTER_SIZES};
 
 fn main() {
     let cfg = Config::new(Shape::SEED);
+    let t0 = std::time::Instant::now();
+    let p = Plan::choose(128, 48, 256, 132).expect("a split for d 128");
+    for state in [DType::F32, DType::Bf16] {
+        for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+            for io in [DType::F32, DType::Bf16] {
+                for (t, commit, planes) in [
+                    (Some(1), true, false),
+                    (Some(1), false, false),
+                    (Some(8), true, false),
+                    (None, true, false),
+                    (None, true, true),
+                ] {
+                    let s = Spec::new((9, 0), &cfg, t, commit, planes, p)
+                        .with_io(Io::all(io))
+                        .with_pool(PoolOptions { state, layout });
+                    match compiled(&s) {
+                        Ok(c) => println!(
+                            "state {} {} io {} T {t:?} commit {commit} planes {planes} minb {}: {}",
+                            state.name(),
+                            layout.name(),
+                            io.name(),
+                            s.minb(),
+                            resource_line(&c.log)
+                        ),
+                        Err(e) => println!("{s:?}: {e}"),
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("{:.1} s", t0.elapsed().as_secs_f64());
+    for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+        for (rg, minb) in [(2, 1), (2, 2), (2, 3), (2, 4), (4, 2)] {
+            for t in [Some(1), None] {
+                let p = Plan { ncb: 1, rg, minb };
+                let s = Spec::new((9, 0), &cfg, t, true, false, p).with_pool(PoolOptions {
+                    state: DType::Bf16,
+                    layout,
+                });
+                if let Ok(c) = compiled(&s) {
+                    println!(
+                        "bf16 {} plan 1/{rg}/{minb} T {t:?}: {}",
+                        layout.name(),
+                        resource_line(&c.log)
+                    );
+                }
+            }
+        }
+    }
     for ncb in CLUSTER_SIZES {
         let Some(p) = Plan::for_ncb(128, ncb) else {
             continue;
         };
-        for (t, kernel) in [1, 8]
-            .into_iter()
-            .flat_map(|t| [(t, Kernel::V2b), (t, Kernel::V3)])
-        {
-            let s = Spec::new((9, 0), &cfg, t, Commit::All, false, p).with_kernel(kernel);
+        for t in [Some(1), Some(8)] {
+            let s = Spec::new((9, 0), &cfg, t, true, false, p);
             match compiled(&s) {
                 Ok(c) => println!(
-                    "{kernel:?} plan {}/{}/{} ({} threads) T {t}: {}",
+                    "plan {}/{}/{} ({} threads) T {t:?}: {}",
                     p.ncb,
                     p.rg,
                     p.minb,
                     s.threads(),
                     resource_line(&c.log)
                 ),
-                Err(e) => println!("plan {p:?} T {t}: {e}"),
+                Err(e) => println!("plan {p:?} T {t:?}: {e}"),
             }
         }
-    }
-    for p in [
-        Plan {
-            ncb: 1,
-            rg: 4,
-            minb: 1,
-        },
-        Plan {
-            ncb: 1,
-            rg: 4,
-            minb: 2,
-        },
-        Plan {
-            ncb: 1,
-            rg: 2,
-            minb: 1,
-        },
-    ] {
-        for (t, kernel) in [1, 8]
-            .into_iter()
-            .flat_map(|t| [(t, Kernel::V2b), (t, Kernel::V3)])
-        {
-            let s = Spec::new((9, 0), &cfg, t, Commit::All, false, p).with_kernel(kernel);
-            if let Ok(c) = compiled(&s) {
-                println!(
-                    "{kernel:?} plan {}/{}/{} T {t}: {}",
-                    p.ncb,
-                    p.rg,
-                    p.minb,
-                    resource_line(&c.log)
-                );
-            }
-        }
-    }
-    // kernel v3 at the planner's split: commit-all and verify without planes, commit-all with planes
-    let p = Plan::choose(128, 48, 256, 132).expect("a split for d 128");
-    for (commit, planes) in [
-        (Commit::All, false),
-        (Commit::Verify, false),
-        (Commit::All, true),
-        (Commit::Verify, true),
-    ] {
-        for t in [1, 2, 4, 8, 9] {
-            let s = Spec::new((9, 0), &cfg, t, commit, planes, p).with_kernel(Kernel::V3);
-            match compiled(&s) {
-                Ok(c) => println!(
-                    "v3 plan {}/{}/{} {commit:?} planes {planes} T {}: {}",
-                    p.ncb,
-                    p.rg,
-                    p.minb,
-                    if t > 8 {
-                        "run-time".to_string()
-                    } else {
-                        t.to_string()
-                    },
-                    resource_line(&c.log)
-                ),
-                Err(e) => println!("v3 plan {p:?} T {t}: {e}"),
-            }
-        }
-    }
-    for b in [1usize, 2, 4, 8, 256] {
-        println!("B {b}: {:?}", Plan::choose(128, 48, b, 132));
     }
 }

@@ -1,41 +1,57 @@
-//! gdn-cuda: the CUDA backend of gdn. The whole window step (SPEC.md) runs as one kernel launch, compiled by
-//! NVRTC at first use for the device's own architecture and specialised on the shape, the window length, the
-//! conventions, the planes, the commit kind and the launch split (see [`spec`]). The state pool lives on the
-//! device; [`CudaPool::step_device`] takes inputs already there and can be captured into a CUDA graph.
+//! gdn-cuda: the CUDA backend of gdn. A varlen step (SPEC.md: packed rows, one entry per sequence with its own
+//! length and commit, activations and outputs in f32/bf16/f16, an f32 or bf16 state in key-major or value-major
+//! layout) runs as one kernel launch, compiled by NVRTC at first use for the device's own architecture and
+//! specialised on the shape, the window length, the conventions, the planes, the commit kind, the dtypes, the
+//! pool's state and the launch split (see [`spec`]). The state pool lives on the device;
+//! [`CudaPool::step_device`] takes inputs already there and can be captured into a CUDA graph.
 //!
-//! With no driver, no GPU or no libnvrtc, [`Cuda::new`] returns [`gdn::Error::Unavailable`].
+//! With no driver, no GPU or no libnvrtc, [`Cuda::new`] returns [`gdn::Error::Unavailable`]. The library
+//! reads no environment variables.
 //!
-//! The device-native step, inputs already on the device (a decode step of 4 sequences at the seed shape):
+//! The device-native step, inputs already on the device (a decode step of 4 sequences at the seed shape, bf16
+//! activations, an f32 output):
 //!
 //! ```no_run
-//! use gdn::{Commit, Config, OutputLayout, Shape};
-//! use gdn_cuda::{Cuda, DeviceBatch};
+//! use gdn::{bf16, Config, OutputLayout, Shape};
+//! use gdn_cuda::{Cuda, DeviceStep, DeviceTensor, DeviceTensorMut, StepKind, spec::Io};
 //!
 //! # fn main() -> gdn::Result<()> {
 //! let cuda = Cuda::new()?;
 //! let layer = gdn::synth::Synth::new(1).layer(Config::new(Shape::SEED))?;
-//! let mut pool = cuda.create_cuda_pool(&layer, 16)?;
-//! let (b, t) = (4, 1);
+//! let mut pool = cuda.create_cuda_pool(&layer, 16, gdn::PoolOptions::default())?;
+//! let rows = 4; // one token each
 //! let sh = Shape::SEED;
 //! let s = cuda.stream();
 //! let drv = |e| gdn::Error::Backend(format!("{e:?}"));
-//! let qkv = s.alloc_zeros::<f32>(b * t * sh.channels()).map_err(drv)?;
-//! let alpha = s.alloc_zeros::<f32>(b * t * sh.h_v).map_err(drv)?;
-//! let beta = s.alloc_zeros::<f32>(b * t * sh.h_v).map_err(drv)?;
-//! let z = s.alloc_zeros::<f32>(b * t * sh.n()).map_err(drv)?;
-//! let slots = s.clone_htod(&[3i32, 0, 7, -1]).map_err(drv)?; // the last sequence is skipped
-//! let mut out = s.alloc_zeros::<f32>(OutputLayout::new(&sh, b, t, None)?.len()).map_err(drv)?;
-//! pool.prepare(b, t, Commit::All, false)?; // compile before a graph capture
-//! let batch = DeviceBatch {
-//!     b,
-//!     t,
-//!     qkv: qkv.as_view(),
-//!     alpha: alpha.as_view(),
-//!     beta: beta.as_view(),
-//!     z: z.as_view(),
-//!     slots: slots.as_view(),
+//! let qkv = s.alloc_zeros::<bf16>(rows * sh.channels()).map_err(drv)?;
+//! let alpha = s.alloc_zeros::<bf16>(rows * sh.h_v).map_err(drv)?;
+//! let beta = s.alloc_zeros::<bf16>(rows * sh.h_v).map_err(drv)?;
+//! let z = s.alloc_zeros::<bf16>(rows * sh.n()).map_err(drv)?;
+//! let slot = s.clone_htod(&[3i32, 0, 7, -1]).map_err(drv)?; // the last sequence is skipped
+//! let start = s.clone_htod(&[0i32, 1, 2, 3]).map_err(drv)?;
+//! let len = s.clone_htod(&[1i32; 4]).map_err(drv)?;
+//! let commit_at = s.clone_htod(&[1i32, 1, 0, 0]).map_err(drv)?; // the third only verifies
+//! let mut out = s.alloc_zeros::<f32>(OutputLayout::for_rows(&sh, rows, None)?.len()).map_err(drv)?;
+//! let (qkv, alpha, beta, z) = (qkv.as_view(), alpha.as_view(), beta.as_view(), z.as_view());
+//! let (slot, start, len, commit_at) = (slot.as_view(), start.as_view(), len.as_view(), commit_at.as_view());
+//! let step = DeviceStep {
+//!     rows,
+//!     qkv: DeviceTensor::Bf16(&qkv),
+//!     alpha: DeviceTensor::Bf16(&alpha),
+//!     beta: DeviceTensor::Bf16(&beta),
+//!     z: DeviceTensor::Bf16(&z),
+//!     slot: &slot,
+//!     start: &start,
+//!     len: &len,
+//!     commit_at: &commit_at,
+//!     uniform_len: Some(1),
+//!     commits: true,
+//!     plane_stride: None,
 //! };
-//! pool.step_device(&batch, Commit::All, None, &mut out.as_view_mut())?; // no allocation, no sync
+//! // compile before a graph capture
+//! pool.prepare(&StepKind { uniform_len: Some(1), commits: true, planes: false,
+//!     io: Io::new([gdn::DType::Bf16; 4], gdn::DType::F32), seqs: 4 })?;
+//! pool.step_device(&step, &mut DeviceTensorMut::F32(&mut out.as_view_mut()))?; // no allocation, no sync
 //! # Ok(())
 //! # }
 //! ```
@@ -49,8 +65,8 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, DriverError};
 use gdn::{Backend, Error, Layer, LayerPool, Result};
 
-pub use pool::{CudaPool, DeviceBatch};
-pub use spec::{Kernel, Plan, Spec};
+pub use pool::{CudaPool, DeviceStep, DeviceTensor, DeviceTensorMut, StepKind};
+pub use spec::{Io, Plan, Spec};
 
 pub(crate) fn drv(e: DriverError) -> Error {
     Error::Backend(format!("CUDA driver: {e:?}"))
@@ -73,12 +89,10 @@ pub struct Cuda {
     pub(crate) arch: (i32, i32),
     pub(crate) sms: usize,
     pub(crate) functions: FunctionCache,
-    /// A fixed plan instead of the planner's choice (benchmark sweeps): `GDN_CUDA_PLAN=ncb,rg,minb`.
+    /// A fixed plan instead of the planner's choice (benchmark sweeps, [`Cuda::set_plan_override`]).
     pub(crate) plan_override: Option<Plan>,
-    /// Launch with programmatic dependent launch (the default; `GDN_CUDA_PDL=0` turns it off).
+    /// Launch with programmatic dependent launch (the default; [`Cuda::set_pdl`]).
     pub(crate) pdl: bool,
-    /// The token loop's variant (`GDN_CUDA_KERNEL=v3`; default v2b).
-    pub(crate) kernel: Kernel,
 }
 
 impl Cuda {
@@ -135,23 +149,14 @@ impl Cuda {
                 arch.0, arch.1
             )));
         }
-        let plan_override = std::env::var("GDN_CUDA_PLAN").ok().and_then(|v| {
-            let n: Vec<usize> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
-            (n.len() == 3).then(|| Plan {
-                ncb: n[0],
-                rg: n[1],
-                minb: n[2],
-            })
-        });
         Ok(Cuda {
             ctx,
             stream,
             arch,
             sms,
             functions: Arc::new(Mutex::new(HashMap::new())),
-            plan_override,
-            pdl: std::env::var("GDN_CUDA_PDL").map_or(true, |v| v != "0"),
-            kernel: Kernel::from_env(),
+            plan_override: None,
+            pdl: true,
         })
     }
 
@@ -171,23 +176,18 @@ impl Cuda {
     }
 
     /// A pool with the concrete type, for the device-native API.
-    pub fn create_cuda_pool(&self, layer: &Layer, slots: usize) -> Result<CudaPool> {
-        CudaPool::new(self.clone(), layer, slots)
+    pub fn create_cuda_pool(
+        &self,
+        layer: &Layer,
+        slots: usize,
+        options: gdn::PoolOptions,
+    ) -> Result<CudaPool> {
+        CudaPool::new(self.clone(), layer, slots, options)
     }
 
     /// Turns programmatic dependent launch on or off for launches from now on.
     pub fn set_pdl(&mut self, on: bool) {
         self.pdl = on;
-    }
-
-    /// Selects the kernel variant for pools created afterwards (the default comes from `GDN_CUDA_KERNEL`).
-    pub fn set_kernel(&mut self, kernel: Kernel) {
-        self.kernel = kernel;
-    }
-
-    /// The kernel variant pools created from now on run.
-    pub fn kernel(&self) -> Kernel {
-        self.kernel
     }
 
     /// Sets (or with `None` clears) a fixed launch plan for pools created afterwards.
@@ -211,16 +211,7 @@ impl Backend for Cuda {
         slots: usize,
         options: gdn::PoolOptions,
     ) -> Result<Box<dyn LayerPool>> {
-        if options != gdn::PoolOptions::default() {
-            return Err(Error::Unsupported(format!(
-                "{options:?} (f32 key-major states only, for now)"
-            )));
-        }
-        self.create_pool(layer, slots)
-    }
-
-    fn create_pool(&self, layer: &Layer, slots: usize) -> Result<Box<dyn LayerPool>> {
-        Ok(Box::new(self.create_cuda_pool(layer, slots)?))
+        Ok(Box::new(self.create_cuda_pool(layer, slots, options)?))
     }
 
     fn copy_ceiling(&self, bytes: usize) -> Result<f64> {

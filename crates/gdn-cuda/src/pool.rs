@@ -1,39 +1,129 @@
-//! The device-resident state pool, the device-native step and the host-slice step on top of it.
+//! The device-resident state pool, the device-native varlen step and the host-slice step on top of it.
 
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{
-    sys, CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
+    sys, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
 };
 use gdn::backend::{check_slot_io, head_history};
-use gdn::{Commit, Error, Layer, LayerPool, OutputLayout, Result, StepArgs, StepTiming};
+use gdn::{
+    bf16, f16, DType, Error, Layer, LayerPool, OutputLayout, PoolOptions, Result, Step, StepTiming,
+    Tensor, TensorMut,
+};
 
-use crate::spec::{self, Plan, Spec};
+use crate::spec::{self, Io, Plan, Spec, MAX_CONST_T};
 use crate::{drv, Cuda};
 
-/// Windows of inputs already on the device, SPEC.md's layouts with a leading batch dimension: `qkv`
-/// [b][t][C], `alpha` and `beta` [b][t][h_v], `z` [b][t][n], and the pool slot of each sequence (negative:
-/// skip it). The slots must be distinct; one out of the pool's range is skipped.
-pub struct DeviceBatch<'a> {
-    pub b: usize,
-    pub t: usize,
-    pub qkv: CudaView<'a, f32>,
-    pub alpha: CudaView<'a, f32>,
-    pub beta: CudaView<'a, f32>,
-    pub z: CudaView<'a, f32>,
-    pub slots: CudaView<'a, i32>,
+/// A device tensor of activations in one of the [`DType`]s (flat, row-major).
+#[derive(Clone, Copy)]
+pub enum DeviceTensor<'a> {
+    F32(&'a CudaView<'a, f32>),
+    Bf16(&'a CudaView<'a, bf16>),
+    F16(&'a CudaView<'a, f16>),
 }
 
-/// Device buffers the host-slice step uploads into, grown on demand and reused.
-struct Staging {
-    qkv: CudaSlice<f32>,
-    alpha: CudaSlice<f32>,
-    beta: CudaSlice<f32>,
-    z: CudaSlice<f32>,
-    out: CudaSlice<f32>,
-    slots: CudaSlice<i32>,
+impl DeviceTensor<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            DeviceTensor::F32(x) => x.len(),
+            DeviceTensor::Bf16(x) => x.len(),
+            DeviceTensor::F16(x) => x.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn dtype(&self) -> DType {
+        match self {
+            DeviceTensor::F32(_) => DType::F32,
+            DeviceTensor::Bf16(_) => DType::Bf16,
+            DeviceTensor::F16(_) => DType::F16,
+        }
+    }
+    fn ptr(&self, cuda: &Cuda) -> sys::CUdeviceptr {
+        match self {
+            DeviceTensor::F32(x) => ptr(*x, cuda),
+            DeviceTensor::Bf16(x) => ptr(*x, cuda),
+            DeviceTensor::F16(x) => ptr(*x, cuda),
+        }
+    }
 }
+
+/// A device output buffer in one of the [`DType`]s.
+pub enum DeviceTensorMut<'a, 'b> {
+    F32(&'b mut CudaViewMut<'a, f32>),
+    Bf16(&'b mut CudaViewMut<'a, bf16>),
+    F16(&'b mut CudaViewMut<'a, f16>),
+}
+
+impl DeviceTensorMut<'_, '_> {
+    pub fn len(&self) -> usize {
+        match self {
+            DeviceTensorMut::F32(x) => x.len(),
+            DeviceTensorMut::Bf16(x) => x.len(),
+            DeviceTensorMut::F16(x) => x.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn dtype(&self) -> DType {
+        match self {
+            DeviceTensorMut::F32(_) => DType::F32,
+            DeviceTensorMut::Bf16(_) => DType::Bf16,
+            DeviceTensorMut::F16(_) => DType::F16,
+        }
+    }
+    fn ptr(&mut self, cuda: &Cuda) -> sys::CUdeviceptr {
+        match self {
+            DeviceTensorMut::F32(x) => ptr_mut(*x, cuda),
+            DeviceTensorMut::Bf16(x) => ptr_mut(*x, cuda),
+            DeviceTensorMut::F16(x) => ptr_mut(*x, cuda),
+        }
+    }
+}
+
+/// A varlen step with everything already on the device: packed rows (`qkv` [R][C], `alpha` and `beta`
+/// [R][h_v], `z` [R][n], each in its own dtype) and, per sequence s, its pool slot `slot[s]` (outside the pool:
+/// skipped), its first row `start[s]`, its length `len[s]` (>= 1) and its commit point `commit_at[s]` (0:
+/// verify, k: the state after its first k tokens; 1..=len). The slots of one call must be distinct (the
+/// device cannot check that). Two hints pick the kernel, as the host knows them: `uniform_len` (every sequence
+/// has this length, <= 8: the compile-time-length kernel; the bits are the same either way) and `commits`
+/// (false: no sequence commits, the verify-only kernel; `commit_at` is then not read). Blocks start in sequence
+/// order: put long windows first, so that they do not trail the call.
+pub struct DeviceStep<'a> {
+    pub rows: usize,
+    pub qkv: DeviceTensor<'a>,
+    pub alpha: DeviceTensor<'a>,
+    pub beta: DeviceTensor<'a>,
+    pub z: DeviceTensor<'a>,
+    pub slot: &'a CudaView<'a, i32>,
+    pub start: &'a CudaView<'a, i32>,
+    pub len: &'a CudaView<'a, i32>,
+    pub commit_at: &'a CudaView<'a, i32>,
+    pub uniform_len: Option<usize>,
+    pub commits: bool,
+    pub plane_stride: Option<usize>,
+}
+
+/// The kind of kernel a step needs (what [`CudaPool::prepare`] compiles ahead).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepKind {
+    /// Every sequence's length when they all have the same one (`None`: lengths vary).
+    pub uniform_len: Option<usize>,
+    /// Some sequence commits.
+    pub commits: bool,
+    pub planes: bool,
+    pub io: Io,
+    /// Sequences in the call: from [`STAGE_MIN_BLOCKS`] blocks on, a bf16 state at T 1 is staged through shared
+    /// memory (more blocks a multiprocessor; slower for a call that does not fill the device). No bits change.
+    pub seqs: usize,
+}
+
+/// Blocks a call needs (sequences x value heads) per multiprocessor before staging pays (H200: B 1 T 1 4.4 µs
+/// in registers against 5.1 staged, B 256 T 1 351 against 276).
+pub const STAGE_MIN_BLOCKS: usize = 2;
 
 /// Raw device addresses of one step's operands.
 #[derive(Clone, Copy)]
@@ -43,23 +133,101 @@ struct Operands {
     beta: sys::CUdeviceptr,
     z: sys::CUdeviceptr,
     out: sys::CUdeviceptr,
-    slots: sys::CUdeviceptr,
+    slot: sys::CUdeviceptr,
+    start: sys::CUdeviceptr,
+    len: sys::CUdeviceptr,
+    commit_at: sys::CUdeviceptr,
 }
 
-/// One layer's parameters and state pool on a CUDA device. S is kept in SPEC.md's layout
-/// [slot][d][h_v][d]; the conv history as [slot][h_v][3 (q, k, v)][d][3]: every value head has a private
-/// copy of the q/k history it reads, so the kernel commits it in place with no cross-head dependency.
+/// The pool's S, in its element type.
+enum StateBuf {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<bf16>),
+}
+
+/// Element types whose values are plain bytes (no padding, every bit pattern valid), so a slice of them can be
+/// moved to and from a byte buffer on the device.
+trait Plain: Copy {}
+impl Plain for f32 {}
+impl Plain for bf16 {}
+impl Plain for f16 {}
+impl Plain for i32 {}
+
+fn bytes_of<T: Plain>(x: &[T]) -> &[u8] {
+    // SAFETY: `T` is one of the plain types above (no padding), so its `size_of_val(x)` bytes are initialised;
+    // u8 has alignment 1, and the returned slice borrows `x`.
+    unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) }
+}
+
+fn bytes_of_mut<T: Plain>(x: &mut [T]) -> &mut [u8] {
+    // SAFETY: as `bytes_of`; in addition every byte pattern is a valid `T` (f32, bf16, f16, i32), so writes
+    // through the byte view leave valid values; the returned slice borrows `x` mutably.
+    unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr() as *mut u8, std::mem::size_of_val(x)) }
+}
+
+fn tensor_bytes<'a>(t: &Tensor<'a>) -> &'a [u8] {
+    match *t {
+        Tensor::F32(x) => bytes_of(x),
+        Tensor::Bf16(x) => bytes_of(x),
+        Tensor::F16(x) => bytes_of(x),
+    }
+}
+
+/// Staging (the host-slice step's device copy of one call's tensors) is one byte buffer, each tensor at a
+/// 256-byte-aligned offset. It is sized to the call (rounded up to 64 KiB, so similar calls reuse it) and kept
+/// while it is at most [`STAGING_KEEP`] bytes; a call that needed more frees it when it returns, so a pool
+/// never holds more than that between calls however large a window it once saw.
+pub const STAGING_KEEP: usize = 64 << 20;
+const STAGING_ALIGN: usize = 256;
+const STAGING_GRAIN: usize = 64 << 10;
+
+/// The offsets of parts of `sizes` bytes in one staging buffer and the bytes it needs (checked arithmetic).
+pub fn staging_layout(sizes: &[usize]) -> Option<(Vec<usize>, usize)> {
+    let mut offs = Vec::with_capacity(sizes.len());
+    let mut end = 0usize;
+    for &s in sizes {
+        let at = end.checked_next_multiple_of(STAGING_ALIGN)?;
+        offs.push(at);
+        end = at.checked_add(s)?;
+    }
+    Some((offs, end))
+}
+
+/// What a call that needs `need` bytes does with a staging buffer of `have` bytes (0: none): `Some(n)`
+/// allocates a new one of `n` bytes first, `None` uses the one there.
+pub fn staging_alloc(have: usize, need: usize) -> Option<usize> {
+    if need <= have && have > 0 {
+        None
+    } else {
+        Some(
+            need.max(1)
+                .checked_next_multiple_of(STAGING_GRAIN)
+                .unwrap_or(need),
+        )
+    }
+}
+
+/// Whether a staging buffer of `have` bytes is kept after a call.
+pub fn staging_keep(have: usize) -> bool {
+    have <= STAGING_KEEP
+}
+
+/// One layer's parameters and state pool on a CUDA device. S is kept in the pool's layout (key-major
+/// [slot][d][h_v][d] or value-major [slot][h_v][d][d]) and element type; the conv history (f32) as
+/// [slot][h_v][3 (q, k, v)][d][3]: every value head has a private copy of the q/k history it reads, so the
+/// kernel commits it in place with no cross-head dependency.
 pub struct CudaPool {
     cuda: Cuda,
     layer: Layer,
     slots: usize,
-    state: CudaSlice<f32>,
+    options: PoolOptions,
+    state: StateBuf,
     hist: CudaSlice<f32>,
     conv_w: CudaSlice<f32>,
     dt: CudaSlice<f32>,
     a: CudaSlice<f32>,
     gamma: CudaSlice<f32>,
-    staging: Option<Staging>,
+    staging: Option<CudaSlice<u8>>,
 }
 
 fn ptr<T, S: DevicePtr<T>>(s: &S, cuda: &Cuda) -> sys::CUdeviceptr {
@@ -73,21 +241,48 @@ fn ptr_mut<T, S: DevicePtrMut<T>>(s: &mut S, cuda: &Cuda) -> sys::CUdeviceptr {
     p
 }
 
+fn too_large(name: &'static str) -> Error {
+    Error::Param {
+        name,
+        why: "the size overflows the address space".into(),
+    }
+}
+
+fn int(x: usize, what: &'static str) -> Result<i32> {
+    i32::try_from(x).map_err(|_| Error::Param {
+        name: what,
+        why: format!("{x} does not fit the kernel's 32-bit argument"),
+    })
+}
+
 impl CudaPool {
-    pub(crate) fn new(cuda: Cuda, layer: &Layer, slots: usize) -> Result<CudaPool> {
+    pub(crate) fn new(
+        cuda: Cuda,
+        layer: &Layer,
+        slots: usize,
+        options: PoolOptions,
+    ) -> Result<CudaPool> {
         layer.validate()?;
+        options.validate()?;
         let sh = *layer.shape();
         // fail early on a shape the kernel cannot hold
         Plan::choose(sh.d, sh.h_v, 1, cuda.sms)?;
+        int(slots, "slots")?;
+        let state_len = slots
+            .checked_mul(sh.state_len())
+            .ok_or_else(|| too_large("slots"))?;
+        let hist_len = slots
+            .checked_mul(head_history::len(layer))
+            .ok_or_else(|| too_large("slots"))?;
         let s = &cuda.stream;
         let p = &layer.params;
+        let state = match options.state {
+            DType::Bf16 => StateBuf::Bf16(s.alloc_zeros::<bf16>(state_len.max(1)).map_err(drv)?),
+            _ => StateBuf::F32(s.alloc_zeros::<f32>(state_len.max(1)).map_err(drv)?),
+        };
         let pool = CudaPool {
-            state: s
-                .alloc_zeros::<f32>((slots * sh.state_len()).max(1))
-                .map_err(drv)?,
-            hist: s
-                .alloc_zeros::<f32>((slots * sh.h_v * 9 * sh.d).max(1))
-                .map_err(drv)?,
+            state,
+            hist: s.alloc_zeros::<f32>(hist_len.max(1)).map_err(drv)?,
             conv_w: s.clone_htod(&p.conv_w).map_err(drv)?,
             dt: s.clone_htod(&p.dt).map_err(drv)?,
             a: s.clone_htod(&p.a).map_err(drv)?,
@@ -95,6 +290,7 @@ impl CudaPool {
             cuda,
             layer: layer.clone(),
             slots,
+            options,
             staging: None,
         };
         pool.cuda.stream.synchronize().map_err(drv)?;
@@ -111,33 +307,42 @@ impl CudaPool {
         &self.cuda
     }
 
-    /// The launch plan for a batch of `b` sequences.
-    pub fn plan(&self, b: usize) -> Result<Plan> {
+    /// The launch plan (the same for every call: a sequence's bits do not depend on the batch).
+    pub fn plan(&self) -> Result<Plan> {
         let sh = self.layer.shape();
         match self.cuda.plan_override {
             // a fixed plan where it fits this head dim, else the planner's
             Some(p) if p.valid_for(sh.d) => Ok(p),
-            _ => Plan::choose(sh.d, sh.h_v, b, self.cuda.sms),
+            _ => Plan::choose(sh.d, sh.h_v, 1, self.cuda.sms),
         }
     }
 
     /// The kernel specialisation a step of this kind runs.
-    pub fn spec(&self, b: usize, t: usize, commit: Commit, planes: bool) -> Result<Spec> {
+    pub fn spec(&self, kind: &StepKind) -> Result<Spec> {
         Ok(Spec::new(
             self.cuda.arch,
             &self.layer.config,
-            t,
-            commit,
-            planes,
-            self.plan(b)?,
+            kind.uniform_len,
+            kind.commits,
+            kind.planes,
+            self.plan()?,
         )
-        .with_kernel(self.cuda.kernel))
+        .with_io(kind.io)
+        .with_pool(self.options)
+        .with_stage(
+            kind.seqs.saturating_mul(self.layer.shape().h_v) >= STAGE_MIN_BLOCKS * self.cuda.sms,
+        ))
     }
 
     /// Compiles and loads the kernel a step of this kind needs, so that a later step (for instance one
     /// being captured into a graph) does no compilation.
-    pub fn prepare(&self, b: usize, t: usize, commit: Commit, planes: bool) -> Result<()> {
-        self.function(&self.spec(b, t, commit, planes)?).map(|_| ())
+    pub fn prepare(&self, kind: &StepKind) -> Result<()> {
+        self.function(&self.spec(kind)?).map(|_| ())
+    }
+
+    /// Bytes of staging held now (0: none).
+    pub fn staging_bytes(&self) -> usize {
+        self.staging.as_ref().map_or(0, |s| s.len())
     }
 
     fn function(&self, spec: &Spec) -> Result<CudaFunction> {
@@ -161,31 +366,26 @@ impl CudaPool {
         Ok(f)
     }
 
-    /// The device-native step: inputs, slot indices and output already on the device. It allocates nothing
-    /// and does not wait for the device (after the first call of a specialisation, which compiles it: see
-    /// [`CudaPool::prepare`]), so it can be captured into a CUDA graph. The output layout is
-    /// [`gdn::OutputLayout`]'s; rows of skipped sequences are not written.
+    /// The device-native step: inputs, per-sequence arrays and output already on the device. It allocates
+    /// nothing and does not wait for the device (after the first call of a specialisation, which compiles it:
+    /// see [`CudaPool::prepare`]), so it can be captured into a CUDA graph. The output is
+    /// [`gdn::OutputLayout`] over `step.rows`; rows of skipped sequences and rows no sequence covers are not
+    /// written. Sequences the device finds out of range (slot outside the pool, length not positive or not
+    /// `uniform_len`, rows outside `rows`) are skipped; a commit point outside 1..=len commits nothing.
     pub fn step_device(
         &mut self,
-        batch: &DeviceBatch<'_>,
-        commit: Commit,
-        plane_stride: Option<usize>,
-        out: &mut CudaViewMut<'_, f32>,
+        step: &DeviceStep<'_>,
+        out: &mut DeviceTensorMut<'_, '_>,
     ) -> Result<()> {
         let sh = *self.layer.shape();
-        let (b, t) = (batch.b, batch.t);
-        if t == 0 {
-            return Err(Error::EmptyWindow);
-        }
-        let commit_at = commit.commit_at(t)?;
-        let bt = b * t;
-        for (name, expected, got) in [
-            ("qkv", bt * sh.channels(), batch.qkv.len()),
-            ("alpha", bt * sh.h_v, batch.alpha.len()),
-            ("beta", bt * sh.h_v, batch.beta.len()),
-            ("z", bt * sh.n(), batch.z.len()),
-            ("slots", b, batch.slots.len()),
+        let rows = step.rows;
+        for (name, width, got) in [
+            ("qkv", sh.channels(), step.qkv.len()),
+            ("alpha", sh.h_v, step.alpha.len()),
+            ("beta", sh.h_v, step.beta.len()),
+            ("z", sh.n(), step.z.len()),
         ] {
+            let expected = rows.checked_mul(width).ok_or_else(|| too_large(name))?;
             if expected != got {
                 return Err(Error::Length {
                     name,
@@ -194,7 +394,24 @@ impl CudaPool {
                 });
             }
         }
-        let layout = OutputLayout::new(&sh, b, t, plane_stride)?;
+        let n = step.slot.len();
+        for (name, got) in [
+            ("start", step.start.len()),
+            ("len", step.len.len()),
+            ("commit_at", step.commit_at.len()),
+        ] {
+            if got != n {
+                return Err(Error::Length {
+                    name,
+                    expected: n,
+                    got,
+                });
+            }
+        }
+        if step.uniform_len == Some(0) {
+            return Err(Error::EmptyWindow);
+        }
+        let layout = OutputLayout::for_rows(&sh, rows, step.plane_stride)?;
         if out.len() != layout.len() {
             return Err(Error::Length {
                 name: "output",
@@ -202,46 +419,60 @@ impl CudaPool {
                 got: out.len(),
             });
         }
-        let ops = Operands {
-            qkv: ptr(&batch.qkv, &self.cuda),
-            alpha: ptr(&batch.alpha, &self.cuda),
-            beta: ptr(&batch.beta, &self.cuda),
-            z: ptr(&batch.z, &self.cuda),
-            slots: ptr(&batch.slots, &self.cuda),
-            out: ptr_mut(out, &self.cuda),
+        let kind = StepKind {
+            uniform_len: step.uniform_len,
+            commits: step.commits,
+            planes: step.plane_stride.is_some(),
+            io: Io::new(
+                [
+                    step.qkv.dtype(),
+                    step.alpha.dtype(),
+                    step.beta.dtype(),
+                    step.z.dtype(),
+                ],
+                out.dtype(),
+            ),
+            seqs: n,
         };
-        self.launch(b, t, commit, commit_at, plane_stride, ops)
+        let ops = Operands {
+            qkv: step.qkv.ptr(&self.cuda),
+            alpha: step.alpha.ptr(&self.cuda),
+            beta: step.beta.ptr(&self.cuda),
+            z: step.z.ptr(&self.cuda),
+            out: out.ptr(&self.cuda),
+            slot: ptr(step.slot, &self.cuda),
+            start: ptr(step.start, &self.cuda),
+            len: ptr(step.len, &self.cuda),
+            commit_at: ptr(step.commit_at, &self.cuda),
+        };
+        self.launch(&kind, n, rows, step.plane_stride, ops)
     }
 
     fn launch(
         &mut self,
-        b: usize,
-        t: usize,
-        commit: Commit,
-        commit_at: usize,
+        kind: &StepKind,
+        n_seqs: usize,
+        rows: usize,
         plane_stride: Option<usize>,
         ops: Operands,
     ) -> Result<()> {
-        if b == 0 {
+        if n_seqs == 0 {
             return Ok(());
         }
         let sh = *self.layer.shape();
-        let spec = self.spec(b, t, commit, plane_stride.is_some())?;
+        let spec = self.spec(kind)?;
         let f = self.function(&spec)?;
-        let int = |x: usize, what: &'static str| {
-            i32::try_from(x).map_err(|_| Error::Param {
-                name: what,
-                why: format!("{x} does not fit the kernel's 32-bit argument"),
-            })
-        };
-        let grid_y = u32::try_from(b)
+        let grid_y = u32::try_from(n_seqs)
             .ok()
             .filter(|&y| y <= 65535)
             .ok_or_else(|| Error::Param {
-                name: "batch",
-                why: format!("{b} sequences is above the 65535 a launch takes"),
+                name: "seqs",
+                why: format!("{n_seqs} sequences is above the 65535 a launch takes"),
             })?;
-        let mut p_state = ptr_mut(&mut self.state, &self.cuda);
+        let mut p_state = match &mut self.state {
+            StateBuf::F32(s) => ptr_mut(s, &self.cuda),
+            StateBuf::Bf16(s) => ptr_mut(s, &self.cuda),
+        };
         let mut p_hist = ptr_mut(&mut self.hist, &self.cuda);
         let mut p_qkv = ops.qkv;
         let mut p_alpha = ops.alpha;
@@ -252,16 +483,18 @@ impl CudaPool {
         let mut p_a = ptr(&self.a, &self.cuda);
         let mut p_gamma = ptr(&self.gamma, &self.cuda);
         let mut p_out = ops.out;
-        let mut p_slots = ops.slots;
+        let mut p_slot = ops.slot;
+        let mut p_start = ops.start;
+        let mut p_len = ops.len;
+        let mut p_commit = ops.commit_at;
         let mut n_slots = int(self.slots, "slots")?;
-        let mut t_rt = int(t, "t")?;
-        let mut c_at = int(commit_at, "commit")?;
+        let mut n_rows = int(rows, "rows")?;
         let mut plane = i64::try_from(plane_stride.unwrap_or(0)).map_err(|_| Error::Param {
             name: "plane_stride",
             why: "too large".into(),
         })?;
         let mut eps = self.layer.config.eps;
-        let mut params: [*mut c_void; 18] = [
+        let mut params: [*mut c_void; 20] = [
             &mut p_state as *mut _ as *mut c_void,
             &mut p_hist as *mut _ as *mut c_void,
             &mut p_qkv as *mut _ as *mut c_void,
@@ -273,10 +506,12 @@ impl CudaPool {
             &mut p_a as *mut _ as *mut c_void,
             &mut p_gamma as *mut _ as *mut c_void,
             &mut p_out as *mut _ as *mut c_void,
-            &mut p_slots as *mut _ as *mut c_void,
+            &mut p_slot as *mut _ as *mut c_void,
+            &mut p_start as *mut _ as *mut c_void,
+            &mut p_len as *mut _ as *mut c_void,
+            &mut p_commit as *mut _ as *mut c_void,
             &mut n_slots as *mut _ as *mut c_void,
-            &mut t_rt as *mut _ as *mut c_void,
-            &mut c_at as *mut _ as *mut c_void,
+            &mut n_rows as *mut _ as *mut c_void,
             &mut plane as *mut _ as *mut c_void,
             &mut eps as *mut _ as *mut c_void,
             std::ptr::null_mut(),
@@ -304,13 +539,16 @@ impl CudaPool {
             attrs: attrs.as_mut_ptr(),
             numAttrs: if self.cuda.pdl { 1 } else { 0 },
         };
-        // SAFETY: the 17 parameters match the kernel's signature in order and type (six device pointers of
-        // the pool, six of the batch, int n_slots, int t, int commit_at, long long plane, float eps); each
-        // points to a local that lives across the call (the driver copies them at launch), as do `config` and
-        // the attribute it points to. The buffers have the lengths the kernel indexes: the pool's by
-        // construction, the batch's and the output's checked by the callers against the shape, b, t and the
-        // output layout; the kernel skips slots out of range. Programmatic serialisation is sound because the
-        // kernel executes griddepcontrol.wait before it touches anything an earlier kernel may write.
+        // SAFETY: the 19 parameters match the kernel's signature in order and type (six device pointers of
+        // the pool and the layer, four of the rows, the output, four per-sequence int arrays, int n_slots, int
+        // n_rows, long long plane, float eps); each points to a local that lives across the call (the driver
+        // copies them at launch), as do `config` and the attribute it points to. The element types the kernel
+        // was compiled for are those of the buffers (the spec is built from the same dtypes). The buffers have
+        // the lengths the kernel indexes: the pool's by construction, the rows' and the output's checked by the
+        // callers against the shape, `rows` and the output layout, the per-sequence arrays hold `n_seqs`
+        // entries (one block row each); the kernel skips a sequence whose slot or rows are out of range.
+        // Programmatic serialisation is sound because the kernel executes griddepcontrol.wait before it
+        // touches anything an earlier kernel may write.
         let r = unsafe {
             sys::cuLaunchKernelEx(
                 &config,
@@ -322,40 +560,32 @@ impl CudaPool {
         r.result().map_err(drv)
     }
 
-    fn staging(&mut self, qkv: usize, hv: usize, n: usize, out: usize, b: usize) -> Result<()> {
-        let fits = self.staging.as_ref().is_some_and(|s| {
-            s.qkv.len() >= qkv
-                && s.alpha.len() >= hv
-                && s.z.len() >= n
-                && s.out.len() >= out
-                && s.slots.len() >= b
-        });
-        if !fits {
-            let s = &self.cuda.stream;
-            let old = self.staging.take();
-            let grow = |want: usize, have: usize| want.max(have).max(1);
-            let have = |f: fn(&Staging) -> usize| old.as_ref().map_or(0, f);
-            self.staging = Some(Staging {
-                qkv: s
-                    .alloc_zeros(grow(qkv, have(|x| x.qkv.len())))
-                    .map_err(drv)?,
-                alpha: s
-                    .alloc_zeros(grow(hv, have(|x| x.alpha.len())))
-                    .map_err(drv)?,
-                beta: s
-                    .alloc_zeros(grow(hv, have(|x| x.beta.len())))
-                    .map_err(drv)?,
-                z: s.alloc_zeros(grow(n, have(|x| x.z.len()))).map_err(drv)?,
-                out: s
-                    .alloc_zeros(grow(out, have(|x| x.out.len())))
-                    .map_err(drv)?,
-                slots: s
-                    .alloc_zeros(grow(b, have(|x| x.slots.len())))
-                    .map_err(drv)?,
-            });
+    /// The staging buffer, at least `need` bytes (see [`staging_alloc`]).
+    fn staging(&mut self, need: usize) -> Result<()> {
+        if let Some(n) = staging_alloc(self.staging_bytes(), need) {
+            self.staging = None;
+            self.staging = Some(self.cuda.stream.alloc_zeros::<u8>(n).map_err(drv)?);
         }
         Ok(())
     }
+
+    fn state_len(&self) -> usize {
+        self.layer.shape().state_len()
+    }
+}
+
+/// Uploads `src` into `dst` at byte offset `at`.
+fn put(
+    s: &std::sync::Arc<CudaStream>,
+    dst: &mut CudaSlice<u8>,
+    at: usize,
+    src: &[u8],
+) -> Result<()> {
+    if src.is_empty() {
+        return Ok(());
+    }
+    s.memcpy_htod(src, &mut dst.slice_mut(at..at + src.len()))
+        .map_err(drv)
 }
 
 impl LayerPool for CudaPool {
@@ -367,15 +597,25 @@ impl LayerPool for CudaPool {
         self.slots
     }
 
+    fn options(&self) -> PoolOptions {
+        self.options
+    }
+
     fn write_slot(&mut self, slot: usize, state: &[f32], hist: &[f32]) -> Result<()> {
         check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
-        let sl = state.len();
+        let sl = self.state_len();
         let hl = head_history::len(&self.layer);
         let mut pooled = vec![0.0f32; hl];
         head_history::from_spec(&self.layer, hist, &mut pooled);
         let s = self.cuda.stream.clone();
-        s.memcpy_htod(state, &mut self.state.slice_mut(slot * sl..(slot + 1) * sl))
-            .map_err(drv)?;
+        let r = slot * sl..(slot + 1) * sl;
+        match &mut self.state {
+            StateBuf::F32(d) => s.memcpy_htod(state, &mut d.slice_mut(r)).map_err(drv)?,
+            StateBuf::Bf16(d) => {
+                let rounded: Vec<bf16> = state.iter().map(|&x| bf16::from_f32(x)).collect();
+                s.memcpy_htod(&rounded, &mut d.slice_mut(r)).map_err(drv)?
+            }
+        }
         s.memcpy_htod(
             &pooled,
             &mut self.hist.slice_mut(slot * hl..(slot + 1) * hl),
@@ -386,12 +626,22 @@ impl LayerPool for CudaPool {
 
     fn read_slot(&mut self, slot: usize, state: &mut [f32], hist: &mut [f32]) -> Result<()> {
         check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
-        let sl = state.len();
+        let sl = self.state_len();
         let hl = head_history::len(&self.layer);
         let mut pooled = vec![0.0f32; hl];
         let s = self.cuda.stream.clone();
-        s.memcpy_dtoh(&self.state.slice(slot * sl..(slot + 1) * sl), state)
-            .map_err(drv)?;
+        let r = slot * sl..(slot + 1) * sl;
+        match &self.state {
+            StateBuf::F32(d) => s.memcpy_dtoh(&d.slice(r), state).map_err(drv)?,
+            StateBuf::Bf16(d) => {
+                let mut raw = vec![bf16::ZERO; sl];
+                s.memcpy_dtoh(&d.slice(r), &mut raw).map_err(drv)?;
+                s.synchronize().map_err(drv)?;
+                for (o, x) in state.iter_mut().zip(&raw) {
+                    *o = x.to_f32();
+                }
+            }
+        }
         s.memcpy_dtoh(&self.hist.slice(slot * hl..(slot + 1) * hl), &mut pooled)
             .map_err(drv)?;
         s.synchronize().map_err(drv)?;
@@ -399,103 +649,160 @@ impl LayerPool for CudaPool {
         Ok(())
     }
 
-    fn options(&self) -> gdn::PoolOptions {
-        gdn::PoolOptions::default()
-    }
-
-    fn step_varlen(&mut self, step: &gdn::Step<'_>, out: gdn::TensorMut<'_>) -> Result<()> {
-        step.validate(&self.layer, self.slots, out.len())?;
-        Err(Error::Unsupported("varlen steps (being ported)".into()))
-    }
-
-    fn step(&mut self, args: &StepArgs<'_>, out: &mut [f32]) -> Result<()> {
-        let (layout, commit_at) = args.validate(&self.layer, self.slots, out.len())?;
-        let batch = &args.batch;
-        let (b, t) = (batch.b, batch.t);
-        if b == 0 {
+    fn step_varlen(&mut self, step: &Step<'_>, mut out: TensorMut<'_>) -> Result<()> {
+        let checked = step.validate(&self.layer, self.slots, out.len())?;
+        let rows = checked.rows;
+        int(rows, "rows")?;
+        // only the sequences that run go to the device, as four int arrays
+        let live = live_longest_first(step.seqs);
+        if live.is_empty() {
             return Ok(());
         }
-        self.staging(
-            batch.qkv.len(),
-            batch.alpha.len(),
-            batch.z.len(),
-            layout.len(),
-            b,
-        )?;
-        let s = self.cuda.stream.clone();
-        let st = self
-            .staging
-            .as_mut()
-            .ok_or_else(|| Error::Backend("staging buffers missing".into()))?;
-        s.memcpy_htod(batch.qkv, &mut st.qkv.slice_mut(0..batch.qkv.len()))
-            .map_err(drv)?;
-        s.memcpy_htod(batch.alpha, &mut st.alpha.slice_mut(0..batch.alpha.len()))
-            .map_err(drv)?;
-        s.memcpy_htod(batch.beta, &mut st.beta.slice_mut(0..batch.beta.len()))
-            .map_err(drv)?;
-        s.memcpy_htod(batch.z, &mut st.z.slice_mut(0..batch.z.len()))
-            .map_err(drv)?;
-        s.memcpy_htod(args.slots, &mut st.slots.slice_mut(0..b))
-            .map_err(drv)?;
-        // the caller's output goes up too: rows the step does not write must come back unchanged
-        s.memcpy_htod(&*out, &mut st.out.slice_mut(0..out.len()))
-            .map_err(drv)?;
-        let ops = Operands {
-            qkv: ptr(&st.qkv, &self.cuda),
-            alpha: ptr(&st.alpha, &self.cuda),
-            beta: ptr(&st.beta, &self.cuda),
-            z: ptr(&st.z, &self.cuda),
-            out: ptr_mut(&mut st.out, &self.cuda),
-            slots: ptr(&st.slots, &self.cuda),
+        let n = live.len();
+        let mut ints = vec![0i32; 4 * n];
+        for (k, &i) in live.iter().enumerate() {
+            let s = &step.seqs[i];
+            ints[k] = s.slot;
+            ints[n + k] = int(s.start, "start")?;
+            ints[2 * n + k] = int(s.len, "len")?;
+            ints[3 * n + k] = int(checked.commit_at[i], "commit")?;
+        }
+        let first = step.seqs[live[0]].len;
+        let uniform = live.iter().all(|&i| step.seqs[i].len == first);
+        let kind = StepKind {
+            uniform_len: (uniform && first <= MAX_CONST_T).then_some(first),
+            commits: live.iter().any(|&i| checked.commit_at[i] > 0),
+            planes: step.plane_stride.is_some(),
+            io: Io::new(step.rows.dtypes(), out.dtype()),
+            seqs: n,
         };
-        self.launch(b, t, args.commit, commit_at, args.plane_stride, ops)?;
-        let st = self
-            .staging
-            .as_ref()
-            .ok_or_else(|| Error::Backend("staging buffers missing".into()))?;
-        s.memcpy_dtoh(&st.out.slice(0..out.len()), out)
-            .map_err(drv)?;
-        s.synchronize().map_err(drv)
+        let r = &step.rows;
+        let parts = [
+            tensor_bytes(&r.qkv),
+            tensor_bytes(&r.alpha),
+            tensor_bytes(&r.beta),
+            tensor_bytes(&r.z),
+            bytes_of(&ints),
+        ];
+        let out_bytes = bytes_of_mut_tensor(&mut out);
+        let mut sizes: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+        sizes.push(out_bytes.len());
+        let (offs, need) = staging_layout(&sizes).ok_or_else(|| too_large("step"))?;
+        self.staging(need)?;
+        let s = self.cuda.stream.clone();
+        let result = (|| {
+            let st = self
+                .staging
+                .as_mut()
+                .ok_or_else(|| Error::Backend("staging buffer missing".into()))?;
+            for (p, &at) in parts.iter().zip(&offs) {
+                put(&s, st, at, p)?;
+            }
+            // the caller's output goes up too: rows the step does not write must come back unchanged
+            put(&s, st, offs[5], out_bytes)?;
+            let base = ptr(st, &self.cuda);
+            let at = |k: usize| base + offs[k] as u64;
+            let ints_at = |k: usize| at(4) + (4 * k * n) as u64;
+            let ops = Operands {
+                qkv: at(0),
+                alpha: at(1),
+                beta: at(2),
+                z: at(3),
+                slot: ints_at(0),
+                start: ints_at(1),
+                len: ints_at(2),
+                commit_at: ints_at(3),
+                out: at(5),
+            };
+            self.launch(&kind, n, rows, step.plane_stride, ops)?;
+            let st = self
+                .staging
+                .as_ref()
+                .ok_or_else(|| Error::Backend("staging buffer missing".into()))?;
+            if !out_bytes.is_empty() {
+                s.memcpy_dtoh(&st.slice(offs[5]..offs[5] + out_bytes.len()), out_bytes)
+                    .map_err(drv)?;
+            }
+            s.synchronize().map_err(drv)
+        })();
+        if !staging_keep(self.staging_bytes()) {
+            self.staging = None;
+        }
+        result
     }
 
-    fn time_step(&mut self, args: &StepArgs<'_>, iters: usize) -> Result<StepTiming> {
-        let (layout, _) = args.validate(&self.layer, self.slots, layout_len(self, args)?)?;
-        let batch = &args.batch;
+    fn time_varlen(
+        &mut self,
+        step: &Step<'_>,
+        out_dtype: DType,
+        iters: usize,
+    ) -> Result<StepTiming> {
+        let sh = *self.layer.shape();
+        let rows = step.rows.count(&sh)?;
+        let layout = OutputLayout::for_rows(&sh, rows, step.plane_stride)?;
+        let checked = step.validate(&self.layer, self.slots, layout.len())?;
         let s = self.cuda.stream.clone();
-        let qkv = s.clone_htod(batch.qkv).map_err(drv)?;
-        let alpha = s.clone_htod(batch.alpha).map_err(drv)?;
-        let beta = s.clone_htod(batch.beta).map_err(drv)?;
-        let z = s.clone_htod(batch.z).map_err(drv)?;
-        let slots = s.clone_htod(args.slots).map_err(drv)?;
-        let mut out = s.alloc_zeros::<f32>(layout.len().max(1)).map_err(drv)?;
-        let db = DeviceBatch {
-            b: batch.b,
-            t: batch.t,
-            qkv: qkv.as_view(),
-            alpha: alpha.as_view(),
-            beta: beta.as_view(),
-            z: z.as_view(),
-            slots: slots.as_view(),
+        let up = |t: &Tensor<'_>| -> Result<Owned> {
+            Ok(match *t {
+                Tensor::F32(x) => Owned::F32(s.clone_htod(x).map_err(drv)?),
+                Tensor::Bf16(x) => Owned::Bf16(s.clone_htod(x).map_err(drv)?),
+                Tensor::F16(x) => Owned::F16(s.clone_htod(x).map_err(drv)?),
+            })
         };
-        let len = layout.len();
-        let mut step = |pool: &mut CudaPool| {
-            pool.step_device(
-                &db,
-                args.commit,
-                args.plane_stride,
-                &mut out.slice_mut(0..len),
-            )
+        let (qkv, alpha, beta, z) = (
+            up(&step.rows.qkv)?,
+            up(&step.rows.alpha)?,
+            up(&step.rows.beta)?,
+            up(&step.rows.z)?,
+        );
+        let live = live_longest_first(step.seqs);
+        let col = |f: &dyn Fn(usize) -> Result<i32>| -> Result<CudaSlice<i32>> {
+            let v = live.iter().map(|&i| f(i)).collect::<Result<Vec<i32>>>()?;
+            // an empty call still needs a buffer to point at
+            s.clone_htod(if v.is_empty() { &[0][..] } else { &v })
+                .map_err(drv)
         };
+        let slot = col(&|i| Ok(step.seqs[i].slot))?;
+        let start = col(&|i| int(step.seqs[i].start, "start"))?;
+        let len = col(&|i| int(step.seqs[i].len, "len"))?;
+        let commit_at = col(&|i| int(checked.commit_at[i], "commit"))?;
+        let n = live.len();
+        let first = live.first().map_or(1, |&i| step.seqs[i].len);
+        let uniform = live.iter().all(|&i| step.seqs[i].len == first);
+        let mut out = Owned::zeros(&s, out_dtype, layout.len().max(1))?;
+        let (qv, av, bv, zv) = (qkv.view(), alpha.view(), beta.view(), z.view());
+        let (slot_v, start_v, len_v, commit_v) = (
+            slot.slice(0..n),
+            start.slice(0..n),
+            len.slice(0..n),
+            commit_at.slice(0..n),
+        );
+        let ds = DeviceStep {
+            rows,
+            qkv: qv.tensor(),
+            alpha: av.tensor(),
+            beta: bv.tensor(),
+            z: zv.tensor(),
+            slot: &slot_v,
+            start: &start_v,
+            len: &len_v,
+            commit_at: &commit_v,
+            uniform_len: (uniform && first <= MAX_CONST_T).then_some(first),
+            commits: live.iter().any(|&i| checked.commit_at[i] > 0),
+            plane_stride: step.plane_stride,
+        };
+        let out_len = layout.len();
+        let mut one = |pool: &mut CudaPool| -> Result<()> { out.step(pool, &ds, out_len) };
         // warm-up (compiles and loads the kernel)
         for _ in 0..3 {
-            step(self)?;
+            one(self)?;
         }
         s.synchronize().map_err(drv)?;
         // host cost of one call: issue a run of calls without waiting
         let n_host = 50;
         let t0 = Instant::now();
         for _ in 0..n_host {
-            step(self)?;
+            one(self)?;
         }
         let host = t0.elapsed() / n_host;
         s.synchronize().map_err(drv)?;
@@ -505,7 +812,7 @@ impl LayerPool for CudaPool {
             .map_err(drv)?;
         let mut captured = Ok(());
         for _ in 0..per_graph {
-            captured = step(self);
+            captured = one(self);
             if captured.is_err() {
                 break;
             }
@@ -545,14 +852,77 @@ impl LayerPool for CudaPool {
     }
 }
 
-fn layout_len(pool: &CudaPool, args: &StepArgs<'_>) -> Result<usize> {
-    Ok(OutputLayout::new(
-        pool.layer.shape(),
-        args.batch.b,
-        args.batch.t,
-        args.plane_stride,
-    )?
-    .len())
+/// The sequences that run, longest first: the blocks of a long window start in the first wave instead of
+/// trailing the call (the order changes no bits: each block reads only its own sequence).
+fn live_longest_first(seqs: &[gdn::Seq]) -> Vec<usize> {
+    let mut live: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].slot >= 0).collect();
+    live.sort_by_key(|&i| std::cmp::Reverse(seqs[i].len));
+    live
+}
+
+fn bytes_of_mut_tensor<'a>(t: &'a mut TensorMut<'_>) -> &'a mut [u8] {
+    match t {
+        TensorMut::F32(x) => bytes_of_mut(x),
+        TensorMut::Bf16(x) => bytes_of_mut(x),
+        TensorMut::F16(x) => bytes_of_mut(x),
+    }
+}
+
+/// A device buffer of one of the dtypes (for timing and tests).
+pub enum Owned {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<bf16>),
+    F16(CudaSlice<f16>),
+}
+
+/// A view of an [`Owned`] buffer.
+pub enum OwnedView<'a> {
+    F32(CudaView<'a, f32>),
+    Bf16(CudaView<'a, bf16>),
+    F16(CudaView<'a, f16>),
+}
+
+impl OwnedView<'_> {
+    /// The view as a step input.
+    pub fn tensor(&self) -> DeviceTensor<'_> {
+        match self {
+            OwnedView::F32(x) => DeviceTensor::F32(x),
+            OwnedView::Bf16(x) => DeviceTensor::Bf16(x),
+            OwnedView::F16(x) => DeviceTensor::F16(x),
+        }
+    }
+}
+
+impl Owned {
+    /// `len` zeros of `dtype` on the device.
+    pub fn zeros(s: &std::sync::Arc<CudaStream>, dtype: DType, len: usize) -> Result<Owned> {
+        Ok(match dtype {
+            DType::F32 => Owned::F32(s.alloc_zeros(len).map_err(drv)?),
+            DType::Bf16 => Owned::Bf16(s.alloc_zeros(len).map_err(drv)?),
+            DType::F16 => Owned::F16(s.alloc_zeros(len).map_err(drv)?),
+        })
+    }
+    pub fn view(&self) -> OwnedView<'_> {
+        match self {
+            Owned::F32(x) => OwnedView::F32(x.as_view()),
+            Owned::Bf16(x) => OwnedView::Bf16(x.as_view()),
+            Owned::F16(x) => OwnedView::F16(x.as_view()),
+        }
+    }
+    /// Runs `step` with the first `len` elements of this buffer as its output.
+    pub fn step(&mut self, pool: &mut CudaPool, step: &DeviceStep<'_>, len: usize) -> Result<()> {
+        match self {
+            Owned::F32(x) => {
+                pool.step_device(step, &mut DeviceTensorMut::F32(&mut x.slice_mut(0..len)))
+            }
+            Owned::Bf16(x) => {
+                pool.step_device(step, &mut DeviceTensorMut::Bf16(&mut x.slice_mut(0..len)))
+            }
+            Owned::F16(x) => {
+                pool.step_device(step, &mut DeviceTensorMut::F16(&mut x.slice_mut(0..len)))
+            }
+        }
+    }
 }
 
 /// Device-to-device copy bandwidth, bytes read plus written per second, median of events-timed rounds, with the
@@ -588,4 +958,42 @@ pub(crate) fn copy_ceiling(cuda: &Cuda, bytes: usize) -> Result<f64> {
     }
     rates.sort_by(|a, b| a.total_cmp(b));
     Ok(rates[rates.len() / 2])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staging_is_sized_per_call_and_released_above_the_cap() {
+        // a first call allocates, rounded up to the grain
+        let mut have = 0;
+        let n = staging_alloc(have, 1000).unwrap();
+        assert!(n >= 1000 && n.is_multiple_of(STAGING_GRAIN));
+        have = n;
+        // smaller and equal calls reuse it
+        assert_eq!(staging_alloc(have, 10), None);
+        assert_eq!(staging_alloc(have, have), None);
+        // a larger call allocates anew, to its own size (not a growth factor of the old one)
+        let big = staging_alloc(have, 3 * STAGING_KEEP).unwrap();
+        assert!((3 * STAGING_KEEP..3 * STAGING_KEEP + STAGING_GRAIN).contains(&big));
+        // ... which is released after that call, while a buffer up to the cap is kept
+        assert!(!staging_keep(big));
+        assert!(staging_keep(STAGING_KEEP));
+        // so the next small call allocates a small one again
+        let after = if staging_keep(big) { big } else { 0 };
+        assert!(staging_alloc(after, 1000).unwrap() <= STAGING_GRAIN);
+        // sizes near the top of the address space do not wrap
+        assert!(staging_alloc(0, usize::MAX).is_some());
+    }
+
+    #[test]
+    fn staging_layout_aligns_and_checks_overflow() {
+        let (offs, end) = staging_layout(&[3, 0, 300, 4]).unwrap();
+        assert_eq!(offs, vec![0, 256, 256, 768]);
+        assert_eq!(end, 772);
+        assert!(offs.iter().all(|o| o % STAGING_ALIGN == 0));
+        assert!(staging_layout(&[usize::MAX - 10, 20]).is_none());
+        assert!(staging_layout(&[1, usize::MAX]).is_none());
+    }
 }

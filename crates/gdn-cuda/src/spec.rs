@@ -6,7 +6,7 @@ use std::ffi::{c_char, CString};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
-use gdn::{Commit, Config, Error, Gate, HeadMap, Result, Shape};
+use gdn::{Config, DType, Error, Gate, HeadMap, PoolOptions, Result, Shape, StateLayout};
 
 /// The kernel source: macros select the specialisation (see the comment at its top).
 pub const KERNEL_SRC: &str = include_str!("../kernels/gdn_step.cu");
@@ -20,25 +20,45 @@ pub const CLUSTER_SIZES: [usize; 4] = [1, 2, 4, 8];
 /// Rows of one column a thread may hold in registers.
 const MAX_ROWS_PER_THREAD: usize = 64;
 
-/// Which token loop the kernel runs (NOTES.md, "Kernel versions").
+/// The element types of one call's tensors: the four inputs and the output (y, planes, group sums).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Kernel {
-    /// Kernel v2b: kv sweep, butterfly, update + readout sweep, butterfly; three block barriers a token.
-    #[default]
-    V2b,
-    /// Kernel v3: the readout from the state before the update; one sweep a token that updates by the
-    /// previous token and accumulates S^T k and S^T q of the next, one butterfly phase, two block barriers.
-    V3,
+pub struct Io {
+    pub qkv: DType,
+    pub alpha: DType,
+    pub beta: DType,
+    pub z: DType,
+    pub out: DType,
 }
 
-impl Kernel {
-    /// The variant chosen by `GDN_CUDA_KERNEL` (`v3`; anything else or unset: `v2b`), read once a process.
-    pub fn from_env() -> Kernel {
-        static CHOICE: OnceLock<Kernel> = OnceLock::new();
-        *CHOICE.get_or_init(|| match std::env::var("GDN_CUDA_KERNEL") {
-            Ok(v) if v.trim().eq_ignore_ascii_case("v3") => Kernel::V3,
-            _ => Kernel::V2b,
-        })
+impl Io {
+    /// Every tensor in `dtype`.
+    pub fn all(dtype: DType) -> Io {
+        Io {
+            qkv: dtype,
+            alpha: dtype,
+            beta: dtype,
+            z: dtype,
+            out: dtype,
+        }
+    }
+    /// The inputs' types (qkv, alpha, beta, z) and the output's.
+    pub fn new(inputs: [DType; 4], out: DType) -> Io {
+        Io {
+            qkv: inputs[0],
+            alpha: inputs[1],
+            beta: inputs[2],
+            z: inputs[3],
+            out,
+        }
+    }
+}
+
+/// The kernel's code for an element type (the `GDN_*_DT` macros).
+fn dt_code(d: DType) -> u8 {
+    match d {
+        DType::F32 => 0,
+        DType::Bf16 => 1,
+        DType::F16 => 2,
     }
 }
 
@@ -48,16 +68,21 @@ pub struct Spec {
     /// Compute capability (major, minor) the machine code is for.
     pub arch: (i32, i32),
     pub shape: Shape,
-    /// Window length, or 0 for a run-time length.
+    /// Window length of every sequence of the call, or 0 for each sequence's own (run-time) length.
     pub t: usize,
     pub silu: bool,
     pub grouped: bool,
     pub planes: bool,
-    /// false: verify; true: commit at a run-time token count.
+    /// false: verify only; true: each sequence commits at its own run-time token count (0: not at all).
     pub commit: bool,
     pub plan: Plan,
-    /// The token loop's variant.
-    pub kernel: Kernel,
+    /// Element types of the inputs and the output.
+    pub io: Io,
+    /// The pool's state: element type (f32 or bf16) and layout.
+    pub pool: PoolOptions,
+    /// Stage a bf16 state at T 1 through shared memory (see [`Spec::staged`]); the pool asks for it on calls
+    /// large enough to fill the device, where it pays. It changes no bits.
+    pub stage: bool,
 }
 
 /// How one value head's state is split over threads and blocks.
@@ -144,32 +169,74 @@ impl Plan {
 }
 
 impl Spec {
-    /// The specialisation for a layer config, window and commit mode under a plan, with the kernel variant
-    /// `GDN_CUDA_KERNEL` selects (see [`Kernel::from_env`]; [`Spec::with_kernel`] picks another).
+    /// The specialisation for a layer config, a window length (`None` or a length above [`MAX_CONST_T`]: the
+    /// run-time length) and a commit mode under a plan, with f32 tensors and the default pool; see
+    /// [`Spec::with_io`] and [`Spec::with_pool`].
     pub fn new(
         arch: (i32, i32),
         config: &Config,
-        t: usize,
-        commit: Commit,
+        t: Option<usize>,
+        commit: bool,
         planes: bool,
         plan: Plan,
     ) -> Spec {
         Spec {
             arch,
             shape: config.shape,
-            t: if t <= MAX_CONST_T { t } else { 0 },
+            t: t.filter(|&t| t <= MAX_CONST_T).unwrap_or(0),
             silu: config.gate == Gate::Silu,
             grouped: config.head_map == HeadMap::Grouped,
             planes,
-            commit: commit != Commit::Verify,
+            commit,
             plan,
-            kernel: Kernel::from_env(),
+            io: Io::default(),
+            pool: PoolOptions::default(),
+            stage: true,
         }
     }
 
-    /// The same specialisation with another kernel variant.
-    pub fn with_kernel(self, kernel: Kernel) -> Spec {
-        Spec { kernel, ..self }
+    /// The same specialisation with other tensor element types.
+    pub fn with_io(self, io: Io) -> Spec {
+        Spec { io, ..self }
+    }
+
+    /// The same specialisation with staging allowed or not.
+    pub fn with_stage(self, stage: bool) -> Spec {
+        Spec { stage, ..self }
+    }
+
+    /// The same specialisation for another kind of pool.
+    pub fn with_pool(self, pool: PoolOptions) -> Spec {
+        Spec { pool, ..self }
+    }
+
+    /// Whether the kernel stages the state through shared memory instead of registers (the kernel's `STAGE`:
+    /// asked for, a bf16 state at T 1, one block a head, d <= 128).
+    pub fn staged(&self) -> bool {
+        let d = self.shape.d;
+        self.stage
+            && self.pool.state == DType::Bf16
+            && self.t == 1
+            && self.plan.ncb == 1
+            && d <= 128
+            && (d / self.plan.rg.max(1)).is_multiple_of(8)
+    }
+
+    /// The register budget compiled in: the plan's, and for a staged state (no registers hold it) more blocks
+    /// a multiprocessor, as many as measured best on the H200 (B 256 T 1, NOTES.md): six key-major (2-byte
+    /// shared loads, so more blocks to cover them), four value-major. Only the register allocation changes
+    /// with it, not the arithmetic.
+    pub fn minb(&self) -> usize {
+        if self.staged() {
+            let extra = if self.pool.layout == StateLayout::KeyMajor {
+                4
+            } else {
+                2
+            };
+            (self.plan.minb + extra).min((2048 / self.threads().max(1)).max(1))
+        } else {
+            self.plan.minb
+        }
     }
 
     /// The macro lines that select this specialisation, put before the kernel source.
@@ -178,7 +245,9 @@ impl Spec {
         format!(
             "#define GDN_D {}\n#define GDN_HK {}\n#define GDN_HV {}\n#define GDN_T {}\n#define GDN_SILU {}\n\
              #define GDN_GROUPED {}\n#define GDN_PLANES {}\n#define GDN_COMMIT {}\n#define GDN_NCB {}\n\
-             #define GDN_RG {}\n#define GDN_MINB {}\n#define GDN_V3 {}\n",
+             #define GDN_RG {}\n#define GDN_MINB {}\n#define GDN_QKV_DT {}\n#define GDN_ALPHA_DT {}\n\
+             #define GDN_BETA_DT {}\n#define GDN_Z_DT {}\n#define GDN_OUT_DT {}\n#define GDN_STATE_DT {}\n\
+             #define GDN_VMAJOR {}\n#define GDN_STAGE {}\n",
             s.d,
             s.h_k,
             s.h_v,
@@ -189,8 +258,15 @@ impl Spec {
             self.commit as u8,
             self.plan.ncb,
             self.plan.rg,
-            self.plan.minb,
-            (self.kernel == Kernel::V3) as u8,
+            self.minb(),
+            dt_code(self.io.qkv),
+            dt_code(self.io.alpha),
+            dt_code(self.io.beta),
+            dt_code(self.io.z),
+            dt_code(self.io.out),
+            dt_code(self.pool.state),
+            (self.pool.layout == StateLayout::ValueMajor) as u8,
+            self.staged() as u8,
         )
     }
 
@@ -313,8 +389,9 @@ pub fn resource_line(log: &str) -> String {
         .join("; ")
 }
 
-/// Every specialisation the planner can produce for `config` on `arch` at batch sizes `batches`, for windows
-/// 1..=MAX_CONST_T and the run-time length, for both kernel variants: all gates/maps are taken from `config`.
+/// Every specialisation the planner can produce for `config` on `arch` at batch sizes `batches` (f32 tensors, the
+/// default pool): windows 1..=MAX_CONST_T and the run-time length, planes on and off, verify and commit; the gate
+/// and head map are `config`'s. [`Spec::with_io`] and [`Spec::with_pool`] give the other dtypes and pools.
 pub fn all_specs(arch: (i32, i32), config: &Config, sms: usize, batches: &[usize]) -> Vec<Spec> {
     let mut plans: Vec<Plan> = batches
         .iter()
@@ -324,14 +401,10 @@ pub fn all_specs(arch: (i32, i32), config: &Config, sms: usize, batches: &[usize
     plans.dedup();
     let mut out = Vec::new();
     for plan in plans {
-        for t in (1..=MAX_CONST_T).chain([0]) {
+        for t in (1..=MAX_CONST_T).map(Some).chain([None]) {
             for planes in [false, true] {
-                for commit in [Commit::Verify, Commit::All] {
-                    let tt = if t == 0 { MAX_CONST_T + 1 } else { t };
-                    let s = Spec::new(arch, config, tt, commit, planes, plan);
-                    for kernel in [Kernel::V2b, Kernel::V3] {
-                        out.push(s.with_kernel(kernel));
-                    }
+                for commit in [false, true] {
+                    out.push(Spec::new(arch, config, t, commit, planes, plan));
                 }
             }
         }

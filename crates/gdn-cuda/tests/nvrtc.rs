@@ -1,8 +1,8 @@
 //! Compiles every kernel specialisation the planner can produce through NVRTC, with no GPU needed. Skips with
 //! a message only when libnvrtc cannot be loaded and `GDN_REQUIRE_NVRTC` is unset (CI sets it).
 
-use gdn::{Config, Gate, HeadMap, Shape};
-use gdn_cuda::spec::{self, all_specs, compiled, Kernel, Plan, CLUSTER_SIZES};
+use gdn::{Config, DType, Gate, HeadMap, PoolOptions, Shape, StateLayout};
+use gdn_cuda::spec::{self, all_specs, compiled, Io, Plan, Spec, CLUSTER_SIZES, MAX_CONST_T};
 
 fn nvrtc_or_skip(test: &str) -> bool {
     if spec::nvrtc_present() {
@@ -50,29 +50,86 @@ fn assert_all_compile(specs: Vec<spec::Spec>) -> usize {
     n
 }
 
-/// Every specialisation for the seed shape: both gates, both head maps, planes on/off, verify/commit, windows
-/// 1..=8 and the run-time length, under every plan the planner picks for batches 1..=256 on an H200 (132 SMs),
-/// for sm_90 (the planner's plan does not depend on the batch today; the batches stay in case it does again).
+/// Every f32 specialisation for the seed shape the planner can produce (windows 1..=8 and the run-time length,
+/// planes on/off, verify/commit) under every plan it picks for batches 1..=256 on an H200 (132 SMs), for sm_90,
+/// with both gates and both head maps at T 1 and the run-time length.
 #[test]
 fn every_seed_specialisation_compiles() {
     if !nvrtc_or_skip("every_seed_specialisation_compiles") {
         return;
     }
-    let mut specs = Vec::new();
+    let batches = [1, 2, 4, 8, 16, 256];
+    let mut specs = all_specs((9, 0), &Config::new(Shape::SEED), 132, &batches);
     for gate in [Gate::Sigmoid, Gate::Silu] {
         for head_map in [HeadMap::Tiled, HeadMap::Grouped] {
             let mut cfg = Config::new(Shape::SEED);
             cfg.gate = gate;
             cfg.head_map = head_map;
-            specs.extend(all_specs((9, 0), &cfg, 132, &[1, 2, 4, 8, 16, 256]));
+            specs.extend(
+                all_specs((9, 0), &cfg, 132, &batches)
+                    .into_iter()
+                    .filter(|s| s.t <= 1 && s.commit),
+            );
         }
     }
+    specs.sort_by_key(|s| format!("{s:?}"));
+    specs.dedup();
     let n = assert_all_compile(specs);
     eprintln!("compiled {n} seed specialisations");
 }
 
-/// Every cluster size's split (the planner's and the `GDN_CUDA_PLAN` overrides' kind) for the small shapes the
-/// conformance suite uses, the seed shape and larger heads, T 1 and run-time, commit and verify, both kernels.
+/// The dtypes, the bf16 state and both layouts at the seed shape: every state/layout pair at every window
+/// (1..=8, run-time) for commit, and for verify at T 1 and run-time, planes on; every dtype in every tensor
+/// position (the others f32) under each state/layout pair at T 1 and the run-time length; all-bf16 and
+/// all-f16 calls.
+#[test]
+fn every_dtype_state_and_layout_compiles() {
+    if !nvrtc_or_skip("every_dtype_state_and_layout_compiles") {
+        return;
+    }
+    let cfg = Config::new(Shape::SEED);
+    let plan = Plan::choose(128, 48, 1, 132).unwrap();
+    let mut specs = Vec::new();
+    let dts = [DType::F32, DType::Bf16, DType::F16];
+    for state in [DType::F32, DType::Bf16] {
+        for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+            let pool = PoolOptions { state, layout };
+            let base = |t: Option<usize>, commit: bool, planes: bool| {
+                Spec::new((9, 0), &cfg, t, commit, planes, plan).with_pool(pool)
+            };
+            for t in (1..=MAX_CONST_T).map(Some).chain([None]) {
+                specs.push(base(t, true, true));
+                specs.push(base(t, true, false));
+            }
+            // the register path of a bf16 state at T 1 (calls too small to fill the device)
+            specs.push(base(Some(1), true, true).with_stage(false));
+            specs.push(base(Some(1), false, false).with_stage(false));
+            for t in [Some(1), None] {
+                specs.push(base(t, false, true));
+                specs.push(base(t, false, false));
+                for d in [DType::Bf16, DType::F16] {
+                    for pos in 0..5 {
+                        let mut io = [DType::F32; 5];
+                        io[pos] = d;
+                        let io = Io::new([io[0], io[1], io[2], io[3]], io[4]);
+                        specs.push(base(t, true, true).with_io(io));
+                    }
+                }
+                for d in dts {
+                    specs.push(base(t, true, false).with_io(Io::all(d)));
+                }
+            }
+        }
+    }
+    specs.sort_by_key(|s| format!("{s:?}"));
+    specs.dedup();
+    let n = assert_all_compile(specs);
+    eprintln!("compiled {n} dtype / state / layout specialisations");
+}
+
+/// Every cluster size's split (the planner's and the plan overrides' kind) for the small shapes the
+/// conformance suite uses, the seed shape and larger heads, T 1 and run-time, commit and verify, with f32 and a
+/// bf16 value-major state.
 #[test]
 fn every_split_compiles_for_other_shapes() {
     if !nvrtc_or_skip("every_split_compiles_for_other_shapes") {
@@ -90,12 +147,14 @@ fn every_split_compiles_for_other_shapes() {
         let cfg = Config::new(Shape::new(d, h_k, h_v).unwrap());
         for ncb in CLUSTER_SIZES {
             if let Some(plan) = Plan::for_ncb(d, ncb) {
-                for t in [1, 9] {
-                    for commit in [gdn::Commit::All, gdn::Commit::Verify] {
-                        let s = spec::Spec::new((9, 0), &cfg, t, commit, true, plan);
-                        for kernel in [Kernel::V2b, Kernel::V3] {
-                            specs.push(s.with_kernel(kernel));
-                        }
+                for t in [Some(1), None] {
+                    for commit in [true, false] {
+                        let s = Spec::new((9, 0), &cfg, t, commit, true, plan);
+                        specs.push(s);
+                        specs.push(s.with_pool(PoolOptions {
+                            state: DType::Bf16,
+                            layout: StateLayout::ValueMajor,
+                        }));
                     }
                 }
             }

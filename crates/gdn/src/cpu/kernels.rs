@@ -250,7 +250,7 @@ type Lanes = [f32; LANES];
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn update_rows<E: StateElem, const FROM_POOL: bool, const MORE: bool, const COMMIT: bool>(
-    pool: &mut [[E; LANES]],
+    pool: &mut [E::Row],
     work: &mut [Lanes],
     g: f32,
     delta: &Lanes,
@@ -265,8 +265,8 @@ fn update_rows<E: StateElem, const FROM_POOL: bool, const MORE: bool, const COMM
     let (mut kv, mut sq) = ([[0.0f32; LANES]; 2], [[0.0f32; LANES]; 2]);
     for i in (0..d).step_by(2) {
         // opaque to the optimizer, so that each row stays one vector of 16 lanes: left to itself, LLVM's loop
-        // vectorizer took 16 rows at a time in the AVX-512 clone, with a gather and a scatter per lane (CPU-NOTES
-        // 32); the AVX2 clone never did
+        // vectorizer took 16 rows at a time in the AVX-512 clone, with a gather and a scatter per lane
+        // (CPU-NOTES.md); the AVX2 clone never did
         let i = std::hint::black_box(i);
         for r in 0..2 {
             let src = if FROM_POOL {
@@ -308,11 +308,11 @@ fn block_lanes(x: &[f32], c0: usize) -> Lanes {
 /// block in memory (past a head's last block: the next head's first, which this thread likely runs next) is
 /// fetched row by row, so memory streams while this block computes. Always: in an engine a layer's state is not
 /// in cache at its next call (the other layers' states pass through in between), and where it is, in a
-/// benchmark stepping one layer over and over, its cost was within this VM's noise (CPU-NOTES.md, 29).
+/// benchmark stepping one layer over and over, its cost was within this VM's noise (CPU-NOTES.md).
 #[inline(always)]
 fn first_read<E: StateElem, const APPLY: bool, const TO_POOL: bool, const TO_WORK: bool>(
     inp: &HeadInputs<'_>,
-    pool: &mut [[E; LANES]],
+    pool: &mut [E::Row],
     work: &mut [Lanes],
     owed: Option<(f32, &[f32], Lanes)>,
 ) -> ([Lanes; 2], [Lanes; 2]) {
@@ -326,18 +326,20 @@ fn first_read<E: StateElem, const APPLY: bool, const TO_POOL: bool, const TO_WOR
         for r in 0..2 {
             let row = i + r;
             prefetch(ahead.wrapping_add(row));
-            // an owed update gives the state as it was committed: rounded to the pool's element
+            // an owed update gives the state as it was committed: rounded to the pool's element (once: the
+            // rounded row is what is written back and what this window reads)
             let s = if APPLY {
-                E::roundtrip(apply_pending(g, &E::load(&pool[row]), k_owed[row], &delta))
+                let packed = E::store(&apply_pending(g, &E::load(&pool[row]), k_owed[row], &delta));
+                if TO_POOL {
+                    pool[row] = packed;
+                }
+                E::load(&packed)
             } else {
                 E::load(&pool[row])
             };
             for l in 0..LANES {
                 kv2[r][l] = s[l].mul_add(k0[row], kv2[r][l]);
                 sq2[r][l] = s[l].mul_add(q0[row], sq2[r][l]);
-            }
-            if TO_POOL {
-                pool[row] = E::store(&s);
             }
             if TO_WORK {
                 work[row] = s;
@@ -363,7 +365,7 @@ fn column_block<E: StateElem>(
     gates: &[f32],
     betas: &[f32],
     kqs: &[f32],
-    pool: &mut [[E; LANES]],
+    pool: &mut [E::Row],
     work: &mut [Lanes],
     o: &mut [f32],
     c0: usize,
@@ -442,25 +444,25 @@ pub fn head_window<'a>(
     scratch: &mut [f32],
     y: &mut [f32],
 ) {
-    head_window_body(inp, pool, pending, scratch, y)
+    head_window_body::<f32>(inp, pool.as_chunks_mut::<LANES>().0, pending, scratch, y)
 }
 
 /// [`head_window`] on a bf16 state (bits in u16).
 #[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
 pub fn head_window_bf16<'a>(
     inp: &HeadInputs<'a>,
-    pool: &mut [u16],
+    pool: &mut [[u32; LANES / 2]],
     pending: &mut [f32],
     scratch: &mut [f32],
     y: &mut [f32],
 ) {
-    head_window_body(inp, pool, pending, scratch, y)
+    head_window_body::<Bf16>(inp, pool, pending, scratch, y)
 }
 
 #[inline(always)]
 fn head_window_body<E: StateElem>(
     inp: &HeadInputs<'_>,
-    pool: &mut [E],
+    pool: &mut [E::Row],
     pending: &mut [f32],
     scratch: &mut [f32],
     y: &mut [f32],
@@ -482,8 +484,7 @@ fn head_window_body<E: StateElem>(
     }
     let work = work.as_chunks_mut::<LANES>().0;
     let owed = inp.owes.then(|| pending_parts(pending, d));
-    for (cb, block) in pool.chunks_exact_mut(d * LANES).enumerate() {
-        let block = block.as_chunks_mut::<LANES>().0;
+    for (cb, block) in pool.chunks_exact_mut(d).enumerate() {
         column_block::<E>(
             inp,
             gates,
@@ -528,20 +529,22 @@ fn head_window_body<E: StateElem>(
     }
 }
 
-/// The element a pool keeps S in: f32, or bf16 (its bits in a u16). Rows are widened to f32 as they are read
-/// and rounded to nearest even where they are committed (SPEC.md, "A bf16 state").
-pub trait StateElem: bytemuck::Pod + Send + Sync {
-    fn load(x: &[Self; LANES]) -> Lanes;
-    fn store(x: &Lanes) -> [Self; LANES];
+/// How a pool keeps S: f32, or bf16. Rows of 16 values are widened to f32 as they are read and rounded to
+/// nearest even where they are committed (SPEC.md, "The state's element type").
+pub trait StateElem: Send + Sync + 'static {
+    /// One row of 16 values as the pool stores it.
+    type Row: bytemuck::Pod + Send + Sync;
+    fn load(x: &Self::Row) -> Lanes;
+    fn store(x: &Lanes) -> Self::Row;
     /// `x` as it reads back after a store.
     #[inline(always)]
     fn roundtrip(x: Lanes) -> Lanes {
         Self::load(&Self::store(&x))
     }
-    /// [`head_window`] on a state of this element.
+    /// [`head_window`] on a state of these rows.
     fn head_window(
         inp: &HeadInputs<'_>,
-        pool: &mut [Self],
+        pool: &mut [Self::Row],
         pending: &mut [f32],
         scratch: &mut [f32],
         y: &mut [f32],
@@ -549,6 +552,7 @@ pub trait StateElem: bytemuck::Pod + Send + Sync {
 }
 
 impl StateElem for f32 {
+    type Row = Lanes;
     #[inline(always)]
     fn load(x: &Lanes) -> Lanes {
         *x
@@ -563,29 +567,43 @@ impl StateElem for f32 {
     }
     fn head_window(
         inp: &HeadInputs<'_>,
-        pool: &mut [f32],
+        pool: &mut [Lanes],
         pending: &mut [f32],
         scratch: &mut [f32],
         y: &mut [f32],
     ) {
-        head_window(inp, pool, pending, scratch, y)
+        head_window(inp, pool.as_flattened_mut(), pending, scratch, y)
     }
 }
 
-/// bf16 bits: widening is a shift; rounding to nearest even is `(b + 0x7fff + lsb) >> 16` (NaN kept quiet), the
-/// same bits as `half::bf16::from_f32`, written lane by lane so it vectorizes.
-impl StateElem for u16 {
+/// A bf16 state. A row's 16 values sit in 8 words, word w holding lane w in its low half and lane w + 8 in its
+/// high half: packing and unpacking are then shifts and masks within vector lanes, no shuffles (a packing store,
+/// AVX-512's `vpmovdw` to memory, took a third of a decode step on Zen 4). Rounding is `(b + 0x7fff + lsb) >> 16`
+/// with NaN kept quiet: the bits of `half::bf16::from_f32`.
+pub struct Bf16;
+
+impl StateElem for Bf16 {
+    type Row = [u32; LANES / 2];
     #[inline(always)]
-    fn load(x: &[u16; LANES]) -> Lanes {
-        std::array::from_fn(|l| f32::from_bits((x[l] as u32) << 16))
+    fn load(x: &[u32; LANES / 2]) -> Lanes {
+        std::array::from_fn(|l| {
+            let w = x[l % (LANES / 2)];
+            f32::from_bits(if l < LANES / 2 {
+                w << 16
+            } else {
+                w & 0xffff_0000
+            })
+        })
     }
     #[inline(always)]
-    fn store(x: &Lanes) -> [u16; LANES] {
-        std::array::from_fn(|l| bf16_bits(x[l]))
+    fn store(x: &Lanes) -> [u32; LANES / 2] {
+        std::array::from_fn(|w| {
+            (bf16_bits(x[w]) as u32) | ((bf16_bits(x[w + LANES / 2]) as u32) << 16)
+        })
     }
     fn head_window(
         inp: &HeadInputs<'_>,
-        pool: &mut [u16],
+        pool: &mut [[u32; LANES / 2]],
         pending: &mut [f32],
         scratch: &mut [f32],
         y: &mut [f32],

@@ -13,7 +13,7 @@ use crate::backend::check_slot_io;
 use crate::step::{Checked, DType, PoolOptions, Step, TensorMut};
 use crate::{Backend, Error, Layer, LayerPool, OutputLayout, Result};
 use aligned::LineVec;
-use kernels::{HeadInputs, StateElem, LANES};
+use kernels::{Bf16, HeadInputs, StateElem, LANES};
 
 /// The CPU backend. By default it uses rayon's global thread pool (or, called from a thread of another rayon
 /// pool, that pool).
@@ -328,7 +328,7 @@ impl CpuPool {
 
     fn run_step<E: kernels::StateElem>(
         &mut self,
-        state: &mut [E],
+        state: &mut [E::Row],
         step: &Step<'_>,
         checked: &Checked,
         out: TensorMut<'_>,
@@ -427,10 +427,11 @@ impl CpuPool {
         );
 
         // Phase 2: the recurrence per (sequence, value head); each task owns its head's contiguous state.
-        let head_len = d * d;
+        // rows of 16 values per head and per slot
+        let head_len = d * d / LANES;
         let pend_len = kernels::pending_len(d);
-        let mut state_of_slot: Vec<Option<(&mut [E], &mut [f32])>> = state
-            .chunks_mut(sh.state_len())
+        let mut state_of_slot: Vec<Option<_>> = state
+            .chunks_mut(sh.state_len() / LANES)
             .zip(self.pending.chunks_mut(h_v * pend_len))
             .map(Some)
             .collect();
@@ -541,11 +542,18 @@ impl CpuPool {
 /// An element of an output buffer: f32, bf16 or f16, rounded once from the f32 result.
 trait OutElem: Copy + Send + Sync {
     fn from_f32(x: f32) -> Self;
+    /// The buffer itself where it is f32 (y is then written in place, with no copy).
+    fn as_f32(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
 }
 impl OutElem for f32 {
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
         x
+    }
+    fn as_f32(x: &mut [f32]) -> Option<&mut [f32]> {
+        Some(x)
     }
 }
 impl OutElem for half::bf16 {
@@ -570,23 +578,23 @@ fn write_rows<T: OutElem>(
     fill_row: &(dyn Fn(usize, &mut [f32]) + Sync),
 ) {
     let n = layout.n;
-    let round = |dst: &mut [T], src: &[f32]| {
-        for (d, &s) in dst.iter_mut().zip(src) {
-            *d = T::from_f32(s);
-        }
-    };
     match layout.plane_stride {
         None => out[..layout.rows * n]
             .par_chunks_mut(n)
             .enumerate()
             .filter(|(r, _)| is_live(*r))
-            .for_each_init(
-                || vec![0.0f32; n],
-                |y, (r, dst)| {
-                    fill_row(r, y);
-                    round(dst, y);
-                },
-            ),
+            .for_each_init(Vec::new, |tmp: &mut Vec<f32>, (r, dst)| {
+                match T::as_f32(dst) {
+                    Some(d) => fill_row(r, d),
+                    None => {
+                        tmp.resize(n, 0.0);
+                        fill_row(r, tmp);
+                        for (d, &s) in dst.iter_mut().zip(tmp.iter()) {
+                            *d = T::from_f32(s);
+                        }
+                    }
+                }
+            }),
         Some(ps) => {
             let (y_all, rest) = out.split_at_mut(ps);
             let (p1, rest) = rest.split_at_mut(ps);
@@ -603,8 +611,11 @@ fn write_rows<T: OutElem>(
                 .for_each_init(
                     || vec![0.0f32; n],
                     |y, (r, ((((dy, d1), d2), d3), gs))| {
+                        // the planes read y in f32: the row goes through `y` whatever the output type
                         fill_row(r, y);
-                        round(dy, y);
+                        for (d, &s) in dy.iter_mut().zip(y.iter()) {
+                            *d = T::from_f32(s);
+                        }
                         for m in 0..n {
                             d1[m] = T::from_f32(y[m] * crate::plane_scale(1, m));
                             d2[m] = T::from_f32(y[m] * crate::plane_scale(2, m));
@@ -651,10 +662,10 @@ fn from_lanes(x: &[f32], w: usize) -> Vec<f32> {
 
 /// One value head of one sequence for the recurrence phase: its state, its deferred update and whether the state
 /// owes it, and its outputs [t][d].
-struct HeadTask<'s, E> {
+struct HeadTask<'s, E: StateElem> {
     seq: LiveSeq,
     h: usize,
-    state: &'s mut [E],
+    state: &'s mut [E::Row],
     pending: &'s mut [f32],
     owes: bool,
     y: &'s mut [f32],
@@ -704,19 +715,17 @@ impl LayerPool for CpuPool {
         let row = |(i, h, j0): (usize, usize, usize)| -> [f32; LANES] {
             std::array::from_fn(|l| state[layout.index(&sh, i, h, j0 + l)])
         };
+        let rows = sl / LANES;
         match self.options.state {
             DType::Bf16 => {
-                let dst = &mut bytemuck::cast_slice_mut::<f32, u16>(&mut self.state)
-                    [slot * sl..(slot + 1) * sl];
-                for_each_row(&sh, |at, pool| {
-                    dst[pool..pool + LANES].copy_from_slice(&<u16 as StateElem>::store(&row(at)))
-                });
+                let dst = &mut bytemuck::cast_slice_mut::<f32, [u32; LANES / 2]>(&mut self.state)
+                    [slot * rows..(slot + 1) * rows];
+                for_each_row(&sh, |at, pool| dst[pool / LANES] = Bf16::store(&row(at)));
             }
             _ => {
-                let dst = &mut self.state[slot * sl..(slot + 1) * sl];
-                for_each_row(&sh, |at, pool| {
-                    dst[pool..pool + LANES].copy_from_slice(&row(at))
-                });
+                let dst =
+                    &mut self.state.as_chunks_mut::<LANES>().0[slot * rows..(slot + 1) * rows];
+                for_each_row(&sh, |at, pool| dst[pool / LANES] = row(at));
             }
         }
         self.owes[slot] = false;
@@ -738,7 +747,7 @@ impl LayerPool for CpuPool {
             }
         };
         fn committed<E: StateElem>(
-            src: &[E; LANES],
+            src: &E::Row,
             owed: Option<(f32, f32, &[f32])>,
             j0: usize,
         ) -> [f32; LANES] {
@@ -758,20 +767,25 @@ impl LayerPool for CpuPool {
                 (g, k[i], delta)
             })
         };
+        let rows = sl / LANES;
         match self.options.state {
             DType::Bf16 => {
-                let src =
-                    &bytemuck::cast_slice::<f32, u16>(&self.state)[slot * sl..(slot + 1) * sl];
+                let src = &bytemuck::cast_slice::<f32, [u32; LANES / 2]>(&self.state)
+                    [slot * rows..(slot + 1) * rows];
                 for_each_row(&sh, |(i, h, j0), pool| {
-                    let row: &[u16; LANES] = src[pool..pool + LANES].try_into().expect("lanes");
-                    put((i, h, j0), committed(row, owed(i, h), j0));
+                    put(
+                        (i, h, j0),
+                        committed::<Bf16>(&src[pool / LANES], owed(i, h), j0),
+                    );
                 });
             }
             _ => {
-                let src = &self.state[slot * sl..(slot + 1) * sl];
+                let src = &self.state.as_chunks::<LANES>().0[slot * rows..(slot + 1) * rows];
                 for_each_row(&sh, |(i, h, j0), pool| {
-                    let row: &[f32; LANES] = src[pool..pool + LANES].try_into().expect("lanes");
-                    put((i, h, j0), committed(row, owed(i, h), j0));
+                    put(
+                        (i, h, j0),
+                        committed::<f32>(&src[pool / LANES], owed(i, h), j0),
+                    );
                 });
             }
         }
@@ -787,9 +801,9 @@ impl LayerPool for CpuPool {
         let mut state = std::mem::take(&mut self.state);
         in_pool(&threads, || match self.options.state {
             DType::Bf16 => {
-                self.run_step::<u16>(bytemuck::cast_slice_mut(&mut state), step, &checked, out)
+                self.run_step::<Bf16>(bytemuck::cast_slice_mut(&mut state), step, &checked, out)
             }
-            _ => self.run_step::<f32>(&mut state, step, &checked, out),
+            _ => self.run_step::<f32>(state.as_chunks_mut().0, step, &checked, out),
         });
         self.state = state;
         Ok(())
