@@ -310,6 +310,15 @@ impl WgpuPool {
         })
     }
 
+    /// Bytes of one slot's S (in the pool's dtype) and of its history.
+    fn slot_bytes(&self) -> (u64, u64) {
+        let sh = self.layer.shape();
+        (
+            (sh.state_len() * self.options.state.size()) as u64,
+            (head_history::len(&self.layer) * 4) as u64,
+        )
+    }
+
     /// Bytes of the per-call device buffers the pool holds now (inputs, output, jobs, readback).
     pub fn scratch_bytes(&self) -> u64 {
         [&self.inputs, &self.out, &self.jobs, &self.readback]
@@ -639,6 +648,52 @@ impl LayerPool for WgpuPool {
         head_history::to_spec(&self.layer, &own, hist);
         self.scratch = own;
         self.trim();
+        gpu.take_errors()
+    }
+
+    /// On the device: the slot's S and H cleared in place.
+    fn reset_slot(&mut self, slot: usize) -> Result<()> {
+        let sh = *self.layer.shape();
+        check_slot_io(&self.layer, self.slots, slot, sh.state_len(), sh.hist_len())?;
+        let (sb, hb) = self.slot_bytes();
+        let gpu = &self.gpu;
+        let mut enc = gpu
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        enc.clear_buffer(&self.state, slot as u64 * sb, Some(sb));
+        enc.clear_buffer(&self.hist, slot as u64 * hb, Some(hb));
+        gpu.queue.submit([enc.finish()]);
+        gpu.take_errors()
+    }
+
+    /// On the device: slot `from`'s S and H copied onto slot `to` (bitwise, in the pool's dtype).
+    fn copy_slot(&mut self, from: usize, to: usize) -> Result<()> {
+        let sh = *self.layer.shape();
+        for slot in [from, to] {
+            check_slot_io(&self.layer, self.slots, slot, sh.state_len(), sh.hist_len())?;
+        }
+        if from == to {
+            return Ok(());
+        }
+        let (sb, hb) = self.slot_bytes();
+        let gpu = &self.gpu;
+        let mut enc = gpu
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        // WebGPU forbids one buffer as source and destination of a copy: through a staging buffer of one slot
+        let staging = gpu.scoped("staging a slot copy", || {
+            gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("gdn slot copy"),
+                size: sb + hb,
+                usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        })?;
+        enc.copy_buffer_to_buffer(&self.state, from as u64 * sb, &staging, 0, sb);
+        enc.copy_buffer_to_buffer(&self.hist, from as u64 * hb, &staging, sb, hb);
+        enc.copy_buffer_to_buffer(&staging, 0, &self.state, to as u64 * sb, sb);
+        enc.copy_buffer_to_buffer(&staging, sb, &self.hist, to as u64 * hb, hb);
+        gpu.queue.submit([enc.finish()]);
         gpu.take_errors()
     }
 

@@ -560,3 +560,52 @@ fn odd_sizes_with_16_bit_tensors() {
         }
     }
 }
+
+/// `copy_slot` and `reset_slot` stay on the device: a copy is bitwise in every pool option (a forked sequence
+/// then steps to the same bits), a reset zeroes, other slots are untouched; bad slots are errors.
+#[test]
+fn copy_and_reset_slots_on_the_device() {
+    for b in backends() {
+        for options in all_options() {
+            let s = setup(8, 2, 3, [DType::F32; 4]);
+            let sh = *s.layer.shape();
+            let mut p = pool(&b, &s, options);
+            let before = read_all(p.as_mut());
+            p.copy_slot(0, 1).unwrap();
+            p.reset_slot(2).unwrap();
+            let after = read_all(p.as_mut());
+            assert_eq!(bits(&after[1].0), bits(&before[0].0), "{options:?}");
+            assert_eq!(bits(&after[1].1), bits(&before[0].1), "{options:?}");
+            assert_eq!(bits(&after[0].0), bits(&before[0].0), "{options:?}");
+            assert!(after[2]
+                .0
+                .iter()
+                .chain(&after[2].1)
+                .all(|&x| x.to_bits() == 0));
+            let layout = OutputLayout::for_rows(&sh, 2, None).unwrap();
+            let run = |p: &mut dyn LayerPool, slot| {
+                let one = [Seq {
+                    slot,
+                    start: 0,
+                    len: 2,
+                    commit: Commit::All,
+                }];
+                let step = Step {
+                    rows: s.rows.view(),
+                    seqs: &one,
+                    plane_stride: None,
+                };
+                let mut out = vec![0.0f32; layout.len()];
+                p.step_varlen(&step, (&mut out[..]).into()).unwrap();
+                out
+            };
+            let y0 = run(p.as_mut(), 0);
+            let y1 = run(p.as_mut(), 1);
+            assert_eq!(bits(&y0), bits(&y1), "{options:?}");
+            let fin = read_all(p.as_mut());
+            assert_eq!(bits(&fin[0].0), bits(&fin[1].0), "{options:?}");
+            assert!(matches!(p.copy_slot(0, 3), Err(Error::SlotRange { .. })));
+            assert!(matches!(p.reset_slot(3), Err(Error::SlotRange { .. })));
+        }
+    }
+}
