@@ -676,8 +676,8 @@ mod tests {
     use super::*;
 
     /// The kernel's by-hand conversions (f16 and bf16 to nearest even, f16 widening) agree bit for bit with
-    /// the host's `half` on ties, subnormals, overflow and random values; WGSL's own `pack2x16float` is run on
-    /// the same values and its disagreements counted (WGSL lets it round either way and leaves values beyond
+    /// the host's `half` on ties, subnormals, overflow and random values; WGSL's own `pack2x16float` and
+    /// `unpack2x16float` are run on the same values and their disagreements counted (WGSL lets it round either way and leaves values beyond
     /// f16's range indeterminate, so the kernel does not use it). Skipped without an adapter.
     #[test]
     fn kernel_rounding_is_to_nearest_even() {
@@ -697,10 +697,11 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
     let i = id.x;
     if (i < arrayLength(&xin)) {{
         let x = xin[i];
-        res[4u * i] = f16_bits(x);
-        res[4u * i + 1u] = bf16_bits(x);
-        res[4u * i + 2u] = bitcast<u32>(f16_f32(f16_bits(x)));
-        res[4u * i + 3u] = pack2x16float(vec2<f32>(x, 0.0)) & 0xffffu;
+        res[5u * i] = f16_bits(x);
+        res[5u * i + 1u] = bf16_bits(x);
+        res[5u * i + 2u] = bitcast<u32>(f16_f32(f16_bits(x)));
+        res[5u * i + 3u] = pack2x16float(vec2<f32>(x, 0.0)) & 0xffffu;
+        res[5u * i + 4u] = bitcast<u32>(unpack2x16float(f16_bits(x)).x);
     }}
 }}"
         );
@@ -757,9 +758,9 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
                 let s = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
                 (
                     mk(4 * n, s),
-                    mk(16 * n, s | wgpu::BufferUsages::COPY_SRC),
+                    mk(20 * n, s | wgpu::BufferUsages::COPY_SRC),
                     mk(
-                        16 * n,
+                        20 * n,
                         wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
                     ),
                 )
@@ -811,14 +812,15 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
             pass.set_bind_group(0, &bind, &[]);
             pass.dispatch_workgroups(n.div_ceil(64) as u32, 1, 1);
         }
-        enc.copy_buffer_to_buffer(&out, 0, &read, 0, 16 * n);
+        enc.copy_buffer_to_buffer(&out, 0, &read, 0, 20 * n);
         gpu.queue.submit([enc.finish()]);
-        let raw = gpu.read_mapped(&read, 16 * n).unwrap();
+        let raw = gpu.read_mapped(&read, 20 * n).unwrap();
         let res: &[u32] = bytemuck::cast_slice(&raw);
         let mut pack_off = 0;
+        let mut unpack_off = 0;
         let nan16 = |b: u32| b & 0x7fff > 0x7c00;
         for (i, &x) in xs.iter().enumerate() {
-            let [f16b, bf16b, widened, packed] = [0, 1, 2, 3].map(|k| res[4 * i + k]);
+            let [f16b, bf16b, widened, packed, unpacked] = [0, 1, 2, 3, 4].map(|k| res[5 * i + k]);
             let want16 = gdn::f16::from_f32(x).to_bits() as u32;
             let wantb = gdn::bf16::from_f32(x).to_bits() as u32;
             if x.is_nan() {
@@ -833,6 +835,7 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
             assert_eq!(bf16b, wantb, "bf16 of {x:e} ({:#x})", x.to_bits());
             let back = gdn::f16::from_bits(want16 as u16).to_f32().to_bits();
             assert_eq!(widened, back, "f16 {want16:#x} widened");
+            unpack_off += (unpacked != back) as usize;
             let same = packed == want16 || (x.is_nan() && nan16(packed));
             if !same {
                 if pack_off < 12 {
@@ -842,7 +845,8 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
             }
         }
         eprintln!(
-            "pack2x16float on {}: {pack_off} of {n} values differ from round-to-nearest-even",
+            "pack2x16float on {}: {pack_off} of {n} values differ from round-to-nearest-even; \
+             unpack2x16float: {unpack_off} widened inexactly",
             gpu.info.name
         );
     }
