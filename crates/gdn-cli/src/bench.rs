@@ -448,7 +448,7 @@ pub fn print_table(
     println!(
         "state GB/s counts one read and one write of S per call; % copy is that over a copy ceiling measured in this run: {}",
         if device {
-            "a device copy of a 1 GiB footprint (or the state's, if larger)"
+            "a device copy of a 1 GiB footprint (or the state's, if larger; capped at the largest buffer the device allows)"
         } else {
             "one in-place read-modify-write pass over a buffer of the state's size, all threads, with the step's software prefetch, right before each case"
         }
