@@ -335,14 +335,18 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 
     // inputs of the first token
     const EQ::T* qkv_b = qkv + (size_t)start * C_ALL;
-    float in[NCH];
+    // inputs are kept as loaded and widened where they are used: a conversion right after a load would wait for
+    // it before the next barrier (ptxas does not move instructions across one), where an f32 value's load
+    // completes in the background (16-bit activations cost 18% at T 8 that way)
+    EQ::T in[NCH];
 #pragma unroll
-    for (int m = 0; m < NCH; ++m) in[m] = chan[m] >= 0 ? EQ::ld(qkv_b[chan[m]]) : 0.0f;
+    for (int m = 0; m < NCH; ++m) in[m] = chan[m] >= 0 ? qkv_b[chan[m]] : (EQ::T)0;
     const size_t row0 = (size_t)start;
-    float zz = rg == 0 ? EZ::ld(z[row0 * N_OUT + h * D + j]) : 0.0f;
-    float ab = 0.0f;
-    if (tid == NT - 1) ab = EA::ld(alpha[row0 * HV + h]);
-    else if (tid == NT - 2) ab = EB::ld(beta[row0 * HV + h]);
+    EZ::T zz = rg == 0 ? z[row0 * N_OUT + h * D + j] : (EZ::T)0;
+    EA::T a_in = 0;
+    EB::T b_in = 0;
+    if (tid == NT - 1) a_in = alpha[row0 * HV + h];
+    else if (tid == NT - 2) b_in = beta[row0 * HV + h];
 
     float* hist_head = hist + ((size_t)slot * HV + h) * (3 * D * 3);
     float hst[NCH][3];
@@ -410,12 +414,13 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                 s = fmaf(hst[m][0], w.x, s);
                 s = fmaf(hst[m][1], w.y, s);
                 s = fmaf(hst[m][2], w.z, s);
-                s = fmaf(in[m], w.w, s);
+                const float x = EQ::ld(in[m]);
+                s = fmaf(x, w.w, s);
                 cv = s / (1.0f + expf(-s));
                 hst[m][0] = hst[m][1];
                 hst[m][1] = hst[m][2];
-                hst[m][2] = in[m];
-                in[m] = more ? EQ::ld(qkv_b[(size_t)(t + 1) * C_ALL + chan[m]]) : 0.0f;
+                hst[m][2] = x;
+                in[m] = more ? qkv_b[(size_t)(t + 1) * C_ALL + chan[m]] : (EQ::T)0;
                 if (e >= 2 * D) vs[e - 2 * D] = cv;
             }
             cvs[m] = cv;
@@ -428,11 +433,11 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         }
         // gate and write strength, and the next token's alpha / beta
         if (tid == NT - 1) {
-            gb[0] = softplus_decay(ab + dth, ah);
-            ab = more ? EA::ld(alpha[(row + 1) * HV + h]) : 0.0f;
+            gb[0] = softplus_decay(EA::ld(a_in) + dth, ah);
+            a_in = more ? alpha[(row + 1) * HV + h] : (EA::T)0;
         } else if (tid == NT - 2) {
-            gb[1] = sigmoid_f(ab);
-            ab = more ? EB::ld(beta[(row + 1) * HV + h]) : 0.0f;
+            gb[1] = sigmoid_f(EB::ld(b_in));
+            b_in = more ? beta[(row + 1) * HV + h] : (EB::T)0;
         }
         __syncthreads();
 
@@ -572,8 +577,8 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         float osq = rg == 0 ? o * o : 0.0f;
 #pragma unroll
         for (int off = RG; off < 32; off <<= 1) osq += __shfl_xor_sync(0xffffffffu, osq, off);
-        const float zt = zz;
-        if (rg == 0) zz = more ? EZ::ld(z[(row + 1) * N_OUT + h * D + j]) : 0.0f;
+        const float zt = EZ::ld(zz);
+        if (rg == 0) zz = more ? z[(row + 1) * N_OUT + h * D + j] : (EZ::T)0;
         if (lane == 0) part_o[t & 1][warp] = osq;
         __syncthreads();
         float tot = 0.0f;
