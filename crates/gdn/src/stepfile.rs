@@ -158,12 +158,14 @@ fn expect_shape(name: &str, got: &[usize], want: &[usize]) -> Result<()> {
     Ok(())
 }
 
-/// `n * per` floats of zeros, an error where the count overflows.
+/// `n * per` floats of zeros, an error where the count overflows or the memory cannot be had.
 fn zeros(name: &str, n: usize, per: usize) -> Result<Vec<f32>> {
-    let len = n
-        .checked_mul(per)
-        .ok_or_else(|| bad(format!("{n} sequences' {name} overflow the address space")))?;
-    Ok(vec![0.0; len])
+    let too_large = || bad(format!("{n} sequences' {name} overflow the address space"));
+    let len = n.checked_mul(per).ok_or_else(too_large)?;
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| too_large())?;
+    v.resize(len, 0.0);
+    Ok(v)
 }
 
 impl StepInput {
@@ -176,7 +178,10 @@ impl StepInput {
         Self::parse(&bytes, overrides)
     }
 
-    /// Parses and checks a window file's bytes.
+    /// Parses and checks a window file's bytes. Every size is checked arithmetic on the file's shapes, whose data
+    /// the file holds; the one allocation the data does not bound is the zero state of a file without `state`
+    /// (S sequences of d * h_v * d floats, S at most the rows: at most 2 d bytes per byte of bf16 `qkv`), which
+    /// is an error rather than an abort where the memory cannot be reserved.
     pub fn parse(bytes: &[u8], overrides: Overrides) -> Result<Self> {
         let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| bad(e.to_string()))?;
         let metadata = meta.metadata().clone().unwrap_or_default();
@@ -285,6 +290,11 @@ impl StepInput {
                     return Err(bad(format!(
                         "cu_seqlens must rise from 0 to at most the {r} rows of qkv"
                     )));
+                }
+                // an empty sequence could never run, and each would cost a zero state below for 4 bytes
+                // of file: with none, the sequences are at most the rows
+                if let Some(seq) = cu.windows(2).position(|w| w[1] == w[0]) {
+                    return Err(Error::EmptySeq { seq });
                 }
                 let s = cu.len() - 1;
                 (Form::Varlen { cu_seqlens: cu }, vec![*r], vec![s])
@@ -426,6 +436,31 @@ impl StepInput {
     ) -> Result<StepOutput> {
         let sh = *self.layer.shape();
         let s_n = self.spans.len();
+        // the fields are public: what `parse` guarantees is checked again rather than trusted by the slicing
+        // below
+        let floats = |per: usize| s_n.saturating_mul(per);
+        for (name, got, expected) in [
+            ("state", self.state.len(), floats(sh.state_len())),
+            ("hist", self.hist.len(), floats(sh.hist_len())),
+            (
+                "commit",
+                self.commits.as_ref().map_or(s_n, |c| c.len()),
+                s_n,
+            ),
+        ] {
+            if got != expected {
+                return Err(Error::Length {
+                    name,
+                    expected,
+                    got,
+                });
+            }
+        }
+        if i32::try_from(s_n).is_err() {
+            return Err(bad(format!(
+                "{s_n} sequences are more than a pool's i32 slots"
+            )));
+        }
         let seqs: Vec<Seq> = self
             .spans
             .iter()
