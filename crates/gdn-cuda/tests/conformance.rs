@@ -428,3 +428,20 @@ fn device_step_faults_are_reported_by_the_next_host_call() {
     let n = sh.n();
     assert_eq!(bits(&y[..2 * n]), y_host[..2 * n], "the valid sequence's y");
 }
+
+/// Pool sizes that overflow, or that the kernel's 32-bit slot index cannot reach, are errors before anything is
+/// allocated, not wraps.
+#[test]
+fn pool_sizes_that_overflow_are_errors() {
+    let Some(cuda) = cuda_or_skip("pool_sizes_that_overflow_are_errors") else {
+        return;
+    };
+    let layer = Synth::new(3).layer(Config::new(Shape::SEED)).unwrap();
+    for slots in [usize::MAX / 2, usize::MAX, 1 << 31] {
+        match cuda.create_cuda_pool(&layer, slots, PoolOptions::default()) {
+            Err(gdn::Error::Param { .. }) => {}
+            Err(e) => panic!("{slots} slots: the wrong error: {e}"),
+            Ok(_) => panic!("{slots} slots: a pool was made"),
+        }
+    }
+}
