@@ -235,7 +235,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
          const float* __restrict__ conv_w, const float* __restrict__ dt, const float* __restrict__ ssm_a,
          const float* __restrict__ gamma, EO::T* __restrict__ out, const int* __restrict__ seq_slot,
          const int* __restrict__ seq_start, const int* __restrict__ seq_len, const int* __restrict__ seq_commit,
-         int n_slots, int n_rows, long long plane, float eps) {
+         int n_slots, int n_rows, long long plane, float eps, unsigned* __restrict__ fault) {
 #if GDN_COMMIT == 0
     (void)seq_commit;
 #endif
@@ -302,16 +302,37 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     const int start = seq_start[sq_i];
     const int len = seq_len[sq_i];
 #if GDN_COMMIT
-    const int commit_at = seq_commit[sq_i];
+    const int commit_in = seq_commit[sq_i];
 #endif
+    // a negative slot skips its sequence; an entry out of range is skipped too (fail-closed: nothing outside
+    // the pool, the rows or the window is touched) and reported in the pool's fault word, which the next host
+    // call turns into an error (bits: 1 slot past the pool, 2 length not the compiled one, 4 rows outside the
+    // step's, 8 commit point outside 0..=length)
+    if (slot < 0) return;
+    const bool report = tid == 0 && h == 0 && rank == 0;
+    if (slot >= n_slots) {
+        if (report) atomicOr(fault, 1u);
+        return;
+    }
 #if GDN_T > 0
     constexpr int T = GDN_T;
     // uniform over the cluster: its blocks share the sequence
-    if (len != T) return;
+    if (len != T) {
+        if (report) atomicOr(fault, 2u);
+        return;
+    }
 #else
     const int T = len;
 #endif
-    if (slot < 0 || slot >= n_slots || T < 1 || start < 0 || start > n_rows - T) return;
+    if (T < 1 || start < 0 || start > n_rows - T) {
+        if (report) atomicOr(fault, 4u);
+        return;
+    }
+#if GDN_COMMIT
+    const bool commit_ok = commit_in >= 0 && commit_in <= T;
+    if (!commit_ok && report) atomicOr(fault, 8u);
+    const int commit_at = commit_ok ? commit_in : 0;
+#endif
 
 #if STAGE
     {

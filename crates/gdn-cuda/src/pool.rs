@@ -228,6 +228,8 @@ pub struct CudaPool {
     a: CudaSlice<f32>,
     gamma: CudaSlice<f32>,
     staging: Option<CudaSlice<u8>>,
+    /// Bits the kernel sets where a device-native step named a sequence out of range (see `take_fault`).
+    fault: CudaSlice<u32>,
 }
 
 fn ptr<T, S: DevicePtr<T>>(s: &S, cuda: &Cuda) -> sys::CUdeviceptr {
@@ -280,6 +282,7 @@ impl CudaPool {
             DType::Bf16 => StateBuf::Bf16(s.alloc_zeros::<bf16>(state_len.max(1)).map_err(drv)?),
             _ => StateBuf::F32(s.alloc_zeros::<f32>(state_len.max(1)).map_err(drv)?),
         };
+        let fault = s.alloc_zeros::<u32>(1).map_err(drv)?;
         let pool = CudaPool {
             state,
             hist: s.alloc_zeros::<f32>(hist_len.max(1)).map_err(drv)?,
@@ -292,6 +295,7 @@ impl CudaPool {
             slots,
             options,
             staging: None,
+            fault,
         };
         pool.cuda.stream.synchronize().map_err(drv)?;
         Ok(pool)
@@ -366,12 +370,48 @@ impl CudaPool {
         Ok(f)
     }
 
+    /// Reports, and clears, what the device found wrong in device-native steps since the last report: a sequence
+    /// whose slot is past the pool, whose length is not the one its specialisation was compiled for, whose rows
+    /// leave the step's, or whose commit point is outside 0..=its length. Such a sequence was skipped (its
+    /// commit, for a bad commit point), nothing outside the pool, the rows or the output touched. The host
+    /// calls of this pool (`step_varlen`, `read_slot`, `write_slot`) call it first, so the next one after a
+    /// faulty device step returns this error and does nothing else; an engine that only captures device steps
+    /// calls it where it may wait for the stream.
+    pub fn take_fault(&mut self) -> Result<()> {
+        let s = self.cuda.stream.clone();
+        let mut word = [0u32];
+        s.memcpy_dtoh(&self.fault, &mut word).map_err(drv)?;
+        s.synchronize().map_err(drv)?;
+        if word[0] == 0 {
+            return Ok(());
+        }
+        s.memset_zeros(&mut self.fault).map_err(drv)?;
+        let what: Vec<&str> = [
+            (1, "a slot past the pool"),
+            (2, "a length other than the compiled window length"),
+            (4, "rows outside the step's"),
+            (8, "a commit point outside 0..=length"),
+        ]
+        .into_iter()
+        .filter(|(bit, _)| word[0] & bit != 0)
+        .map(|(_, w)| w)
+        .collect();
+        Err(Error::Param {
+            name: "device step",
+            why: format!(
+                "a device-native step named sequences with {} (they were skipped)",
+                what.join(", ")
+            ),
+        })
+    }
+
     /// The device-native step: inputs, per-sequence arrays and output already on the device. It allocates
     /// nothing and does not wait for the device (after the first call of a specialisation, which compiles it:
     /// see [`CudaPool::prepare`]), so it can be captured into a CUDA graph. The output is
     /// [`gdn::OutputLayout`] over `step.rows`; rows of skipped sequences and rows no sequence covers are not
     /// written. Sequences the device finds out of range (slot outside the pool, length not positive or not
-    /// `uniform_len`, rows outside `rows`) are skipped; a commit point outside 1..=len commits nothing.
+    /// `uniform_len`, rows outside `rows`) are skipped; a commit point outside 0..=len commits nothing; both are
+    /// reported by [`CudaPool::take_fault`], which the pool's next host call runs first.
     pub fn step_device(
         &mut self,
         step: &DeviceStep<'_>,
@@ -494,7 +534,8 @@ impl CudaPool {
             why: "too large".into(),
         })?;
         let mut eps = self.layer.config.eps;
-        let mut params: [*mut c_void; 20] = [
+        let mut p_fault = ptr_mut(&mut self.fault, &self.cuda);
+        let mut params: [*mut c_void; 21] = [
             &mut p_state as *mut _ as *mut c_void,
             &mut p_hist as *mut _ as *mut c_void,
             &mut p_qkv as *mut _ as *mut c_void,
@@ -514,6 +555,7 @@ impl CudaPool {
             &mut n_rows as *mut _ as *mut c_void,
             &mut plane as *mut _ as *mut c_void,
             &mut eps as *mut _ as *mut c_void,
+            &mut p_fault as *mut _ as *mut c_void,
             std::ptr::null_mut(),
         ];
         let grid = ((sh.h_v * spec.plan.ncb) as u32, grid_y, 1);
@@ -539,9 +581,9 @@ impl CudaPool {
             attrs: attrs.as_mut_ptr(),
             numAttrs: if self.cuda.pdl { 1 } else { 0 },
         };
-        // SAFETY: the 19 parameters match the kernel's signature in order and type (six device pointers of
+        // SAFETY: the 20 parameters match the kernel's signature in order and type (six device pointers of
         // the pool and the layer, four of the rows, the output, four per-sequence int arrays, int n_slots, int
-        // n_rows, long long plane, float eps); each points to a local that lives across the call (the driver
+        // n_rows, long long plane, float eps, the pool's one-word fault buffer); each points to a local that lives across the call (the driver
         // copies them at launch), as do `config` and the attribute it points to. The element types the kernel
         // was compiled for are those of the buffers (the spec is built from the same dtypes). The buffers have
         // the lengths the kernel indexes: the pool's by construction, the rows' and the output's checked by the
@@ -603,6 +645,7 @@ impl LayerPool for CudaPool {
 
     fn write_slot(&mut self, slot: usize, state: &[f32], hist: &[f32]) -> Result<()> {
         check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
+        self.take_fault()?;
         let sl = self.state_len();
         let hl = head_history::len(&self.layer);
         let mut pooled = vec![0.0f32; hl];
@@ -626,6 +669,7 @@ impl LayerPool for CudaPool {
 
     fn read_slot(&mut self, slot: usize, state: &mut [f32], hist: &mut [f32]) -> Result<()> {
         check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
+        self.take_fault()?;
         let sl = self.state_len();
         let hl = head_history::len(&self.layer);
         let mut pooled = vec![0.0f32; hl];
@@ -651,6 +695,7 @@ impl LayerPool for CudaPool {
 
     fn step_varlen(&mut self, step: &Step<'_>, mut out: TensorMut<'_>) -> Result<()> {
         let checked = step.validate(&self.layer, self.slots, out.len())?;
+        self.take_fault()?;
         let rows = checked.rows;
         int(rows, "rows")?;
         // only the sequences that run go to the device, as four int arrays

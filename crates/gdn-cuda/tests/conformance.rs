@@ -341,3 +341,107 @@ fn dtypes_and_layouts_follow_the_oracle() {
         );
     }
 }
+
+/// A device-native step that names sequences out of range fails closed: those sequences (or their commit) are
+/// skipped, the valid one runs as it would alone, and the pool's next host call reports every kind of fault
+/// once, then works again.
+#[test]
+fn device_step_faults_are_reported_by_the_next_host_call() {
+    let Some(cuda) = cuda_or_skip("device_step_faults_are_reported_by_the_next_host_call") else {
+        return;
+    };
+    let shape = Shape::new(32, 1, 2).unwrap();
+    let s = setup(shape, 3, 8, DType::F32, 41);
+    // the valid sequence alone, through the host path
+    let valid = Seq {
+        slot: 0,
+        start: 0,
+        len: 2,
+        commit: Commit::All,
+    };
+    let mut host = pool(&cuda, &s, PoolOptions::default());
+    let y_host = run(&mut host, &s.rows, &[valid], false, DType::F32);
+    let want = slot_bits(&mut host);
+    let mut dev = pool(&cuda, &s, PoolOptions::default());
+    let st = cuda.stream();
+    let f = |x: &TensorData| match x {
+        TensorData::F32(v) => st.clone_htod(v).unwrap(),
+        _ => unreachable!(),
+    };
+    let (q, a, b, z) = (
+        f(&s.rows.qkv),
+        f(&s.rows.alpha),
+        f(&s.rows.beta),
+        f(&s.rows.z),
+    );
+    // slot 0 valid; slot 7 past the pool; rows 7..10 outside the 8 rows; slot 2 with a commit point of 5 > 2
+    let ints = |v: &[i32]| st.clone_htod(v).unwrap();
+    let (slot, start, len, commit) = (
+        ints(&[0, 7, 1, 2]),
+        ints(&[0, 2, 7, 4]),
+        ints(&[2, 2, 3, 2]),
+        ints(&[2, 2, 3, 5]),
+    );
+    let (qv, av, bv, zv) = (q.as_view(), a.as_view(), b.as_view(), z.as_view());
+    let (sv, tv, lv, cv) = (
+        slot.as_view(),
+        start.as_view(),
+        len.as_view(),
+        commit.as_view(),
+    );
+    let mut out = st.alloc_zeros::<f32>(8 * shape.n()).unwrap();
+    let ds = DeviceStep {
+        rows: 8,
+        qkv: DeviceTensor::F32(&qv),
+        alpha: DeviceTensor::F32(&av),
+        beta: DeviceTensor::F32(&bv),
+        z: DeviceTensor::F32(&zv),
+        slot: &sv,
+        start: &tv,
+        len: &lv,
+        commit_at: &cv,
+        uniform_len: None,
+        commits: true,
+        plane_stride: None,
+    };
+    dev.step_device(&ds, &mut DeviceTensorMut::F32(&mut out.as_view_mut()))
+        .unwrap();
+    let sh = shape;
+    let (mut s0, mut h0) = (vec![0.0; sh.state_len()], vec![0.0; sh.hist_len()]);
+    let err = dev.read_slot(0, &mut s0, &mut h0).unwrap_err();
+    let msg = err.to_string();
+    for what in [
+        "a slot past the pool",
+        "rows outside",
+        "a commit point outside",
+    ] {
+        assert!(msg.contains(what), "the fault report lacks '{what}': {msg}");
+    }
+    // reported once; then the pool works, the valid sequence ran as alone, the others touched nothing
+    dev.take_fault().unwrap();
+    assert_eq!(
+        slot_bits(&mut dev),
+        want,
+        "states after the faulty device step"
+    );
+    let y = st.clone_dtoh(&out).unwrap();
+    let n = sh.n();
+    assert_eq!(bits(&y[..2 * n]), y_host[..2 * n], "the valid sequence's y");
+}
+
+/// Pool sizes that overflow, or that the kernel's 32-bit slot index cannot reach, are errors before anything is
+/// allocated, not wraps.
+#[test]
+fn pool_sizes_that_overflow_are_errors() {
+    let Some(cuda) = cuda_or_skip("pool_sizes_that_overflow_are_errors") else {
+        return;
+    };
+    let layer = Synth::new(3).layer(Config::new(Shape::SEED)).unwrap();
+    for slots in [usize::MAX / 2, usize::MAX, 1 << 31] {
+        match cuda.create_cuda_pool(&layer, slots, PoolOptions::default()) {
+            Err(gdn::Error::Param { .. }) => {}
+            Err(e) => panic!("{slots} slots: the wrong error: {e}"),
+            Ok(_) => panic!("{slots} slots: a pool was made"),
+        }
+    }
+}
