@@ -131,7 +131,7 @@ fn save(kind: &str, input: &[u8], what: &str) {
 }
 
 /// The outcome's kind: its text without digits and quoted parts (so that the same error about other numbers
-/// or names is one kind), cut to 60 characters.
+/// or names is one kind), cut to 120 characters.
 fn kind_of(outcome: &str) -> String {
     let mut quote = None;
     let mut kind = String::new();
@@ -146,7 +146,7 @@ fn kind_of(outcome: &str) -> String {
             (None, c) if !c.is_ascii_digit() => kind.push(c),
             _ => {}
         }
-        if kind.len() >= 60 {
+        if kind.len() >= 120 {
             break;
         }
     }
@@ -189,6 +189,8 @@ pub fn run(target: &mut dyn Target, opts: &Options) -> usize {
     assert!(!corpus.is_empty(), "{name}: no seeds");
     let seeds = corpus.len();
     let mut kinds: HashSet<String> = HashSet::new();
+    // corpus entries that ran to the end
+    let mut good: Vec<usize> = Vec::new();
     let mut found = 0usize;
     let mut execs = 0u64;
     let mut ok_count = 0u64;
@@ -206,7 +208,12 @@ pub fn run(target: &mut dyn Target, opts: &Options) -> usize {
             if start.elapsed() >= deadline {
                 break;
             }
-            let a = rng.random_range(0..corpus.len());
+            // half the time a parent that ran to the end, so that mutants reach past the checks
+            let a = if !good.is_empty() && rng.random_bool(0.5) {
+                good[rng.random_range(0..good.len())]
+            } else {
+                rng.random_range(0..corpus.len())
+            };
             let b = rng.random_range(0..corpus.len());
             buf.clear();
             buf.extend_from_slice(&corpus[a]);
@@ -237,8 +244,14 @@ pub fn run(target: &mut dyn Target, opts: &Options) -> usize {
                 if outcome.starts_with("ok") {
                     ok_count += 1;
                 }
+                let ok = outcome.starts_with("ok");
                 if kinds.insert(kind_of(&outcome)) && i > seeds && corpus.len() < 1024 {
                     corpus.push(buf.clone());
+                    if ok {
+                        good.push(corpus.len() - 1);
+                    }
+                } else if ok && i <= seeds {
+                    good.push(i - 1);
                 }
             }
             Ok(Err(why)) => {

@@ -591,7 +591,23 @@ impl Target for StepFile {
                 }
                 // the output file's tensors, as `gdn step` would write them
                 let _ = out.tensors();
-                Ok(format!("ok: {:?}", inp.form).chars().take(12).collect())
+                // the kind of a good file, for the corpus: its form, dtypes, state, commits and options
+                let form = match inp.form {
+                    Form::Uniform { batched, .. } => {
+                        ["uniform", "uniform batched"][batched as usize]
+                    }
+                    Form::Varlen { .. } => "varlen",
+                };
+                let dt: Vec<&str> = inp.rows.view().dtypes().iter().map(|d| d.name()).collect();
+                Ok(format!(
+                    "ok {form} {} {:?} {} {} {} {planes} {out_dtype:?} {}",
+                    dt.join(","),
+                    inp.options,
+                    inp.commits.is_some(),
+                    commit,
+                    inp.layer.config.gate.name(),
+                    ["one", "some", "many"][s_n.min(2)]
+                ))
             }
             Err(e) => Ok(format!("run: {e}")),
         }

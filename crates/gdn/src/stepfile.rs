@@ -492,8 +492,8 @@ impl StepInput {
         let out_dtype = out_dtype.unwrap_or(self.rows.z.dtype());
         let mut out = TensorData::filled(layout.len(), 0.0, out_dtype);
         pool.step_varlen(&step, out.view_mut())?;
-        let mut state = vec![0.0; s_n * sh.state_len()];
-        let mut hist = vec![0.0; s_n * sh.hist_len()];
+        let mut state = vec![0.0; self.state.len()];
+        let mut hist = vec![0.0; self.hist.len()];
         for i in 0..s_n {
             pool.read_slot(
                 i,
