@@ -193,7 +193,12 @@ pub fn choose_row_blocks(d: usize, limits: &wgpu::Limits, preferred: usize) -> u
     let max_w = (limits.max_compute_invocations_per_workgroup)
         .min(limits.max_compute_workgroup_size_x) as usize;
     let mut ib = preferred.max(1);
-    while ib > 1 && (d * ib > max_w || !d.is_multiple_of(4 * ib)) {
+    // `preferred` is the caller's: products checked (an overflow is a count that does not fit)
+    let fits = |ib: usize| {
+        d.checked_mul(ib).is_some_and(|w| w <= max_w)
+            && ib.checked_mul(4).is_some_and(|r| d.is_multiple_of(r))
+    };
+    while ib > 1 && !fits(ib) {
         ib /= 2;
     }
     ib
@@ -313,6 +318,10 @@ mod tests {
         assert_eq!(choose_row_blocks(128, &web, 4), 2);
         assert_eq!(choose_row_blocks(64, &web, 4), 4);
         assert_eq!(choose_row_blocks(1024, &web, 4), 1);
+        // the caller's count: zero, or one whose products overflow, still gives a count that fits
+        assert_eq!(choose_row_blocks(128, &web, 0), 1);
+        assert_eq!(choose_row_blocks(64, &web, usize::MAX), 1);
+        assert_eq!(choose_row_blocks(64, &web, usize::MAX / 3), 2);
         let key = |d, row_blocks| KernelKey {
             d,
             subgroups: false,
