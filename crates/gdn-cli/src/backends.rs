@@ -5,6 +5,11 @@ use gdn::{Backend, Error, Result};
 /// Names accepted by `--backend`.
 pub const NAMES: &[&str] = &["cpu", "cuda", "wgpu"];
 
+/// `--backend`'s parser: one of [`NAMES`], listed in `--help` and in the error for any other value.
+pub fn names() -> clap::builder::PossibleValuesParser {
+    clap::builder::PossibleValuesParser::new(NAMES)
+}
+
 pub fn make(name: &str) -> Result<Box<dyn Backend>> {
     match name {
         "cpu" => Ok(Box::new(cpu())),

@@ -14,7 +14,8 @@ use crate::backends;
 
 #[derive(clap::Args)]
 pub struct Args {
-    #[arg(long, default_value = "cpu")]
+    /// The backend: cpu, cuda or wgpu (those this build has).
+    #[arg(long, default_value = "cpu", value_parser = crate::backends::names())]
     backend: String,
     /// Batch sizes (default: 1,8 on the CPU; 1,8,32,128,256 on a GPU).
     #[arg(long, value_delimiter = ',')]
@@ -22,8 +23,10 @@ pub struct Args {
     /// Window lengths (default: 1,4,8,64 on the CPU; 1,4,8 on a GPU).
     #[arg(long, value_delimiter = ',')]
     tokens: Option<Vec<usize>>,
+    /// The output gate: sigmoid or silu (also swish).
     #[arg(long, default_value = "sigmoid")]
     gate: Gate,
+    /// The head map: tiled (also repeat) or grouped (also repeat_interleave).
     #[arg(long, default_value = "tiled")]
     head_map: HeadMap,
     /// Wall time to aim for per timing round, in milliseconds.

@@ -16,7 +16,8 @@ use crate::backends;
 
 #[derive(clap::Args)]
 pub struct Args {
-    #[arg(long, default_value = "cpu")]
+    /// The backend: cpu, cuda or wgpu (those this build has).
+    #[arg(long, default_value = "cpu", value_parser = crate::backends::names())]
     backend: String,
     /// Sequences in the batch.
     #[arg(long, default_value_t = 3)]

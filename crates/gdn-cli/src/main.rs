@@ -3,6 +3,7 @@
 mod backends;
 mod bench;
 mod demo;
+mod reliability;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -15,7 +16,7 @@ use gdn::{Commit, DType, Gate, HeadMap, StateLayout};
 #[command(
     name = "gdn",
     version,
-    about = "The fused Gated DeltaNet window step (SPEC.md)"
+    about = "The fused Gated DeltaNet window step (docs/SPEC.md)"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -24,22 +25,25 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run one step on the windows of a safetensors file and write the outputs (SPEC.md's file format).
+    /// Run one step on the windows of a safetensors file and write the outputs (docs/SPEC.md's file format).
     Step {
+        /// The window file (safetensors; docs/SPEC.md, "The `gdn step` file format").
         #[arg(long)]
         input: PathBuf,
+        /// Where the outputs go (written atomically; nothing is written on an error).
         #[arg(long)]
         output: PathBuf,
-        #[arg(long, default_value = "cpu")]
+        /// The backend: cpu, cuda or wgpu (those this build has).
+        #[arg(long, default_value = "cpu", value_parser = crate::backends::names())]
         backend: String,
         /// verify, all, or K (commit after the first K tokens), for every sequence; a varlen file's `commit`
         /// tensor takes precedence.
         #[arg(long, default_value = "all")]
         commit: Commit,
-        /// tiled or grouped; overrides the file's metadata (default tiled).
+        /// tiled (also repeat) or grouped (also repeat_interleave); overrides the file's metadata (default tiled).
         #[arg(long)]
         head_map: Option<HeadMap>,
-        /// sigmoid or silu; overrides the file's metadata (default sigmoid).
+        /// sigmoid or silu (also swish); overrides the file's metadata (default sigmoid).
         #[arg(long)]
         gate: Option<Gate>,
         /// Norm epsilon; overrides the file's metadata (default 1e-6).
@@ -60,6 +64,10 @@ enum Command {
     Bench(bench::Args),
     /// Run a prompt and a speculative-decoding loop on a random layer, checked against the oracle.
     Demo(demo::Args),
+    /// Many decode steps against the float64 oracle: the error at checkpoints (f32 or bf16 state).
+    Drift(reliability::DriftArgs),
+    /// Random steps (lengths, commits, slots, forks, resets, dtypes) against the oracle, memory watched.
+    Soak(reliability::SoakArgs),
 }
 
 fn run(cli: Cli) -> gdn::Result<()> {
@@ -91,19 +99,27 @@ fn run(cli: Cli) -> gdn::Result<()> {
         }
         Command::Bench(args) => bench::run(args),
         Command::Demo(args) => demo::run(args),
+        Command::Drift(args) => reliability::drift(args),
+        Command::Soak(args) => reliability::soak(args),
     }
 }
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
-        // usage errors in one line too; --help and --version print as clap prints them
+        // usage errors in one line too (clap's own lines joined, its pointer to --help replaced by ours), the
+        // values an option takes included; --help and --version print as clap prints them
         Err(e) if e.use_stderr() => {
             let msg = e.to_string();
-            let first = msg.lines().next().unwrap_or("bad arguments");
+            let line = msg
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with("For more information"))
+                .collect::<Vec<_>>()
+                .join(" ");
             eprintln!(
                 "gdn: {} (see gdn --help)",
-                first.trim_start_matches("error: ")
+                line.trim_start_matches("error: ")
             );
             return ExitCode::from(2);
         }

@@ -188,7 +188,7 @@ fn bad_input_fails_with_one_line_and_writes_nothing() {
     expect_failure(
         &["step", "--input", i, "--output", o, "--backend", "tpu"],
         &output,
-        "no backend 'tpu'",
+        "[possible values: cpu, cuda, wgpu]",
     );
     expect_failure(
         &["step", "--input", i, "--output", o, "--eps=-1"],

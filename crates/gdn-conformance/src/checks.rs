@@ -717,6 +717,7 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!(@one $make, slot_io_in_every_layout, $crate::varlen::slot_io_in_every_layout);
         $crate::conformance_tests!(@one $make, bad_varlen_input_is_rejected_and_changes_nothing, $crate::varlen::bad_varlen_input_is_rejected_and_changes_nothing);
         $crate::conformance_tests!(@one $make, bf16_state_drift_is_bounded, |b| $crate::varlen::bf16_state_drift_is_bounded(b, 10_000));
+        $crate::conformance_tests!(@one $make, every_shape_matches_oracle, $crate::varlen::every_shape_matches_oracle);
     };
     (@one $make:expr, $name:ident, $check:expr) => {
         #[test]

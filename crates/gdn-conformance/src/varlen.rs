@@ -797,3 +797,31 @@ pub fn bf16_state_drift_is_bounded(backend: &dyn Backend, steps: usize) {
         "bf16 state drift: y median {median_y:.2e}, worst S {worst_s:.2e}"
     );
 }
+
+/// The shapes models use, on one mixed batch each (a decode token, a partial commit, a verify): d 64, 128 and 256
+/// with h_v / h_k 1 to 4, and Qwen3-Next's 16 q/k and 32 value heads at d 128; f32 key-major and bf16
+/// value-major states in turn.
+pub fn every_shape_matches_oracle(backend: &dyn Backend) {
+    let mut shapes = Vec::new();
+    for d in [64, 128, 256] {
+        for (h_k, h_v) in [(2, 2), (2, 4), (1, 3), (1, 4)] {
+            shapes.push(Shape::new(d, h_k, h_v).expect("valid"));
+        }
+    }
+    shapes.push(Shape::new(128, 16, 32).expect("valid"));
+    for (i, shape) in shapes.into_iter().enumerate() {
+        let mut spec = VarSpec::new(shape, &[], 1000 + i as u64);
+        if i % 2 == 1 {
+            spec.options = PoolOptions {
+                state: DType::Bf16,
+                layout: StateLayout::ValueMajor,
+            };
+        }
+        spec.seqs = vec![
+            (1, Commit::All, false, 0),
+            (3, Commit::First(2), false, 0),
+            (2, Commit::Verify, false, 1),
+        ];
+        check_var(backend, &spec.build());
+    }
+}

@@ -17,6 +17,10 @@ pub const MAX_CONST_T: usize = 8;
 /// Cluster sizes the planner may choose (8 is the portable cluster limit).
 pub const CLUSTER_SIZES: [usize; 4] = [1, 2, 4, 8];
 
+/// Registers a thread needs beside its rows of the state (the conv's channels, the token's scalars, addresses):
+/// ptxas used 124-128 at d 128 with 64 rows a thread.
+const STATE_REG_RESERVE: usize = 40;
+
 /// Rows of one column a thread may hold in registers.
 const MAX_ROWS_PER_THREAD: usize = 64;
 
@@ -126,6 +130,13 @@ impl Plan {
             && self.minb * nt <= 2048
     }
 
+    /// Whether the registers a thread gets at this occupancy hold its rows of the state and the rest: at d 256
+    /// one block of 1024 threads a head left 64 registers for 64 rows, and the state spilled.
+    pub fn fits_registers(&self, d: usize) -> bool {
+        self.valid_for(d)
+            && 65536 / (self.minb * self.threads(d)) >= d / self.rg + STATE_REG_RESERVE
+    }
+
     /// A register budget for a split: enough blocks per multiprocessor to overlap one block's loads with
     /// another's arithmetic, as far as the state (rpt registers a thread) leaves room.
     pub fn with_rg(d: usize, ncb: usize, rg: usize) -> Plan {
@@ -145,10 +156,13 @@ impl Plan {
         if ncb == 0 || !d.is_multiple_of(ncb) {
             return None;
         }
-        [1usize, 2, 4, 8]
-            .into_iter()
-            .map(|rg| Plan::with_rg(d, ncb, rg))
-            .find(|p| p.valid_for(d))
+        let splits = [1usize, 2, 4, 8].map(|rg| Plan::with_rg(d, ncb, rg));
+        // the fewest row groups whose state fits the registers, else the fewest that are valid at all
+        splits
+            .iter()
+            .find(|p| p.fits_registers(d))
+            .or_else(|| splits.iter().find(|p| p.valid_for(d)))
+            .copied()
     }
 
     /// The plan for `b` sequences of `h_v` heads on a device with `sms` multiprocessors: one block a head
@@ -157,14 +171,52 @@ impl Plan {
     /// bits do not depend on the batch it runs in.
     pub fn choose(d: usize, h_v: usize, b: usize, sms: usize) -> Result<Plan> {
         let _ = (h_v, b, sms);
-        CLUSTER_SIZES
+        let plans: Vec<Plan> = CLUSTER_SIZES
             .into_iter()
-            .find_map(|ncb| Plan::for_ncb(d, ncb))
+            .filter_map(|ncb| Plan::for_ncb(d, ncb))
+            .collect();
+        // one block a head where the state fits its registers, else a cluster where it does (d 256), else the
+        // first valid split, which spills (d 208: no split of 13 groups of 16 columns fits)
+        plans
+            .iter()
+            .find(|p| p.fits_registers(d))
+            .or(plans.first())
+            .copied()
             .ok_or_else(|| {
                 Error::Unavailable(format!(
                     "the CUDA backend holds the state in registers and has no thread split for d = {d}"
                 ))
             })
+    }
+}
+
+#[cfg(test)]
+mod plan_tests {
+    use super::*;
+
+    /// Every head dim up to 256 gets a valid split, one whose register budget holds the state's rows wherever one
+    /// exists (d 256 takes a cluster of two blocks a head); d 128 keeps its measured plan (one block, 2 row
+    /// groups, 2 blocks an SM).
+    #[test]
+    fn every_head_dim_gets_a_split_that_keeps_the_state_in_registers() {
+        for d in (16..=256).step_by(16) {
+            let p = Plan::choose(d, 48, 1, 132).unwrap_or_else(|e| panic!("d {d}: {e}"));
+            assert!(p.valid_for(d), "d {d}: {p:?}");
+            let any_fits = CLUSTER_SIZES
+                .iter()
+                .flat_map(|&ncb| [1, 2, 4, 8].map(|rg| Plan::with_rg(d, ncb, rg)))
+                .any(|q| d.is_multiple_of(q.ncb) && q.fits_registers(d));
+            assert_eq!(p.fits_registers(d), any_fits, "d {d}: {p:?}");
+        }
+        assert_eq!(
+            Plan::choose(128, 48, 1, 132).unwrap(),
+            Plan {
+                ncb: 1,
+                rg: 2,
+                minb: 2
+            }
+        );
+        assert_eq!(Plan::choose(256, 48, 1, 132).unwrap().ncb, 2);
     }
 }
 
