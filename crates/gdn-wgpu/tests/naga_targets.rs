@@ -19,6 +19,8 @@
 //!   combinations on both paths, both state dtypes and both layouts. An input's dtype changes only its own
 //!   loader function (`ld_qkv`, `ld_alpha`, `ld_beta`, `ld_z`: a load from `inp` at a uniform offset), which
 //!   no other key dimension touches, so the rotation above and this cross product cover how they combine;
+//! - every head dim the backend accepts (16, 32, ..., 1024) at its default row blocks, on both paths, both
+//!   states and both layouts, the dtypes moving with d;
 //! - the copy-ceiling kernel;
 //! - that the check can fail: a subgroup kernel validated without the subgroup capability is an error.
 
@@ -377,6 +379,42 @@ fn msl_hlsl_every_dtype_combination_workgroup_memory() {
 #[test]
 fn msl_hlsl_every_dtype_combination_subgroups() {
     every_dtype_combination(true);
+}
+
+/// The row blocks the backend picks by default (`Options::row_blocks` 4, lowered by halving until the shape and a
+/// 1024-thread limit allow it), as `choose_row_blocks` does.
+fn default_row_blocks(d: usize) -> usize {
+    let mut ib = 4;
+    while ib > 1 && (d * ib > MAX_THREADS || !d.is_multiple_of(4 * ib)) {
+        ib /= 2;
+    }
+    ib
+}
+
+/// Every head dim the backend accepts (SPEC: a multiple of 16 up to 1024) at its default row blocks, on both
+/// paths, both states and both layouts, the output dtype (and the inputs' rotation) moving with d.
+#[test]
+fn msl_hlsl_every_head_dim() {
+    let mut keys = Vec::new();
+    for (k, d) in (16..=1024).step_by(16).enumerate() {
+        for subgroups in [false, true] {
+            for state in [DType::F32, DType::Bf16] {
+                for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+                    keys.push(KernelKey {
+                        d,
+                        subgroups,
+                        row_blocks: default_row_blocks(d),
+                        checked: true,
+                        state,
+                        layout,
+                        inputs: std::array::from_fn(|m| DTYPES[(k + m) % 3]),
+                        out: DTYPES[k % 3],
+                    });
+                }
+            }
+        }
+    }
+    run("every head dim 16..1024 at its default row blocks", &keys);
 }
 
 #[test]
