@@ -475,7 +475,12 @@ impl Step<'_> {
 
 /// Slot indices: in range, none twice (negative ones skip their sequence).
 pub(crate) fn check_slots(slots: impl Iterator<Item = i32>, pool_slots: usize) -> Result<()> {
-    let mut seen = vec![false; pool_slots];
+    // which slots were named: a bitmap over a small pool, else a set of the names, so that the pool size a
+    // caller passes never sizes an allocation by itself (`validate` is public)
+    const BITMAP_MAX: usize = 1 << 16;
+    let small = pool_slots <= BITMAP_MAX;
+    let mut seen = vec![false; if small { pool_slots } else { 0 }];
+    let mut named = std::collections::HashSet::new();
     for s in slots {
         if s < 0 {
             continue;
@@ -487,7 +492,12 @@ pub(crate) fn check_slots(slots: impl Iterator<Item = i32>, pool_slots: usize) -
                 slots: pool_slots,
             });
         }
-        if std::mem::replace(&mut seen[i], true) {
+        let twice = if small {
+            std::mem::replace(&mut seen[i], true)
+        } else {
+            !named.insert(i)
+        };
+        if twice {
             return Err(Error::SlotTwice(i));
         }
     }
@@ -569,5 +579,53 @@ impl PoolOptions {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::Synth;
+    use crate::Config;
+
+    /// A pool size near usize::MAX is checked like any other, without an allocation of its size (found by
+    /// `gdn-fuzz step`: `vec![false; pool_slots]` asked for 2 GiB, or aborted on usize::MAX).
+    #[test]
+    fn a_huge_pool_size_is_checked_without_allocating_it() {
+        let layer = Synth::new(1)
+            .layer(Config::new(Shape::new(16, 1, 1).unwrap()))
+            .unwrap();
+        let sh = *layer.shape();
+        let (qkv, ab, z) = (
+            vec![0.0; 2 * sh.channels()],
+            vec![0.0; 2 * sh.h_v],
+            vec![0.0; 2 * sh.n()],
+        );
+        let seq = |slot, start| Seq {
+            slot,
+            start,
+            len: 1,
+            commit: Commit::All,
+        };
+        for (slots, pool, ok) in [
+            ([i32::MAX, 0], usize::MAX, true),
+            ([7, 7], usize::MAX, false),
+            ([7, 7], 8, false),
+            ([7, -1], 7, false),
+        ] {
+            let seqs = [seq(slots[0], 0), seq(slots[1], 1)];
+            let step = Step {
+                rows: Rows {
+                    qkv: Tensor::F32(&qkv),
+                    alpha: Tensor::F32(&ab),
+                    beta: Tensor::F32(&ab),
+                    z: Tensor::F32(&z),
+                },
+                seqs: &seqs,
+                plane_stride: None,
+            };
+            let r = step.validate(&layer, pool, 2 * sh.n());
+            assert_eq!(r.is_ok(), ok, "{slots:?} in {pool}: {r:?}");
+        }
     }
 }
