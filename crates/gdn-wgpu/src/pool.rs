@@ -12,7 +12,7 @@ use std::time::Duration;
 use gdn::backend::{check_slot_io, head_history};
 use gdn::step::Checked;
 use gdn::{
-    bf16, DType, Error, Gate, HeadMap, Layer, LayerPool, OutputLayout, PoolOptions, Result,
+    bf16, DType, Error, Gate, HeadMap, Layer, LayerPool, OutputLayout, PoolOptions, Result, Shape,
     StateLayout, Step, StepTiming, Tensor, TensorMut,
 };
 
@@ -63,7 +63,10 @@ impl Scratch {
 
     /// Makes room for `bytes`; true when the buffer was replaced.
     fn reserve(&mut self, gpu: &Gpu, bytes: u64, keep: u64) -> Result<bool> {
-        let bytes = bytes.max(16).next_multiple_of(16);
+        let bytes = bytes
+            .max(16)
+            .checked_next_multiple_of(16)
+            .ok_or_else(|| Error::Backend(format!("{}: {bytes} bytes overflow", self.label)))?;
         if self.buf.as_ref().is_some_and(|b| b.size() >= bytes) {
             return Ok(false);
         }
@@ -133,6 +136,58 @@ fn index(x: usize, what: &str) -> Result<u32> {
     })
 }
 
+/// Element and byte counts of a pool's device buffers, every product checked and every element count a shader
+/// index reaches within u32; sizes of one slot in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PoolSizes {
+    state_bytes: u64,
+    hist_bytes: u64,
+    slot_state_bytes: u64,
+    slot_hist_bytes: u64,
+}
+
+impl PoolSizes {
+    fn new(sh: &Shape, slots: usize, state: DType) -> Result<Self> {
+        // computed here rather than with Shape's own (unchecked) products: on a 32-bit target they can wrap
+        let what = "a slot's state";
+        let state_len = mul(mul(sh.d, sh.d, what)?, sh.h_v, what)?;
+        let hist_len = mul(
+            mul(sh.h_v, 9, "a slot's history")?,
+            sh.d,
+            "a slot's history",
+        )?;
+        let state_elems = mul(slots, state_len, "the state pool")?;
+        let hist_elems = mul(slots, hist_len, "the history pool")?;
+        index(state_elems, "the state pool")?;
+        index(hist_elems, "the history pool")?;
+        // below u32::MAX elements of at most 4 bytes: no u64 product below can overflow
+        let es = state.size() as u64;
+        Ok(PoolSizes {
+            state_bytes: state_elems as u64 * es,
+            hist_bytes: hist_elems as u64 * 4,
+            slot_state_bytes: state_len as u64 * es,
+            slot_hist_bytes: hist_len as u64 * 4,
+        })
+    }
+}
+
+/// Word offsets of the four input tensors (each starts on a word) and the words of all four, for tensors of
+/// `(elements, bytes per element)`; every element index and word offset the kernel computes within u32.
+fn input_words(tensors: [(usize, usize); 4]) -> Result<([u32; 4], usize)> {
+    let mut offs = [0u32; 4];
+    let mut words = 0usize;
+    for (i, &(len, es)) in tensors.iter().enumerate() {
+        // the kernel indexes elements (not words) of 16-bit tensors: the element count must fit
+        index(len, "an input tensor")?;
+        offs[i] = index(words, "the step's inputs")?;
+        words = words
+            .checked_add(mul(len, es, "an input tensor")?.div_ceil(4))
+            .ok_or_else(|| Error::Backend("the step's inputs overflow".into()))?;
+    }
+    index(words, "the step's inputs")?;
+    Ok((offs, words))
+}
+
 /// The device's output layout for one call: y [R][n] at 0, planes at `plane`, 2 `plane`, 3 `plane` (the
 /// caller's plane stride need not be even, the device's is), group sums [R][h_v][gw] at 4 `plane`.
 #[derive(Clone, Copy, Debug)]
@@ -168,8 +223,9 @@ impl DevOut {
         })
     }
 
+    /// Below u32::MAX elements of at most 4 bytes: no overflow in u64, on any target.
     fn bytes(&self) -> u64 {
-        (self.elems * self.size) as u64
+        self.elems as u64 * self.size as u64
     }
 }
 
@@ -198,6 +254,7 @@ pub struct WgpuPool {
     /// The pool's specialisation with f32 activations; a step sets its own dtypes.
     key: KernelKey,
     keep: u64,
+    sizes: PoolSizes,
     state: wgpu::Buffer,
     hist: wgpu::Buffer,
     weights: wgpu::Buffer,
@@ -238,28 +295,28 @@ impl WgpuPool {
             inputs: [DType::F32; 4],
             out: DType::F32,
         };
-        // build the pipeline now, so that a shape the adapter cannot run fails here
-        gpu.pipeline(key)?;
         if sh.h_v > gpu.limits.max_compute_workgroups_per_dimension as usize {
             return Err(Error::Backend(format!(
                 "{} value heads: the adapter dispatches at most {} workgroups in x",
                 sh.h_v, gpu.limits.max_compute_workgroups_per_dimension
             )));
         }
-        let state_elems = mul(slots, sh.state_len(), "the state pool")?;
-        let hist_elems = mul(slots, head_history::len(layer), "the history pool")?;
-        index(state_elems, "the state pool")?;
-        index(hist_elems, "the history pool")?;
-        let state_bytes = mul(state_elems, options.state.size(), "the state pool")? as u64;
-        let hist_bytes = mul(hist_elems, 4, "the history pool")? as u64;
+        let sizes = PoolSizes::new(&sh, slots, options.state)?;
+        let (state_bytes, hist_bytes) = (sizes.state_bytes, sizes.hist_bytes);
         check_size(&gpu, "the state pool", state_bytes)?;
         check_size(&gpu, "the history pool", hist_bytes)?;
+        // build the pipeline now (after the cheap checks), so that a shape the adapter cannot run fails here
+        gpu.pipeline(key)?;
         let p = &layer.params;
-        let mut weights = Vec::with_capacity(p.conv_w.len() + 2 * sh.h_v + sh.d);
+        // lengths of the layer's own vectors (validated against the shape): in memory already, so no overflow
+        let mut weights =
+            Vec::with_capacity(p.conv_w.len() + p.dt.len() + p.a.len() + p.gamma.len());
         weights.extend_from_slice(&p.conv_w);
         weights.extend_from_slice(&p.dt);
         weights.extend_from_slice(&p.a);
         weights.extend_from_slice(&p.gamma);
+        let weight_bytes = index(weights.len(), "the layer's weights")? as u64 * 4;
+        check_size(&gpu, "the layer's weights", weight_bytes)?;
         let storage = wgpu::BufferUsages::STORAGE
             | wgpu::BufferUsages::COPY_DST
             | wgpu::BufferUsages::COPY_SRC;
@@ -275,7 +332,7 @@ impl WgpuPool {
             (
                 mk("gdn state", state_bytes, storage),
                 mk("gdn hist", hist_bytes, storage),
-                mk("gdn weights", (weights.len() * 4) as u64, storage),
+                mk("gdn weights", weight_bytes, storage),
                 mk(
                     "gdn params",
                     std::mem::size_of::<Params>() as u64,
@@ -292,6 +349,7 @@ impl WgpuPool {
             options,
             key,
             keep: settings.keep_bytes,
+            sizes,
             state,
             hist,
             weights: weights_buf,
@@ -312,11 +370,7 @@ impl WgpuPool {
 
     /// Bytes of one slot's S (in the pool's dtype) and of its history.
     fn slot_bytes(&self) -> (u64, u64) {
-        let sh = self.layer.shape();
-        (
-            (sh.state_len() * self.options.state.size()) as u64,
-            (head_history::len(&self.layer) * 4) as u64,
-        )
+        (self.sizes.slot_state_bytes, self.sizes.slot_hist_bytes)
     }
 
     /// Bytes of the per-call device buffers the pool holds now (inputs, output, jobs, readback).
@@ -351,7 +405,7 @@ impl WgpuPool {
         if dropped {
             self.bind_group = None;
         }
-        if self.job_list.capacity() * 16 > keep as usize {
+        if self.job_list.capacity() as u64 * 16 > keep {
             self.job_list = Vec::new();
         }
     }
@@ -383,7 +437,7 @@ impl WgpuPool {
         // longest windows first: the GPU starts workgroups roughly in order, so a long window (a prefill chunk in
         // a decode batch) starts at once instead of after every short one; each job's bits do not depend on it
         self.job_list.sort_by_key(|j| std::cmp::Reverse(j[2]));
-        let live = self.job_list.len() as u32;
+        let live = index(self.job_list.len(), "the step's live sequences")?;
         if live > gpu.limits.max_compute_workgroups_per_dimension {
             return Err(Error::Backend(format!(
                 "{live} sequences in one step; the adapter dispatches at most {} workgroups in y",
@@ -392,24 +446,15 @@ impl WgpuPool {
         }
         let rows = step.rows;
         let tensors = [rows.qkv, rows.alpha, rows.beta, rows.z];
-        // each tensor starts on a word; offsets in words
-        let mut offs = [0u32; 4];
-        let mut words = 0usize;
-        for (i, t) in tensors.iter().enumerate() {
-            index(t.len(), "an input tensor")?;
-            offs[i] = index(words, "the step's inputs")?;
-            words = words
-                .checked_add((t.len() * t.dtype().size()).div_ceil(4))
-                .ok_or_else(|| Error::Backend("the step's inputs overflow".into()))?;
-        }
-        index(words, "the step's inputs")?;
+        let (offs, words) = input_words(tensors.map(|t| (t.len(), t.dtype().size())))?;
         let dev = DevOut::new(&key, sh.h_v, &checked.layout)?;
         let keep = self.keep;
+        // below 2^32 words, and a job list below 2^32 entries (16 bytes each): no u64 product overflows
         let mut grown = self.inputs.reserve(&gpu, words as u64 * 4, keep)?;
         grown |= self.out.reserve(&gpu, dev.bytes(), keep)?;
         grown |= self
             .jobs
-            .reserve(&gpu, (self.job_list.len().max(1) * 16) as u64, keep)?;
+            .reserve(&gpu, self.job_list.len().max(1) as u64 * 16, keep)?;
         if grown || self.bind_group.is_none() {
             let entries = [
                 self.state.as_entire_binding(),
@@ -466,10 +511,11 @@ impl WgpuPool {
             alpha_off: offs[1],
             beta_off: offs[2],
             z_off: offs[3],
-            h_k: sh.h_k as u32,
-            h_v: sh.h_v as u32,
-            c: sh.channels() as u32,
-            n: sh.n() as u32,
+            // h_v is below the dispatch limit and d at most 1024, so these fit; checked all the same
+            h_k: index(sh.h_k, "the q/k heads")?,
+            h_v: index(sh.h_v, "the value heads")?,
+            c: index(sh.channels(), "the conv channels")?,
+            n: index(sh.n(), "the output width")?,
             grouped: (self.layer.config.head_map == HeadMap::Grouped) as u32,
             silu: (self.layer.config.gate == Gate::Silu) as u32,
             eps: self.layer.config.eps,
@@ -543,6 +589,8 @@ fn scatter_rows(
     d: usize,
     h_v: usize,
 ) {
+    // no product here overflows: the caller's layout was checked by `OutputLayout::for_rows` and the output
+    // slice holds it (`Step::validate`), the device's by `DevOut::new`; every index is below one of the two
     let es = dev.size;
     let n = layout.n;
     let g = d / 16;
@@ -584,15 +632,15 @@ impl LayerPool for WgpuPool {
 
     fn write_slot(&mut self, slot: usize, state: &[f32], hist: &[f32]) -> Result<()> {
         check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
-        let sh = *self.layer.shape();
         let hl = head_history::len(&self.layer);
         let mut own = std::mem::take(&mut self.scratch);
         own.clear();
         own.resize(hl, 0.0);
         head_history::from_spec(&self.layer, hist, &mut own);
         let gpu = &self.gpu;
-        let es = self.options.state.size();
-        let at = (slot * sh.state_len() * es) as u64;
+        // slot < slots, and slots x a slot's bytes was checked at creation
+        let (sb, hb) = self.slot_bytes();
+        let at = slot as u64 * sb;
         match self.options.state {
             DType::Bf16 => {
                 // rounded to nearest even here, once
@@ -604,11 +652,8 @@ impl LayerPool for WgpuPool {
                 .queue
                 .write_buffer(&self.state, at, bytemuck::cast_slice(state)),
         }
-        gpu.queue.write_buffer(
-            &self.hist,
-            (slot * hl * 4) as u64,
-            bytemuck::cast_slice(&own),
-        );
+        gpu.queue
+            .write_buffer(&self.hist, slot as u64 * hb, bytemuck::cast_slice(&own));
         self.scratch = own;
         gpu.queue.submit([]);
         gpu.take_errors()
@@ -616,12 +661,10 @@ impl LayerPool for WgpuPool {
 
     fn read_slot(&mut self, slot: usize, state: &mut [f32], hist: &mut [f32]) -> Result<()> {
         check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
-        let sh = *self.layer.shape();
         let hl = head_history::len(&self.layer);
         let gpu = self.gpu.clone();
         let sdt = self.options.state;
-        let sb = (sh.state_len() * sdt.size()) as u64;
-        let hb = (hl * 4) as u64;
+        let (sb, hb) = self.slot_bytes();
         self.readback.reserve(&gpu, sb + hb, self.keep)?;
         let rb = self.readback.get()?;
         let mut enc = gpu
@@ -633,8 +676,10 @@ impl LayerPool for WgpuPool {
         let mut own = std::mem::take(&mut self.scratch);
         own.clear();
         own.resize(hl, 0.0);
+        let split = usize::try_from(sb)
+            .map_err(|_| Error::Backend(format!("a slot's {sb} bytes exceed the address space")))?;
         gpu.read_mapped_with(rb, sb + hb, |bytes| {
-            let (s, h) = bytes.split_at(sb as usize);
+            let (s, h) = bytes.split_at(split);
             match sdt {
                 DType::Bf16 => {
                     for (x, b) in state.iter_mut().zip(s.chunks_exact(2)) {
@@ -747,5 +792,128 @@ impl WgpuPool {
     /// The pool's state layout (what `read_slot` and `write_slot` take).
     pub fn state_layout(&self) -> StateLayout {
         self.options.layout
+    }
+}
+
+/// Every size from a caller overflowing, on the host: no GPU needed (the pool and step run these same checks
+/// before touching the device; `tests/varlen.rs` runs the pool's through a backend).
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn backend_err(r: Result<impl std::fmt::Debug>, want: &str) {
+        match r {
+            Err(Error::Backend(why)) => assert!(why.contains(want), "{why} (wanted '{want}')"),
+            other => panic!("expected an error about '{want}', got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn pool_sizes_overflow_is_an_error() {
+        let sh = Shape::SEED;
+        // d d h_v = 786 432 floats a slot: 5461 slots are the most below 2^32 elements
+        let max = u32::MAX as usize / sh.state_len();
+        for state in [DType::F32, DType::Bf16] {
+            let ok = PoolSizes::new(&sh, max, state).unwrap();
+            assert_eq!(ok.state_bytes, (max * sh.state_len() * state.size()) as u64);
+            assert_eq!(ok.slot_hist_bytes, (sh.h_v * 9 * sh.d * 4) as u64);
+            backend_err(PoolSizes::new(&sh, max + 1, state), "32-bit indices");
+            backend_err(PoolSizes::new(&sh, usize::MAX / 2, state), "overflows");
+            backend_err(PoolSizes::new(&sh, usize::MAX, state), "overflows");
+        }
+        // a shape whose one slot overflows (not a valid Shape: the products are checked all the same)
+        let huge = Shape {
+            d: 1024,
+            h_k: 1,
+            h_v: usize::MAX / 4,
+        };
+        backend_err(PoolSizes::new(&huge, 1, DType::F32), "overflows");
+        assert!(PoolSizes::new(&sh, 0, DType::F32).is_ok());
+    }
+
+    #[test]
+    fn input_words_beyond_32_bits_are_errors() {
+        let big = u32::MAX as usize;
+        // one f32 qkv of 2^32 - 1 elements fits alone
+        let (offs, words) = input_words([(big, 4), (0, 4), (0, 4), (0, 4)]).unwrap();
+        assert_eq!(
+            (offs, words),
+            ([0, big as u32, big as u32, big as u32], big)
+        );
+        // one element more: the element index wraps
+        backend_err(
+            input_words([(big + 1, 4), (1, 4), (1, 4), (1, 4)]),
+            "an input tensor",
+        );
+        // 16-bit: 2^32 elements are 2^31 words, but the kernel indexes elements
+        backend_err(
+            input_words([(big + 1, 2), (1, 2), (1, 2), (1, 2)]),
+            "an input tensor",
+        );
+        // each tensor fits, their sum does not: an offset or the total wraps
+        backend_err(
+            input_words([(1 << 31, 4), (1 << 31, 4), (1, 4), (1, 4)]),
+            "the step's inputs",
+        );
+        backend_err(
+            input_words([(usize::MAX, 4), (1, 4), (1, 4), (1, 4)]),
+            "an input tensor",
+        );
+        // odd 16-bit tensors end in a padded word
+        let (offs, words) = input_words([(3, 2), (1, 2), (2, 4), (5, 2)]).unwrap();
+        assert_eq!((offs, words), ([0, 2, 3, 5], 8));
+    }
+
+    #[test]
+    fn output_beyond_32_bits_is_an_error() {
+        let sh = Shape::SEED;
+        let n = sh.n();
+        let layout = |rows: usize, plane_stride| OutputLayout {
+            rows,
+            n,
+            plane_stride,
+        };
+        for out in [DType::F32, DType::Bf16, DType::F16] {
+            let key = KernelKey {
+                out,
+                ..KernelKey::plain(sh.d)
+            };
+            // rows x n: the most rows below 2^32 elements, then one more, then past usize
+            let rows = u32::MAX as usize / n;
+            let dev = DevOut::new(&key, sh.h_v, &layout(rows, None)).unwrap();
+            assert_eq!(dev.bytes(), (rows * n * out.size()) as u64);
+            backend_err(
+                DevOut::new(&key, sh.h_v, &layout(rows + 1, None)),
+                "32-bit indices",
+            );
+            backend_err(
+                DevOut::new(&key, sh.h_v, &layout(usize::MAX / 2, None)),
+                "overflows",
+            );
+            // planes: y fits, four planes and the group sums do not
+            let rows = u32::MAX as usize / (4 * n);
+            backend_err(
+                DevOut::new(&key, sh.h_v, &layout(rows, Some(rows * n))),
+                "32-bit indices",
+            );
+            let per_row = 4 * n + sh.h_v * key.group_width();
+            let rows = u32::MAX as usize / per_row;
+            assert!(DevOut::new(&key, sh.h_v, &layout(rows, Some(rows * n))).is_ok());
+            backend_err(
+                DevOut::new(&key, sh.h_v, &layout(rows + 1, Some((rows + 1) * n))),
+                "32-bit indices",
+            );
+            // a caller's plane stride past u32 is fine: the device uses its own (R n), the host copies
+            let dev = DevOut::new(&key, sh.h_v, &layout(2, Some(1 << 33))).unwrap();
+            assert_eq!(dev.y, 2 * n);
+        }
+    }
+
+    #[test]
+    fn index_and_mul_name_what_overflowed() {
+        assert_eq!(index(u32::MAX as usize, "x").unwrap(), u32::MAX);
+        backend_err(index(u32::MAX as usize + 1, "the thing"), "the thing");
+        backend_err(mul(usize::MAX, 2, "the product"), "the product");
+        assert_eq!(mul(3, 4, "x").unwrap(), 12);
     }
 }

@@ -394,17 +394,32 @@ fn sizes_beyond_32_bit_indices_are_errors() {
         return;
     };
     let layer = layer(1);
-    let slots = (u32::MAX as usize) / layer.shape().state_len() + 1;
-    for state in [DType::F32, DType::Bf16] {
-        let options = PoolOptions {
-            state,
-            ..PoolOptions::default()
-        };
-        match b.create_pool_with(&layer, slots, options) {
-            Err(Error::Backend(why)) => assert!(why.contains("state pool"), "{why}"),
-            Err(e) => panic!("unexpected error {e}"),
-            Ok(_) => panic!("a pool of {slots} slots was accepted"),
+    // past u32 indices, past usize in elements, past usize in bytes
+    let past_u32 = (u32::MAX as usize) / layer.shape().state_len() + 1;
+    for slots in [past_u32, usize::MAX / 2, usize::MAX] {
+        for state in [DType::F32, DType::Bf16] {
+            let options = PoolOptions {
+                state,
+                ..PoolOptions::default()
+            };
+            match b.create_pool_with(&layer, slots, options) {
+                Err(Error::Backend(why)) => assert!(why.contains("state pool"), "{why}"),
+                Err(e) => panic!("unexpected error {e}"),
+                Ok(_) => panic!("a pool of {slots} slots was accepted"),
+            }
         }
+    }
+    // a row-block count whose products overflow is lowered to one that fits, not wrapped
+    let odd = Wgpu::with_options(Options {
+        row_blocks: usize::MAX,
+        adapter: std::env::var("GDN_WGPU_ADAPTER")
+            .ok()
+            .filter(|s| !s.is_empty()),
+        ..Options::default()
+    });
+    if let Ok(odd) = odd {
+        let pool = odd.create_pool_with(&layer, 2, PoolOptions::default());
+        assert!(pool.is_ok(), "{:?}", pool.err());
     }
     let err = b
         .create_pool_with(

@@ -18,7 +18,8 @@ impl Shape {
         h_v: 48,
     };
 
-    /// A validated shape: d a positive multiple of 16, h_v a positive multiple of h_k.
+    /// A validated shape: d a positive multiple of 16 up to 1024, h_v a positive multiple of h_k, every size of
+    /// the layer within the address space.
     pub fn new(d: usize, h_k: usize, h_v: usize) -> Result<Self> {
         let s = Shape { d, h_k, h_v };
         s.validate()?;
@@ -39,6 +40,16 @@ impl Shape {
             return Err(Error::Shape(format!(
                 "h_v = {} must be a positive multiple of h_k = {}",
                 self.h_v, self.h_k
+            )));
+        }
+        // every size the helpers below compute (the conv weights' C x 4 the largest per channel, the state's
+        // d x h_v x d) must fit, so that they cannot wrap, on 32-bit targets too
+        let conv_w = (2 * self.h_k as u128 + self.h_v as u128) * self.d as u128 * 4;
+        let state = self.d as u128 * self.d as u128 * self.h_v as u128;
+        if conv_w.max(state) > isize::MAX as u128 {
+            return Err(Error::Shape(format!(
+                "h_k = {}, h_v = {} at d = {}: the layer's sizes overflow the address space",
+                self.h_k, self.h_v, self.d
             )));
         }
         Ok(())
@@ -316,4 +327,22 @@ pub(crate) fn check_len(name: &'static str, v: &[f32], expected: usize) -> Resul
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[cfg(target_pointer_width = "64")]
+    fn shapes_whose_sizes_overflow_are_errors() {
+        assert!(Shape::new(1024, 1, usize::MAX).is_err());
+        assert!(Shape::new(16, usize::MAX / 2, usize::MAX / 2).is_err());
+        assert!(Shape::new(128, 1 << 50, 1 << 50).is_err());
+        assert!(
+            Shape::new(128, 1 << 40, 1 << 40).is_ok(),
+            "large, but every size fits"
+        );
+        assert!(Shape::new(128, 16, 48).is_ok());
+    }
 }
