@@ -101,11 +101,7 @@ pub fn no_drift_over_long_runs(backend: &dyn Backend, steps: usize) {
     spec.spare_slots = 0;
     let case = spec.build();
     let mut pool = case.pool(backend);
-    let mut states: Vec<SeqState> = case
-        .init
-        .iter()
-        .map(|(s, h)| SeqState::from_f32(s, h))
-        .collect();
+    let mut states: Vec<SeqState> = oracle_states(&case.init);
     let mut rng = gdn::synth::Synth::new(99);
     let mut worst: f64 = 0.0;
     for step in 0..=steps {
@@ -261,10 +257,7 @@ pub fn invariants_hold_after_a_one_token_commit(backend: &dyn Backend) {
         let before = read_slots(a.as_mut());
         for verify in [&decode, &window] {
             let y = run(a.as_mut(), verify, Commit::Verify);
-            let mut states: Vec<SeqState> = before
-                .iter()
-                .map(|(s, h)| SeqState::from_f32(s, h))
-                .collect();
+            let mut states: Vec<SeqState> = oracle_states(&before);
             let want = gdn::oracle::step(
                 &case.layer,
                 &mut states,

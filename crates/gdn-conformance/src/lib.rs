@@ -187,13 +187,17 @@ pub fn run_backend(backend: &dyn Backend, case: &Case) -> Outcome {
     }
 }
 
-/// The oracle's output (f64, skipped rows and unused plane padding at 0) and slots.
-pub fn run_oracle(case: &Case) -> (Vec<f64>, Vec<SeqState>) {
-    let mut states: Vec<SeqState> = case
-        .init
+/// Slots (S key-major, H) as the oracle's float64 states.
+pub fn oracle_states(slots: &[(Vec<f32>, Vec<f32>)]) -> Vec<SeqState> {
+    slots
         .iter()
         .map(|(s, h)| SeqState::from_f32(s, h))
-        .collect();
+        .collect()
+}
+
+/// The oracle's output (f64, skipped rows and unused plane padding at 0) and slots.
+pub fn run_oracle(case: &Case) -> (Vec<f64>, Vec<SeqState>) {
+    let mut states: Vec<SeqState> = oracle_states(&case.init);
     let out = oracle::step(
         &case.layer,
         &mut states,

@@ -217,11 +217,7 @@ pub fn run_var_on(pool: &mut dyn LayerPool, case: &VarCase) -> VarOutcome {
 
 /// The oracle's output (rounded to the case's dtype, unwritten elements 0) and slots.
 pub fn oracle_var(case: &VarCase) -> (Vec<f64>, Vec<SeqState>) {
-    let mut states: Vec<SeqState> = case
-        .init
-        .iter()
-        .map(|(s, h)| SeqState::from_f32(s, h))
-        .collect();
+    let mut states: Vec<SeqState> = oracle_states(&case.init);
     let out = oracle::step_varlen(
         &case.layer,
         &mut states,
@@ -748,11 +744,7 @@ pub fn bf16_state_drift_is_bounded(backend: &dyn Backend, steps: usize) {
     spec.spare_slots = 0;
     let case = spec.build();
     let mut pool = case.pool(backend);
-    let mut exact: Vec<SeqState> = case
-        .init
-        .iter()
-        .map(|(s, h)| SeqState::from_f32(s, h))
-        .collect();
+    let mut exact: Vec<SeqState> = oracle_states(&case.init);
     let mut rng = Synth::new(901);
     let (mut worst_y, mut worst_s) = (0.0f64, 0.0f64);
     let mut all_y = Vec::with_capacity(steps);
