@@ -542,14 +542,48 @@ pub struct FileTensor {
 impl StepOutput {
     /// y, widened to f32.
     pub fn y(&self) -> Vec<f32> {
-        let mut y = vec![0.0; self.layout.rows * self.layout.n];
+        let len = self
+            .layout
+            .rows
+            .saturating_mul(self.layout.n)
+            .min(self.out.len());
+        let mut y = vec![0.0; len];
         self.out.view().widen_into(0, &mut y);
         y
     }
 
+    /// Whether the public fields agree with each other (as `StepInput::run` makes them), so that the file's
+    /// tensors can be cut from them.
+    fn check(&self) -> Result<()> {
+        let sh = self.shape;
+        let seqs = match &self.form {
+            Form::Uniform { b, t, .. } => b
+                .checked_mul(*t)
+                .filter(|&r| r == self.layout.rows)
+                .map(|_| *b),
+            Form::Varlen { cu_seqlens } => cu_seqlens
+                .last()
+                .filter(|&&end| end <= self.layout.rows)
+                .map(|_| cu_seqlens.len() - 1),
+        };
+        let seqs = seqs.ok_or_else(|| bad("the output's form disagrees with its rows"))?;
+        let agree = self.layout.n == sh.n()
+            && self.out.len() == self.layout.len()
+            && Some(self.state.len()) == seqs.checked_mul(sh.state_len())
+            && Some(self.hist.len()) == seqs.checked_mul(sh.hist_len());
+        if !agree {
+            return Err(bad(
+                "the output's buffers disagree with its shape and sequences",
+            ));
+        }
+        Ok(())
+    }
+
     /// The tensors of the output file: `y`, `state`, `hist`, and with planes `planes` ([B, 4, T, n] or
-    /// [4, R, n]; plane 0 is y) and `group_sums` ([B, T, n / 16] or [R, n / 16]).
-    pub fn tensors(&self) -> Vec<FileTensor> {
+    /// [4, R, n]; plane 0 is y) and `group_sums` ([B, T, n / 16] or [R, n / 16]). An error where the public fields
+    /// disagree (never for the output of `StepInput::run`).
+    pub fn tensors(&self) -> Result<Vec<FileTensor>> {
+        self.check()?;
         let sh = self.shape;
         let n = sh.n();
         let rows = self.layout.rows;
@@ -614,14 +648,14 @@ impl StepOutput {
                 &part(4 * ps, rows * n / 16),
             ));
         }
-        ts
+        Ok(ts)
     }
 
     /// Writes the output file atomically: a temporary file in the same folder, synced, then renamed into place;
     /// on any error nothing is left behind. The metadata records the conventions, the state layout and the
     /// commits used (one for all where they agree, else a comma-separated list).
     pub fn write(&self, path: &Path) -> Result<()> {
-        let ts = self.tensors();
+        let ts = self.tensors()?;
         let c = &self.config;
         let name = |k: &Commit| match k {
             Commit::Verify => "verify".to_string(),
@@ -1000,6 +1034,27 @@ mod tests {
         write_varlen_input(&path, &l, &rows, &vec![0; 100_001], None, None, None, None).unwrap();
         let err = StepInput::read(&path, Overrides::default()).unwrap_err();
         assert!(matches!(err, Error::EmptySeq { seq: 0 }), "{err}");
+    }
+
+    /// `tensors` (and so `write`) refuses an output whose public fields disagree instead of cutting by them.
+    #[test]
+    fn tensors_refuse_fields_that_disagree() {
+        let l = layer();
+        let inp = StepInput::parse(&file(&l, Some(2), 3, |_| {}), Overrides::default()).unwrap();
+        let out = inp
+            .run(&crate::Cpu::new(), Commit::All, true, None)
+            .unwrap();
+        assert!(out.tensors().is_ok());
+        let mut empty = out.clone();
+        empty.form = Form::Varlen { cu_seqlens: vec![] };
+        let mut short = out.clone();
+        short.state.pop();
+        let mut rows = out.clone();
+        rows.layout.rows += 1;
+        for bad in [empty, short, rows] {
+            assert!(bad.tensors().is_err());
+            let _ = bad.y();
+        }
     }
 
     /// `run` checks the public fields `parse` fills rather than slicing by them.
