@@ -134,7 +134,7 @@ fn run() -> gdn::Result<()> {
                         plane_stride: None,
                     };
                     let iters = if b == 1 { 200 } else { 20 };
-                    let seqs = args.seqs()?;
+                    let seqs = args.seqs(layer.shape())?;
                     let rows = RowsData::from_f32(
                         &batch.qkv,
                         &batch.alpha,

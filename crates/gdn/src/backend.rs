@@ -188,8 +188,7 @@ pub trait LayerPool {
     fn step_varlen(&mut self, step: &Step<'_>, out: TensorMut<'_>) -> Result<()>;
     /// A uniform batch of f32 windows with one commit mode (a convenience over [`LayerPool::step_varlen`]).
     fn step(&mut self, args: &StepArgs<'_>, out: &mut [f32]) -> Result<()> {
-        args.validate(self.layer(), self.slots(), out.len())?;
-        let seqs = args.seqs()?;
+        let seqs = args.seqs(self.layer().shape())?;
         self.step_varlen(&args.varlen(&seqs), TensorMut::F32(out))
     }
     /// Times repeated steps of a varlen step into an output of `out_dtype` (the pool's slots evolve as the
@@ -204,7 +203,7 @@ pub trait LayerPool {
     }
     /// [`LayerPool::time_varlen`] for a uniform f32 batch.
     fn time_step(&mut self, args: &StepArgs<'_>, iters: usize) -> Result<StepTiming> {
-        let seqs = args.seqs()?;
+        let seqs = args.seqs(self.layer().shape())?;
         self.time_varlen(&args.varlen(&seqs), crate::DType::F32, iters)
     }
 }

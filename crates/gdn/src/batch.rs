@@ -2,7 +2,7 @@
 
 use crate::config::check_len;
 use crate::step::{Rows, Seq, Step, Tensor};
-use crate::{Commit, Error, Layer, Result, Shape};
+use crate::{Commit, Error, Result, Shape};
 
 /// Windows of `t` tokens for `b` sequences, host slices in the layout of SPEC.md with a leading batch
 /// dimension: `qkv` [b][t][C], `alpha` and `beta` [b][t][h_v], `z` [b][t][n].
@@ -153,12 +153,11 @@ pub struct StepArgs<'a> {
 }
 
 impl StepArgs<'_> {
-    /// Checks what is particular to a uniform batch (the window length, the one commit mode, one slot per
-    /// sequence) and returns the batch as varlen sequences; the rest is [`Step::validate`]'s.
-    pub fn seqs(&self) -> Result<Vec<Seq>> {
-        if self.batch.t == 0 {
-            return Err(Error::EmptyWindow);
-        }
+    /// Checks what is particular to a uniform batch (the window length, the tensors' lengths for b x t rows,
+    /// the one commit mode, one slot per sequence) and returns the batch as varlen sequences; the rest is
+    /// [`Step::validate`]'s, which every backend's `step_varlen` runs.
+    pub fn seqs(&self, shape: &Shape) -> Result<Vec<Seq>> {
+        self.batch.validate(shape)?;
         self.commit.commit_at(self.batch.t)?;
         if self.slots.len() != self.batch.b {
             return Err(Error::SlotCount {
@@ -187,19 +186,6 @@ impl StepArgs<'_> {
             seqs,
             plane_stride: self.plane_stride,
         }
-    }
-
-    /// Every check, as a backend's step runs them; returns the output layout and the commit point.
-    pub fn validate(
-        &self,
-        layer: &Layer,
-        pool_slots: usize,
-        out_len: usize,
-    ) -> Result<(OutputLayout, usize)> {
-        self.batch.validate(layer.shape())?;
-        let seqs = self.seqs()?;
-        let checked = self.varlen(&seqs).validate(layer, pool_slots, out_len)?;
-        Ok((checked.layout, self.commit.commit_at(self.batch.t)?))
     }
 }
 

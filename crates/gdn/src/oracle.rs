@@ -209,8 +209,6 @@ pub fn step(
         commit,
         plane_stride,
     };
-    let layout = OutputLayout::new(layer.shape(), batch.b, batch.t, plane_stride)?;
-    args.validate(layer, states.len(), layout.len())?;
-    let seqs = args.seqs()?;
+    let seqs = args.seqs(layer.shape())?;
     step_varlen(layer, states, &args.varlen(&seqs), DType::F32, DType::F32)
 }
