@@ -302,14 +302,6 @@ pub struct CpuPool {
     owes: Vec<bool>,
 }
 
-/// f32 views of a step's inputs: the caller's slices where they are f32, else the widened copies.
-struct Inputs<'a> {
-    qkv: &'a [f32],
-    alpha: &'a [f32],
-    beta: &'a [f32],
-    z: &'a [f32],
-}
-
 impl CpuPool {
     /// Floats of work buffers the pool holds now between steps (besides its states), per-thread scratch included:
     /// per buffer at most the larger of [`CpuPool::WORK_KEEP`] and twice the last step's need.
@@ -324,6 +316,44 @@ impl CpuPool {
 
     /// The floats a work buffer may keep whatever the steps need.
     pub const WORK_KEEP: usize = Work::KEEP;
+
+    /// One slot's S from `state` in the pool's public layout into its rows of `E`.
+    fn write_state<E: StateElem>(&mut self, slot: usize, state: &[f32]) {
+        let sh = *self.layer.shape();
+        let layout = self.options.layout;
+        let rows = sh.state_len() / LANES;
+        let dst = &mut rows_of::<E>(&mut self.state)[slot * rows..(slot + 1) * rows];
+        for_each_row(&sh, |(i, h, j0), pool| {
+            let row: [f32; LANES] = std::array::from_fn(|l| state[layout.index(&sh, i, h, j0 + l)]);
+            dst[pool / LANES] = E::store(&row);
+        });
+    }
+
+    /// One slot's S as committed (a deferred update applied and rounded as the next window would) into `state`
+    /// in the pool's public layout.
+    fn read_state<E: StateElem>(&self, slot: usize, state: &mut [f32]) {
+        let sh = *self.layer.shape();
+        let layout = self.options.layout;
+        let rows = sh.state_len() / LANES;
+        let src = &bytemuck::cast_slice::<f32, E::Row>(&self.state)[slot * rows..(slot + 1) * rows];
+        let pend_len = kernels::pending_len(sh.d);
+        let pending = &self.pending[slot * sh.h_v * pend_len..(slot + 1) * sh.h_v * pend_len];
+        let owes = self.owes[slot];
+        for_each_row(&sh, |(i, h, j0), pool| {
+            let stored = E::load(&src[pool / LANES]);
+            let row = if owes {
+                let (g, k, delta) =
+                    kernels::pending_parts(&pending[h * pend_len..(h + 1) * pend_len], sh.d);
+                let delta = delta[j0..j0 + LANES].try_into().expect("lanes");
+                E::roundtrip(kernels::apply_pending(g, &stored, k[i], delta))
+            } else {
+                stored
+            };
+            for (l, &x) in row.iter().enumerate() {
+                state[layout.index(&sh, i, h, j0 + l)] = x;
+            }
+        });
+    }
 
     fn run_step<E: kernels::StateElem>(
         &mut self,
@@ -373,13 +403,9 @@ impl CpuPool {
                 t.widen_into(0, buf);
             }
         }
-        let f32_view = |i: usize| tensors[i].as_f32().unwrap_or(&widened[i][..]);
-        let inp = Inputs {
-            qkv: f32_view(0),
-            alpha: f32_view(1),
-            beta: f32_view(2),
-            z: f32_view(3),
-        };
+        // f32 views: the caller's slices where they are f32, else the widened copies
+        let [qkv, alpha, beta, z]: [&[f32]; 4] =
+            std::array::from_fn(|i| tensors[i].as_f32().unwrap_or(&widened[i][..]));
 
         // Phase 1: conv + SiLU (+ L2 norm for q/k) per (sequence, head block); history committed in place.
         let hist_len = sh.hist_len();
@@ -404,7 +430,6 @@ impl CpuPool {
         // changes no bits)
         conv_tasks.sort_by_key(|task| std::cmp::Reverse(task.0.len));
         let conv_w_lanes = &self.conv_w_lanes;
-        let qkv = inp.qkv;
         // Windows of different lengths: one task per split, or rayon runs a quarter of the list as one piece and
         // a piece holding the long window's tasks runs on alone (a mixed batch of 7 decode sequences and a
         // 64-token window took 1.8x its two halves; 1.2x so). Uniform windows keep rayon's own splitting,
@@ -479,10 +504,10 @@ impl CpuPool {
                 q: blk(g),
                 k: blk(h_k + g),
                 v: blk(2 * h_k + h),
-                alpha: &inp.alpha[first..],
-                beta: &inp.beta[first..],
+                alpha: &alpha[first..],
+                beta: &beta[first..],
                 gate_stride: h_v,
-                z: &inp.z[s.start * n + h * d..],
+                z: &z[s.start * n + h * d..],
                 z_stride: n,
                 dt: p.dt[h],
                 a: p.a[h],
@@ -696,6 +721,12 @@ fn for_each_row(sh: &crate::Shape, mut f: impl FnMut((usize, usize, usize), usiz
     }
 }
 
+/// The pool's state buffer as rows of `E` (16 f32 values, or 16 bf16 in 8 words: both whole numbers of the f32s a
+/// `LineVec` holds, since a slot's state is d x h_v x d with d a multiple of 16).
+fn rows_of<E: StateElem>(state: &mut [f32]) -> &mut [E::Row] {
+    bytemuck::cast_slice_mut(state)
+}
+
 /// Runs `f` on a thread of the backend's own pool if it has one, else of rayon's global pool.
 fn in_pool<R: Send>(threads: &Option<Arc<rayon::ThreadPool>>, f: impl FnOnce() -> R + Send) -> R {
     match threads {
@@ -719,86 +750,23 @@ impl LayerPool for CpuPool {
 
     fn write_slot(&mut self, slot: usize, state: &[f32], hist: &[f32]) -> Result<()> {
         check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
-        let (sl, hl) = (state.len(), hist.len());
-        let sh = *self.layer.shape();
-        let layout = self.options.layout;
-        let row = |(i, h, j0): (usize, usize, usize)| -> [f32; LANES] {
-            std::array::from_fn(|l| state[layout.index(&sh, i, h, j0 + l)])
-        };
-        let rows = sl / LANES;
         match self.options.state {
-            DType::Bf16 => {
-                let dst = &mut bytemuck::cast_slice_mut::<f32, [u32; LANES / 2]>(&mut self.state)
-                    [slot * rows..(slot + 1) * rows];
-                for_each_row(&sh, |at, pool| dst[pool / LANES] = Bf16::store(&row(at)));
-            }
-            _ => {
-                let dst =
-                    &mut self.state.as_chunks_mut::<LANES>().0[slot * rows..(slot + 1) * rows];
-                for_each_row(&sh, |at, pool| dst[pool / LANES] = row(at));
-            }
+            DType::Bf16 => self.write_state::<Bf16>(slot, state),
+            _ => self.write_state::<f32>(slot, state),
         }
         self.owes[slot] = false;
+        let hl = hist.len();
         self.hist[slot * hl..(slot + 1) * hl].copy_from_slice(&to_lanes(hist, 3));
         Ok(())
     }
 
     fn read_slot(&mut self, slot: usize, state: &mut [f32], hist: &mut [f32]) -> Result<()> {
         check_slot_io(&self.layer, self.slots, slot, state.len(), hist.len())?;
-        let (sl, hl) = (state.len(), hist.len());
-        let sh = *self.layer.shape();
-        let layout = self.options.layout;
-        let pend_len = kernels::pending_len(sh.d);
-        let pending = &self.pending[slot * sh.h_v * pend_len..(slot + 1) * sh.h_v * pend_len];
-        let owes = self.owes[slot];
-        let mut put = |(i, h, j0): (usize, usize, usize), row: [f32; LANES]| {
-            for (l, &x) in row.iter().enumerate() {
-                state[layout.index(&sh, i, h, j0 + l)] = x;
-            }
-        };
-        fn committed<E: StateElem>(
-            src: &E::Row,
-            owed: Option<(f32, f32, &[f32])>,
-            j0: usize,
-        ) -> [f32; LANES] {
-            match owed {
-                // the deferred update, applied (and rounded to the pool's element) as the next window would
-                Some((g, ki, delta)) => {
-                    let delta = delta[j0..j0 + LANES].try_into().expect("lanes");
-                    E::roundtrip(kernels::apply_pending(g, &E::load(src), ki, delta))
-                }
-                None => E::load(src),
-            }
-        }
-        let owed = |i: usize, h: usize| {
-            owes.then(|| {
-                let (g, k, delta) =
-                    kernels::pending_parts(&pending[h * pend_len..(h + 1) * pend_len], sh.d);
-                (g, k[i], delta)
-            })
-        };
-        let rows = sl / LANES;
         match self.options.state {
-            DType::Bf16 => {
-                let src = &bytemuck::cast_slice::<f32, [u32; LANES / 2]>(&self.state)
-                    [slot * rows..(slot + 1) * rows];
-                for_each_row(&sh, |(i, h, j0), pool| {
-                    put(
-                        (i, h, j0),
-                        committed::<Bf16>(&src[pool / LANES], owed(i, h), j0),
-                    );
-                });
-            }
-            _ => {
-                let src = &self.state.as_chunks::<LANES>().0[slot * rows..(slot + 1) * rows];
-                for_each_row(&sh, |(i, h, j0), pool| {
-                    put(
-                        (i, h, j0),
-                        committed::<f32>(&src[pool / LANES], owed(i, h), j0),
-                    );
-                });
-            }
+            DType::Bf16 => self.read_state::<Bf16>(slot, state),
+            _ => self.read_state::<f32>(slot, state),
         }
+        let hl = hist.len();
         hist.copy_from_slice(&from_lanes(&self.hist[slot * hl..(slot + 1) * hl], 3));
         Ok(())
     }
@@ -810,10 +778,8 @@ impl LayerPool for CpuPool {
         let threads = self.threads.clone();
         let mut state = std::mem::take(&mut self.state);
         in_pool(&threads, || match self.options.state {
-            DType::Bf16 => {
-                self.run_step::<Bf16>(bytemuck::cast_slice_mut(&mut state), step, &checked, out)
-            }
-            _ => self.run_step::<f32>(state.as_chunks_mut().0, step, &checked, out),
+            DType::Bf16 => self.run_step::<Bf16>(rows_of::<Bf16>(&mut state), step, &checked, out),
+            _ => self.run_step::<f32>(rows_of::<f32>(&mut state), step, &checked, out),
         });
         self.state = state;
         Ok(())
