@@ -38,6 +38,17 @@ pub fn backend_or_skip(
     }
 }
 
+/// A random layer of this shape and these conventions (eps 1e-6).
+pub fn random_layer(rng: &mut Synth, shape: Shape, head_map: HeadMap, gate: Gate) -> Layer {
+    let config = Config {
+        shape,
+        head_map,
+        gate,
+        eps: 1e-6,
+    };
+    rng.layer(config).expect("valid random layer")
+}
+
 /// One step to check: a layer, the pool's initial slots, a batch and its arguments.
 #[derive(Clone, Debug)]
 pub struct Case {
@@ -85,13 +96,7 @@ impl CaseSpec {
 
     pub fn build(&self) -> Case {
         let mut rng = Synth::new(self.seed);
-        let config = Config {
-            shape: self.shape,
-            head_map: self.head_map,
-            gate: self.gate,
-            eps: 1e-6,
-        };
-        let layer = rng.layer(config).expect("valid random layer");
+        let layer = random_layer(&mut rng, self.shape, self.head_map, self.gate);
         let n_slots = self.b + self.spare_slots;
         let init = (0..n_slots).map(|_| rng.seq_state(&layer)).collect();
         let batch = rng.batch(&layer, self.b, self.t);

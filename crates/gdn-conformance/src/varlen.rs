@@ -71,13 +71,7 @@ impl VarSpec {
 
     pub fn build(&self) -> VarCase {
         let mut rng = Synth::new(self.seed);
-        let config = Config {
-            shape: self.shape,
-            head_map: self.head_map,
-            gate: self.gate,
-            eps: 1e-6,
-        };
-        let layer = rng.layer(config).expect("valid random layer");
+        let layer = random_layer(&mut rng, self.shape, self.head_map, self.gate);
         let n_slots = self.seqs.len() + self.spare_slots;
         let init = (0..n_slots)
             .map(|_| {

@@ -783,8 +783,8 @@ impl LayerPool for CudaPool {
         iters: usize,
     ) -> Result<StepTiming> {
         let sh = *self.layer.shape();
-        let rows = step.rows.count(&sh)?;
-        let layout = OutputLayout::for_rows(&sh, rows, step.plane_stride)?;
+        let layout = step.layout(&sh)?;
+        let rows = layout.rows;
         let checked = step.validate(&self.layer, self.slots, layout.len())?;
         let s = self.cuda.stream.clone();
         let up = |t: &Tensor<'_>| -> Result<Owned> {

@@ -758,8 +758,7 @@ impl LayerPool for WgpuPool {
     ) -> Result<StepTiming> {
         // the output buffer is ours here: validate against the length the layout asks for
         let sh = *self.layer.shape();
-        let rows = step.rows.count(&sh)?;
-        let len = OutputLayout::for_rows(&sh, rows, step.plane_stride)?.len();
+        let len = step.layout(&sh)?.len();
         let checked = step.validate(&self.layer, self.slots, len)?;
         let (live, pipeline, _) = self.prepare(step, &checked, out_dtype)?;
         let gpu = self.gpu.clone();

@@ -221,8 +221,7 @@ pub fn time_steps_host<P: LayerPool + ?Sized>(
         name: "steps",
         why: "nothing to time".into(),
     })?;
-    let rows = first.rows.count(pool.layer().shape())?;
-    let layout = crate::OutputLayout::for_rows(pool.layer().shape(), rows, first.plane_stride)?;
+    let layout = first.layout(pool.layer().shape())?;
     let mut out = crate::TensorData::filled(layout.len(), 0.0, out_dtype);
     let mut next = 0;
     let per_call = time_host(7, iters.max(steps.len()), || {

@@ -1,7 +1,7 @@
 //! The float64 oracle: SPEC.md as plain code. Obviously right, never optimised; every backend is checked
 //! against it. Inputs are the same f32 values a backend sees, widened exactly.
 
-use crate::{Batch, Commit, DType, Gate, Layer, OutputLayout, Result, Rows, Step, Tensor};
+use crate::{Batch, Commit, DType, Gate, Layer, Result, Rows, Step, Tensor};
 
 /// One sequence's state in float64: S [d][h_v][d] and H [C][3], SPEC.md's layouts.
 #[derive(Clone, Debug, PartialEq)]
@@ -147,7 +147,7 @@ pub fn window(
 }
 
 /// Runs a varlen step the way a backend's does: `states[slot]` per sequence (S key-major; negative slots
-/// skipped, their rows left at 0) and the whole output buffer in [`OutputLayout`] order, planes and group sums
+/// skipped, their rows left at 0) and the whole output buffer in [`crate::OutputLayout`] order, planes and group sums
 /// included, each value rounded once to `out` (bf16 or f16; f32 values are left exact).
 pub fn step_varlen(
     layer: &Layer,
@@ -157,11 +157,7 @@ pub fn step_varlen(
     out: DType,
 ) -> Result<Vec<f64>> {
     let n = layer.shape().n();
-    let layout = OutputLayout::for_rows(
-        layer.shape(),
-        step.rows.count(layer.shape())?,
-        step.plane_stride,
-    )?;
+    let layout = step.layout(layer.shape())?;
     // the reference rejects what every backend rejects
     let checked = step.validate(layer, states.len(), layout.len())?;
     let mut buf = vec![0.0; layout.len()];

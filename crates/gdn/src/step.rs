@@ -414,6 +414,11 @@ pub struct Checked {
 }
 
 impl Step<'_> {
+    /// The output layout over the step's rows (the rows checked to agree across the four tensors).
+    pub fn layout(&self, shape: &Shape) -> Result<OutputLayout> {
+        OutputLayout::for_rows(shape, self.rows.count(shape)?, self.plane_stride)
+    }
+
     /// Every check a backend runs before touching state: rows agree across tensors; every sequence has at
     /// least one token, lies inside the rows and shares none with another (skipped ones included); its
     /// commit is within its length; slots are in range and named once; the output has the layout's length.
