@@ -677,7 +677,7 @@ impl StepOutput {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
-        let buf = serialize(&ts, Some(meta))?;
+        let buf = serialize(&ts, &[], Some(meta))?;
         let dir = match path.parent() {
             Some(p) if !p.as_os_str().is_empty() => p,
             _ => Path::new("."),
@@ -698,32 +698,47 @@ fn le_bytes(d: &TensorData) -> Vec<u8> {
     }
 }
 
-/// Serializes tensors with optional metadata.
-fn serialize(tensors: &[FileTensor], metadata: Option<HashMap<String, String>>) -> Result<Vec<u8>> {
-    let owned: Vec<(&FileTensor, Vec<u8>)> =
-        tensors.iter().map(|t| (t, le_bytes(&t.data))).collect();
+/// Serializes tensors, and integer tensors (written as I32: `cu_seqlens`, `commit`), with optional metadata.
+fn serialize(
+    tensors: &[FileTensor],
+    ints: &[(&str, Vec<i64>)],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<Vec<u8>> {
+    let mut owned: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|t| {
+            (
+                t.name.clone(),
+                file_dtype(t.data.dtype()),
+                t.shape.clone(),
+                le_bytes(&t.data),
+            )
+        })
+        .collect();
+    for (name, v) in ints {
+        let bytes = v
+            .iter()
+            .map(|&x| i32::try_from(x).map(|x| x.to_le_bytes()))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|_| bad(format!("{name} does not fit I32")))?
+            .concat();
+        owned.push((name.to_string(), Dtype::I32, vec![v.len()], bytes));
+    }
     let mut views = Vec::with_capacity(owned.len());
-    for (t, data) in &owned {
-        let view = TensorView::new(file_dtype(t.data.dtype()), t.shape.clone(), data)
-            .map_err(|e| bad(format!("tensor '{}': {e}", t.name)))?;
-        views.push((t.name.clone(), view));
+    for (name, dtype, shape, data) in &owned {
+        let view = TensorView::new(*dtype, shape.clone(), data)
+            .map_err(|e| bad(format!("tensor '{name}': {e}")))?;
+        views.push((name.clone(), view));
     }
     safetensors::serialize(views, metadata).map_err(|e| bad(e.to_string()))
 }
 
-fn ints(name: &str, v: &[i64]) -> Result<Vec<u8>> {
-    v.iter()
-        .map(|&x| i32::try_from(x).map(|x| x.to_le_bytes()))
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .map(|b| b.concat())
-        .map_err(|_| bad(format!("{name} does not fit I32")))
-}
-
+/// Writes an input file: the tensors given, the layer's parameters, and the integer tensors.
 fn write_file(
     path: &Path,
     mut ts: Vec<FileTensor>,
     layer: &Layer,
-    int_tensors: &[(&str, Vec<i64>)],
+    ints: &[(&str, Vec<i64>)],
     metadata: Option<HashMap<String, String>>,
 ) -> Result<()> {
     let sh = layer.shape();
@@ -740,27 +755,7 @@ fn write_file(
             data: TensorData::F32(v.clone()),
         });
     }
-    let ints: Vec<(String, Vec<usize>, Vec<u8>)> = int_tensors
-        .iter()
-        .map(|(n, v)| Ok((n.to_string(), vec![v.len()], ints(n, v)?)))
-        .collect::<Result<_>>()?;
-    let owned: Vec<(&FileTensor, Vec<u8>)> = ts.iter().map(|t| (t, le_bytes(&t.data))).collect();
-    let mut views = Vec::new();
-    for (t, data) in &owned {
-        views.push((
-            t.name.clone(),
-            TensorView::new(file_dtype(t.data.dtype()), t.shape.clone(), data)
-                .map_err(|e| bad(format!("tensor '{}': {e}", t.name)))?,
-        ));
-    }
-    for (n, s, data) in &ints {
-        views.push((
-            n.clone(),
-            TensorView::new(Dtype::I32, s.clone(), data).map_err(|e| bad(e.to_string()))?,
-        ));
-    }
-    let buf = safetensors::serialize(views, metadata).map_err(|e| bad(e.to_string()))?;
-    std::fs::write(path, buf)?;
+    std::fs::write(path, serialize(&ts, ints, metadata)?)?;
     Ok(())
 }
 
@@ -872,7 +867,7 @@ mod tests {
                 data: TensorData::F32(v.clone()),
             })
             .collect();
-        serialize(&ft, meta).unwrap()
+        serialize(&ft, &[], meta).unwrap()
     }
 
     fn layer() -> Layer {
