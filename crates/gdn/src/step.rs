@@ -593,6 +593,21 @@ mod tests {
     use crate::synth::Synth;
     use crate::Config;
 
+    #[test]
+    fn cu_seqlens_give_sequences_end_to_end() {
+        let c = [Commit::All, Commit::Verify, Commit::First(1)];
+        let seqs = seqs_from_cu_seqlens(&[0, 3, 4, 9], &[2, -1, 0], &c).unwrap();
+        assert_eq!(
+            seqs.iter()
+                .map(|s| (s.slot, s.start, s.len))
+                .collect::<Vec<_>>(),
+            [(2, 0, 3), (-1, 3, 1), (0, 4, 5)]
+        );
+        assert!(seqs_from_cu_seqlens(&[0, 3, 2], &[0, 1], &c[..2]).is_err());
+        assert!(seqs_from_cu_seqlens(&[0, 3], &[0, 1], &c[..2]).is_err());
+        assert!(seqs_from_cu_seqlens(&[], &[], &[]).is_err());
+    }
+
     /// A pool size near usize::MAX is checked like any other, without an allocation of its size (found by
     /// `gdn-fuzz step`: `vec![false; pool_slots]` asked for 2 GiB, or aborted on usize::MAX).
     #[test]
