@@ -335,8 +335,9 @@ impl<'py> View<'py> {
             return Ok(());
         }
         Err(PyValueError::new_err(format!(
-            "{} must be contiguous {what} (strides {:?} for shape {:?}); gdn never copies a tensor",
+            "{} must be contiguous{}{what} (strides {:?} for shape {:?}); gdn never copies a tensor",
             self.name,
+            if what.is_empty() { "" } else { " " },
             self.strides(),
             self.shape()
         )))
