@@ -20,6 +20,11 @@
 //   GDN_NCB                 column blocks per value head = thread-block cluster size (1, 2, 4, 8)
 //   GDN_RG                  row groups (1, 2, 4, 8, 16, 32): a thread holds D / RG rows of one column
 //   GDN_MINB                minimum resident blocks per multiprocessor (register budget)
+//   GDN_EXT                 0: the pool's own buffers (packed rows, S slots contiguous, the private history
+//                           below); 1: memory an engine owns (see EXTERNAL below): row strides, a free state slot
+//                           stride, the engine's conv state [slot][C][w] with free strides, cu_seqlens or
+//                           start / len, commit_at optional
+//   GDN_CONV_DT             (GDN_EXT) element type of the engine's conv state: 0 f32, 1 bf16, 2 f16
 //
 // Sequences. Sequence s of the call has pool slot seq_slot[s], rows seq_start[s] .. + seq_len[s] of the packed
 // inputs and of the output, and commit point seq_commit[s]. A sequence whose slot is outside the pool, whose
@@ -43,6 +48,19 @@
 // Conv history (always f32): each value head has a private copy of the q/k history it reads, laid out
 // [slot][H_V][3 (q, k, v)][D][3]; the blocks of a head read it before the token loop and write it back after
 // a cluster barrier that follows those reads, so no other head's blocks ever read what a block writes.
+//
+// EXTERNAL (GDN_EXT 1). The conv state is the engine's, one copy of every channel's history per slot:
+// element (slot, c, col) at slot * conv_ss + c * conv_cs + col * conv_ls, the history in the last three columns
+// (oldest first; ext.conv_off points at column w - 3), stored in GDN_CONV_DT (read widened, written rounded to
+// nearest even). A value channel is read and written by the one block that owns its column. The q / k history
+// of key head g is read by every block of every value head that maps to g (READERS blocks), so no block may
+// overwrite it before the others have read it. Each committing block, after its history reads and a barrier,
+// counts itself in ext.ctr[sequence * HK + g] (thread 0: fence, atomicAdd); the block that sees READERS - 1
+// readers before it is the last, resets the counter to 0 (so the next call, or a graph replay, starts from 0)
+// and alone writes the new q / k history, at its commit token. The fence before the count orders the block's
+// reads before it (release), the fence after the last count orders its writes after everyone's reads
+// (acquire). Verify sequences neither count nor write. Sequences: seq_start and seq_len (start / len), or
+// seq_start = cu_seqlens [S + 1] and seq_len = null; seq_commit null: every sequence commits its whole window.
 //
 // Launch: with programmatic dependent launch the kernel loads a few of the layer's weights, then waits for
 // the previous kernel in the stream (griddepcontrol.wait) before it reads anything a previous kernel may write.
@@ -70,6 +88,12 @@
 #endif
 #ifndef GDN_VMAJOR
 #define GDN_VMAJOR 0
+#endif
+#ifndef GDN_EXT
+#define GDN_EXT 0
+#endif
+#ifndef GDN_CONV_DT
+#define GDN_CONV_DT 0
 #endif
 
 #define D GDN_D
@@ -135,6 +159,33 @@ typedef Elt<GDN_BETA_DT> EB;
 typedef Elt<GDN_Z_DT> EZ;
 typedef Elt<GDN_OUT_DT> EO;
 typedef Elt<GDN_STATE_DT> ES;
+
+// Element strides of rows and state slots: the pool's packed layout, or the engine's (run-time arguments).
+#if GDN_EXT
+typedef Elt<GDN_CONV_DT> EC;
+// blocks that read one key head's q / k history in one sequence
+#define READERS ((HV / HK) * NCB)
+struct GdnExt {
+    void* conv;                       // the engine's conv state, in GDN_CONV_DT
+    unsigned* ctr;                    // [S][HK] last-reader counters, 0 between calls
+    unsigned long long state_ss;      // elements between state slots
+    unsigned long long conv_ss, conv_cs, conv_ls, conv_off;  // conv: slot, channel, column strides; column w - 3
+    unsigned long long qkv_rs, a_rs, b_rs, z_rs, o_rs;       // row strides of the inputs and of y
+};
+#define QKV_RS ext.qkv_rs
+#define A_RS ext.a_rs
+#define B_RS ext.b_rs
+#define Z_RS ext.z_rs
+#define O_RS ext.o_rs
+#define SLOT_OFF(s) ((size_t)(s) * ext.state_ss)
+#else
+#define QKV_RS C_ALL
+#define A_RS HV
+#define B_RS HV
+#define Z_RS N_OUT
+#define O_RS N_OUT
+#define SLOT_OFF(s) ((size_t)(s) * D * HV * D)
+#endif
 
 // With GDN_STAGE (the host sets it for calls that fill the device), a bf16 state at T 1 with one block a head
 // (STAGE) is not held in registers: the block copies its head's
@@ -235,7 +286,14 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
          const float* __restrict__ conv_w, const float* __restrict__ dt, const float* __restrict__ ssm_a,
          const float* __restrict__ gamma, EO::T* __restrict__ out, const int* __restrict__ seq_slot,
          const int* __restrict__ seq_start, const int* __restrict__ seq_len, const int* __restrict__ seq_commit,
-         int n_slots, int n_rows, long long plane, float eps, unsigned* __restrict__ fault) {
+         int n_slots, int n_rows, long long plane, float eps, unsigned* __restrict__ fault
+#if GDN_EXT
+         , const GdnExt ext
+#endif
+         ) {
+#if GDN_EXT
+    (void)hist;
+#endif
 #if GDN_COMMIT == 0
     (void)seq_commit;
 #endif
@@ -300,9 +358,19 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     // the sequence: all four loads in flight at once; the rows and the state both wait only for them
     const int slot = seq_slot[sq_i];
     const int start = seq_start[sq_i];
+#if GDN_EXT
+    // start / len, or cu_seqlens (seq_len null: the length is the next offset minus this one)
+    const int next = seq_len ? seq_len[sq_i] : seq_start[sq_i + 1];
+    const long long len_ll = seq_len ? (long long)next : (long long)next - start;
+    const int len = len_ll < 0 || len_ll > n_rows ? 0 : (int)len_ll;
+#if GDN_COMMIT
+    const int commit_raw = seq_commit ? seq_commit[sq_i] : 0;
+#endif
+#else
     const int len = seq_len[sq_i];
 #if GDN_COMMIT
     const int commit_in = seq_commit[sq_i];
+#endif
 #endif
     // a negative slot skips its sequence; an entry out of range is skipped too (fail-closed: nothing outside
     // the pool, the rows or the window is touched) and reported in the pool's fault word, which the next host
@@ -329,6 +397,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         return;
     }
 #if GDN_COMMIT
+#if GDN_EXT
+    const int commit_in = seq_commit ? commit_raw : T;
+#endif
     const bool commit_ok = commit_in >= 0 && commit_in <= T;
     if (!commit_ok && report) atomicOr(fault, 8u);
     const int commit_at = commit_ok ? commit_in : 0;
@@ -336,7 +407,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 
 #if STAGE
     {
-        const char* gbase = reinterpret_cast<const char*>(state + (size_t)slot * D * HV * D);
+        const char* gbase = reinterpret_cast<const char*>(state + SLOT_OFF(slot));
         const unsigned sbase = (unsigned)__cvta_generic_to_shared(sst);
         constexpr int PER_ROW = 2 * D / 16;
 #pragma unroll
@@ -355,7 +426,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #endif
 
     // inputs of the first token
-    const EQ::T* qkv_b = qkv + (size_t)start * C_ALL;
+    const EQ::T* qkv_b = qkv + (size_t)start * QKV_RS;
     // inputs are kept as loaded and widened where they are used: a conversion right after a load would wait for
     // it before the next barrier (ptxas does not move instructions across one), where an f32 value's load
     // completes in the background (16-bit activations cost 18% at T 8 that way)
@@ -363,21 +434,33 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #pragma unroll
     for (int m = 0; m < NCH; ++m) in[m] = chan[m] >= 0 ? qkv_b[chan[m]] : (EQ::T)0;
     const size_t row0 = (size_t)start;
-    EZ::T zz = rg == 0 ? z[row0 * N_OUT + h * D + j] : (EZ::T)0;
+    EZ::T zz = rg == 0 ? z[row0 * Z_RS + h * D + j] : (EZ::T)0;
     EA::T a_in = 0;
     EB::T b_in = 0;
-    if (tid == NT - 1) a_in = alpha[row0 * HV + h];
-    else if (tid == NT - 2) b_in = beta[row0 * HV + h];
+    if (tid == NT - 1) a_in = alpha[row0 * A_RS + h];
+    else if (tid == NT - 2) b_in = beta[row0 * B_RS + h];
 
+#if GDN_EXT
+    // column w - 3 of channel 0 of this slot; a channel's three columns are conv_ls apart
+    EC::T* conv_b = reinterpret_cast<EC::T*>(ext.conv) + (size_t)slot * ext.conv_ss + ext.conv_off;
+#else
     float* hist_head = hist + ((size_t)slot * HV + h) * (3 * D * 3);
+#endif
     float hst[NCH][3];
 #pragma unroll
     for (int m = 0; m < NCH; ++m) {
         if (chan[m] >= 0) {
+#if GDN_EXT
+            const EC::T* p = conv_b + (size_t)chan[m] * ext.conv_cs;
+            hst[m][0] = EC::ld(p[0]);
+            hst[m][1] = EC::ld(p[ext.conv_ls]);
+            hst[m][2] = EC::ld(p[2 * ext.conv_ls]);
+#else
             const int o = hist_off(tid + m * NT, rank);
             hst[m][0] = hist_head[o];
             hst[m][1] = hist_head[o + 1];
             hst[m][2] = hist_head[o + 2];
+#endif
         } else {
             hst[m][0] = hst[m][1] = hst[m][2] = 0.0f;
         }
@@ -386,10 +469,10 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     // the state: RPT rows of column j, read once
     // register row r sits at st_base + SOFF(r)
 #if GDN_VMAJOR
-    ES::T* st_base = state + (size_t)slot * D * HV * D + ((size_t)h * D + j) * D + KEY(rg, 0);
+    ES::T* st_base = state + SLOT_OFF(slot) + ((size_t)h * D + j) * D + KEY(rg, 0);
 #define SOFF(r) ((size_t)(KEY(0, r)))
 #else
-    ES::T* st_base = state + (size_t)slot * D * HV * D + ((size_t)KEY(rg, 0) * HV + h) * D + j;
+    ES::T* st_base = state + SLOT_OFF(slot) + ((size_t)KEY(rg, 0) * HV + h) * D + j;
 #define SOFF(r) ((size_t)(r) * HV * D)
 #endif
 #if !STAGE
@@ -420,6 +503,29 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #endif
 #endif  // !STAGE
 
+#if GDN_EXT && GDN_COMMIT
+    // the last-reader count of this sequence's q / k history (see EXTERNAL above); commit_at is uniform over
+    // the sequence's blocks, so the barriers are too
+    bool last_reader = false;
+    if (commit_at > 0) {
+        __shared__ unsigned last_s;
+        __syncthreads();  // every thread of the block has read its history
+        if (tid == 0) {
+            unsigned* c = ext.ctr + (size_t)sq_i * HK + g;
+            __threadfence();
+            const unsigned before = atomicAdd(c, 1u);
+            const unsigned last = before == READERS - 1;
+            if (last) {
+                atomicExch(c, 0u);
+                __threadfence();
+            }
+            last_s = last;
+        }
+        __syncthreads();
+        last_reader = last_s != 0;
+    }
+#endif
+
     for (int t = 0; t < T; ++t) {
         const size_t row = row0 + t;
         const bool more = t + 1 < T;
@@ -441,7 +547,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                 hst[m][0] = hst[m][1];
                 hst[m][1] = hst[m][2];
                 hst[m][2] = x;
-                in[m] = more ? qkv_b[(size_t)(t + 1) * C_ALL + chan[m]] : (EQ::T)0;
+                in[m] = more ? qkv_b[(size_t)(t + 1) * QKV_RS + chan[m]] : (EQ::T)0;
                 if (e >= 2 * D) vs[e - 2 * D] = cv;
             }
             cvs[m] = cv;
@@ -455,10 +561,10 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         // gate and write strength, and the next token's alpha / beta
         if (tid == NT - 1) {
             gb[0] = softplus_decay(EA::ld(a_in) + dth, ah);
-            a_in = more ? alpha[(row + 1) * HV + h] : (EA::T)0;
+            a_in = more ? alpha[(row + 1) * A_RS + h] : (EA::T)0;
         } else if (tid == NT - 2) {
             gb[1] = sigmoid_f(EB::ld(b_in));
-            b_in = more ? beta[(row + 1) * HV + h] : (EB::T)0;
+            b_in = more ? beta[(row + 1) * B_RS + h] : (EB::T)0;
         }
         __syncthreads();
 
@@ -599,7 +705,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #pragma unroll
         for (int off = RG; off < 32; off <<= 1) osq += __shfl_xor_sync(0xffffffffu, osq, off);
         const float zt = EZ::ld(zz);
-        if (rg == 0) zz = more ? z[(row + 1) * N_OUT + h * D + j] : (EZ::T)0;
+        if (rg == 0) zz = more ? z[(row + 1) * Z_RS + h * D + j] : (EZ::T)0;
         if (lane == 0) part_o[t & 1][warp] = osq;
         __syncthreads();
         float tot = 0.0f;
@@ -624,7 +730,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         const float act = sigmoid_f(zt);
 #endif
         const float yv = ((rs * o) * gam) * act;
-        const size_t yi = row * N_OUT + h * D + j;
+        const size_t yi = row * O_RS + h * D + j;
         if (rg == 0) {
             out[yi] = EO::st(yv);
 #if GDN_PLANES
@@ -653,6 +759,16 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #pragma unroll
             for (int m = 0; m < NCH; ++m) {
                 const int e = tid + m * NT;
+#if GDN_EXT
+                // q / k: the last reader only; v: the owner of the column
+                const bool mine = e < 2 * D ? last_reader : chan[m] >= 0;
+                if (mine) {
+                    EC::T* p = conv_b + (size_t)chan[m] * ext.conv_cs;
+                    p[0] = EC::st(hst[m][0]);
+                    p[ext.conv_ls] = EC::st(hst[m][1]);
+                    p[2 * ext.conv_ls] = EC::st(hst[m][2]);
+                }
+#else
                 const bool mine = e < 2 * D ? (e / QK_PER_RANK) == rank : chan[m] >= 0;
                 if (mine) {
                     const int o = hist_off(e, rank);
@@ -660,6 +776,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                     hist_head[o + 1] = hst[m][1];
                     hist_head[o + 2] = hst[m][2];
                 }
+#endif
             }
         }
 #endif

@@ -56,6 +56,7 @@
 //! # }
 //! ```
 
+pub mod external;
 pub mod pool;
 pub mod spec;
 
@@ -65,6 +66,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, DriverError};
 use gdn::{Backend, Error, Layer, LayerPool, Result};
 
+pub use external::{CudaLayer, ExternalKind, RawConv, RawState, RawStep, RawTensor, SeqRows};
 pub use pool::{CudaPool, DeviceStep, DeviceTensor, DeviceTensorMut, StepKind};
 pub use spec::{Io, Plan, Spec};
 
@@ -193,6 +195,40 @@ impl Cuda {
     /// Sets (or with `None` clears) a fixed launch plan for pools created afterwards.
     pub fn set_plan_override(&mut self, plan: Option<Plan>) {
         self.plan_override = plan;
+    }
+
+    /// The CUDA context this backend runs in (the device's primary context, the one torch and most engines
+    /// use): an engine's memory and streams for [`CudaLayer::step_raw`] belong to it.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The launch plan for head dim `d` and `h_v` heads: the override where it fits `d`, else the planner's.
+    pub(crate) fn plan_for(&self, d: usize, h_v: usize) -> Result<Plan> {
+        match self.plan_override {
+            Some(p) if p.valid_for(d) => Ok(p),
+            _ => Plan::choose(d, h_v, 1, self.sms),
+        }
+    }
+
+    /// The loaded kernel of one specialisation (compiled on first use, see [`spec::compiled`]).
+    pub(crate) fn function(&self, spec: &Spec) -> Result<CudaFunction> {
+        let lock = || {
+            self.functions
+                .lock()
+                .map_err(|_| Error::Backend("function cache lock poisoned".into()))
+        };
+        if let Some(f) = lock()?.get(spec) {
+            return Ok(f.clone());
+        }
+        let compiled = spec::compiled(spec)?;
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin.clone()))
+            .map_err(drv)?;
+        let f = module.load_function("gdn_step").map_err(drv)?;
+        lock()?.insert(*spec, f.clone());
+        Ok(f)
     }
 }
 

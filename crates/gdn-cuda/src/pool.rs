@@ -12,7 +12,7 @@ use gdn::{
     Tensor, TensorMut,
 };
 
-use crate::spec::{self, Io, Plan, Spec, MAX_CONST_T};
+use crate::spec::{Io, Plan, Spec, MAX_CONST_T};
 use crate::{drv, Cuda};
 
 /// A device tensor of activations in one of the [`DType`]s (flat, row-major).
@@ -314,11 +314,7 @@ impl CudaPool {
     /// The launch plan (the same for every call: a sequence's bits do not depend on the batch).
     pub fn plan(&self) -> Result<Plan> {
         let sh = self.layer.shape();
-        match self.cuda.plan_override {
-            // a fixed plan where it fits this head dim, else the planner's
-            Some(p) if p.valid_for(sh.d) => Ok(p),
-            _ => Plan::choose(sh.d, sh.h_v, 1, self.cuda.sms),
-        }
+        self.cuda.plan_for(sh.d, sh.h_v)
     }
 
     /// The kernel specialisation a step of this kind runs.
@@ -350,24 +346,7 @@ impl CudaPool {
     }
 
     fn function(&self, spec: &Spec) -> Result<CudaFunction> {
-        let lock = || {
-            self.cuda
-                .functions
-                .lock()
-                .map_err(|_| Error::Backend("function cache lock poisoned".into()))
-        };
-        if let Some(f) = lock()?.get(spec) {
-            return Ok(f.clone());
-        }
-        let compiled = spec::compiled(spec)?;
-        let module = self
-            .cuda
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin.clone()))
-            .map_err(drv)?;
-        let f = module.load_function("gdn_step").map_err(drv)?;
-        lock()?.insert(*spec, f.clone());
-        Ok(f)
+        self.cuda.function(spec)
     }
 
     /// Reports, and clears, what the device found wrong in device-native steps since the last report: a sequence
@@ -386,23 +365,7 @@ impl CudaPool {
             return Ok(());
         }
         s.memset_zeros(&mut self.fault).map_err(drv)?;
-        let what: Vec<&str> = [
-            (1, "a slot past the pool"),
-            (2, "a length other than the compiled window length"),
-            (4, "rows outside the step's"),
-            (8, "a commit point outside 0..=length"),
-        ]
-        .into_iter()
-        .filter(|(bit, _)| word[0] & bit != 0)
-        .map(|(_, w)| w)
-        .collect();
-        Err(Error::Param {
-            name: "device step",
-            why: format!(
-                "a device-native step named sequences with {} (they were skipped)",
-                what.join(", ")
-            ),
-        })
+        Err(fault_error(word[0]))
     }
 
     /// The device-native step: inputs, per-sequence arrays and output already on the device. It allocates
@@ -559,47 +522,25 @@ impl CudaPool {
             std::ptr::null_mut(),
         ];
         let grid = ((sh.h_v * spec.plan.ncb) as u32, grid_y, 1);
-        let block = (spec.threads() as u32, 1, 1);
-        self.cuda.ctx.bind_to_thread().map_err(drv)?;
-        // SAFETY: all-zero bytes are a valid value of this plain C union of integers and small structs.
-        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-        value.programmaticStreamSerializationAllowed = 1;
-        let mut attrs = [sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value,
-        }];
-        let config = sys::CUlaunchConfig {
-            gridDimX: grid.0,
-            gridDimY: grid.1,
-            gridDimZ: grid.2,
-            blockDimX: block.0,
-            blockDimY: block.1,
-            blockDimZ: block.2,
-            sharedMemBytes: 0,
-            hStream: self.cuda.stream.cu_stream(),
-            attrs: attrs.as_mut_ptr(),
-            numAttrs: if self.cuda.pdl { 1 } else { 0 },
-        };
         // SAFETY: the 20 parameters match the kernel's signature in order and type (six device pointers of
         // the pool and the layer, four of the rows, the output, four per-sequence int arrays, int n_slots, int
-        // n_rows, long long plane, float eps, the pool's one-word fault buffer); each points to a local that lives across the call (the driver
-        // copies them at launch), as do `config` and the attribute it points to. The element types the kernel
-        // was compiled for are those of the buffers (the spec is built from the same dtypes). The buffers have
-        // the lengths the kernel indexes: the pool's by construction, the rows' and the output's checked by the
-        // callers against the shape, `rows` and the output layout, the per-sequence arrays hold `n_seqs`
-        // entries (one block row each); the kernel skips a sequence whose slot or rows are out of range.
-        // Programmatic serialisation is sound because the kernel executes griddepcontrol.wait before it
-        // touches anything an earlier kernel may write.
-        let r = unsafe {
-            sys::cuLaunchKernelEx(
-                &config,
-                f.cu_function(),
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
+        // n_rows, long long plane, float eps, the pool's one-word fault buffer); each points to a local that
+        // lives across the call (the driver copies them at launch). The element types the kernel was compiled
+        // for are those of the buffers (the spec is built from the same dtypes). The buffers have the lengths
+        // the kernel indexes: the pool's by construction, the rows' and the output's checked by the callers
+        // against the shape, `rows` and the output layout, the per-sequence arrays hold `n_seqs` entries (one
+        // block row each); the kernel skips a sequence whose slot or rows are out of range. The stream is the
+        // pool's own.
+        unsafe {
+            launch_kernel(
+                &self.cuda,
+                &f,
+                grid,
+                spec.threads() as u32,
+                &mut params,
+                self.cuda.stream.cu_stream(),
             )
-        };
-        r.result().map_err(drv)
+        }
     }
 
     /// The staging buffer, at least `need` bytes (see [`staging_alloc`]).
@@ -614,6 +555,78 @@ impl CudaPool {
     fn state_len(&self) -> usize {
         self.layer.shape().state_len()
     }
+}
+
+/// The error for a nonzero fault word of a device-native step (the kernel's bits: 1 slot past the pool, 2
+/// length other than the compiled one, 4 rows outside the step's, 8 commit point outside 0..=length).
+pub(crate) fn fault_error(word: u32) -> Error {
+    let what: Vec<&str> = [
+        (1, "a slot past the pool"),
+        (2, "a length other than the compiled window length"),
+        (4, "rows outside the step's"),
+        (8, "a commit point outside 0..=length"),
+    ]
+    .into_iter()
+    .filter(|(bit, _)| word & bit != 0)
+    .map(|(_, w)| w)
+    .collect();
+    Error::Param {
+        name: "device step",
+        why: format!(
+            "a device-native step named sequences with {} (they were skipped)",
+            what.join(", ")
+        ),
+    }
+}
+
+/// Launches `f` over `grid` with `threads` threads a block on `stream`, with programmatic dependent launch
+/// where `cuda` has it on.
+///
+/// # Safety
+/// `params` are the kernel's parameters in order and type, each pointing to a value that lives across the
+/// call, every device pointer among them valid for what the kernel indexes; `stream` is a live stream of
+/// `cuda`'s context. Programmatic serialisation is sound because the kernel executes griddepcontrol.wait
+/// before it touches anything an earlier kernel may write.
+pub(crate) unsafe fn launch_kernel(
+    cuda: &Cuda,
+    f: &CudaFunction,
+    grid: (u32, u32, u32),
+    threads: u32,
+    params: &mut [*mut c_void],
+    stream: sys::CUstream,
+) -> Result<()> {
+    cuda.ctx.bind_to_thread().map_err(drv)?;
+    // SAFETY: all-zero bytes are a valid value of this plain C union of integers and small structs.
+    let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+    value.programmaticStreamSerializationAllowed = 1;
+    let mut attrs = [sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        value,
+    }];
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: threads,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        hStream: stream,
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: if cuda.pdl { 1 } else { 0 },
+    };
+    // SAFETY: the caller's contract covers the parameters and the stream; `config` and the attribute it
+    // points to live across the call.
+    let r = unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    };
+    r.result().map_err(drv)
 }
 
 /// Uploads `src` into `dst` at byte offset `at`.

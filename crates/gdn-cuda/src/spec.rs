@@ -87,6 +87,9 @@ pub struct Spec {
     /// Stage a bf16 state at T 1 through shared memory (see [`Spec::staged`]); the pool asks for it on calls
     /// large enough to fill the device, where it pays. It changes no bits.
     pub stage: bool,
+    /// `None`: the pool's own buffers. `Some(conv)`: a step on memory the caller owns ([`crate::CudaLayer`], the
+    /// kernel's `GDN_EXT`), with the engine's conv state in element type `conv`.
+    pub ext: Option<DType>,
 }
 
 /// How one value head's state is split over threads and blocks.
@@ -244,6 +247,15 @@ impl Spec {
             io: Io::default(),
             pool: PoolOptions::default(),
             stage: true,
+            ext: None,
+        }
+    }
+
+    /// The same specialisation on memory the caller owns, the conv state in `conv` (f32, bf16 or f16).
+    pub fn with_ext(self, conv: DType) -> Spec {
+        Spec {
+            ext: Some(conv),
+            ..self
         }
     }
 
@@ -291,8 +303,20 @@ impl Spec {
         }
     }
 
-    /// The macro lines that select this specialisation, put before the kernel source.
+    /// The macro lines that select this specialisation, put before the kernel source. The pool's header is
+    /// exactly what it was before the external step existed (the `GDN_EXT` lines come only with `ext`).
     pub fn header(&self) -> String {
+        let mut h = self.pool_header();
+        if let Some(conv) = self.ext {
+            h.push_str(&format!(
+                "#define GDN_EXT 1\n#define GDN_CONV_DT {}\n",
+                dt_code(conv)
+            ));
+        }
+        h
+    }
+
+    fn pool_header(&self) -> String {
         let s = &self.shape;
         format!(
             "#define GDN_D {}\n#define GDN_HK {}\n#define GDN_HV {}\n#define GDN_T {}\n#define GDN_SILU {}\n\

@@ -186,3 +186,75 @@ fn planner_covers_shapes() {
         Err(gdn::Error::Unavailable(_))
     ));
 }
+
+/// The step on memory the caller owns (`GDN_EXT`): every conv-state dtype under every state dtype and layout,
+/// at T 1 (staged and not), T 2 and the run-time length, commit and verify, planes on and off; 16-bit
+/// activations; both gates and head maps; and the cluster splits of a small and a large head.
+#[test]
+fn every_external_specialisation_compiles() {
+    if !nvrtc_or_skip("every_external_specialisation_compiles") {
+        return;
+    }
+    let cfg = Config::new(Shape::SEED);
+    let plan = Plan::choose(128, 48, 1, 132).unwrap();
+    let mut specs = Vec::new();
+    for conv in [DType::F32, DType::Bf16, DType::F16] {
+        for state in [DType::F32, DType::Bf16] {
+            for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+                let pool = PoolOptions { state, layout };
+                for t in [Some(1), Some(2), None] {
+                    for commit in [true, false] {
+                        let s = Spec::new((9, 0), &cfg, t, commit, false, plan)
+                            .with_pool(pool)
+                            .with_ext(conv);
+                        specs.push(s);
+                        specs.push(s.with_stage(false));
+                    }
+                }
+                specs.push(
+                    Spec::new((9, 0), &cfg, None, true, true, plan)
+                        .with_pool(pool)
+                        .with_ext(conv),
+                );
+            }
+        }
+        for d in [DType::Bf16, DType::F16] {
+            specs.push(
+                Spec::new((9, 0), &cfg, Some(1), true, false, plan)
+                    .with_io(Io::all(d))
+                    .with_ext(conv),
+            );
+        }
+    }
+    for gate in [Gate::Sigmoid, Gate::Silu] {
+        for head_map in [HeadMap::Tiled, HeadMap::Grouped] {
+            let mut c = Config::new(Shape::SEED);
+            c.gate = gate;
+            c.head_map = head_map;
+            specs.push(Spec::new((9, 0), &c, None, true, false, plan).with_ext(DType::Bf16));
+        }
+    }
+    for (d, h_k, h_v) in [(32, 2, 4), (256, 4, 8)] {
+        let cfg = Config::new(Shape::new(d, h_k, h_v).unwrap());
+        for ncb in CLUSTER_SIZES {
+            if let Some(plan) = Plan::for_ncb(d, ncb) {
+                for commit in [true, false] {
+                    specs.push(
+                        Spec::new((9, 0), &cfg, None, commit, true, plan).with_ext(DType::F32),
+                    );
+                }
+            }
+        }
+    }
+    // the pool's header is unchanged by the external step's macros
+    let pool_spec = Spec::new((9, 0), &cfg, Some(1), true, false, plan);
+    assert!(!pool_spec.header().contains("GDN_EXT"));
+    assert!(pool_spec
+        .with_ext(DType::F32)
+        .header()
+        .contains("#define GDN_EXT 1"));
+    specs.sort_by_key(|s| format!("{s:?}"));
+    specs.dedup();
+    let n = assert_all_compile(specs);
+    eprintln!("compiled {n} external-memory specialisations");
+}

@@ -1,0 +1,645 @@
+//! The step on device memory the caller owns: an engine's state pool, its conv state, its packed inputs and its
+//! output, on its own stream.
+//!
+//! [`CudaLayer`] holds only one layer's weights and a small scratch (a fault word and the q/k history counters
+//! below) on the device; [`CudaLayer::step_raw`] launches the same kernel as [`crate::CudaPool`] (specialised
+//! with `GDN_EXT`) on raw device addresses and strides. It allocates nothing and does not wait for the device
+//! (after the first call of a specialisation, which compiles it: [`CudaLayer::prepare`]), reads the slot
+//! indices, the sequences' rows and commit points on the device, and can be captured into a CUDA graph.
+//!
+//! - State pool: f32 or bf16, key-major `[slot][d][h_v][d]` or value-major `[slot][h_v][d][d]` (vLLM,
+//!   FlashInfer), slots `slot_stride` elements apart, one slot's `d * h_v * d` elements contiguous.
+//! - Conv state: the engine's `[slot][C][w]` (w >= 3) with free strides, f32, bf16 or f16: HF's `[slot][C][K]`
+//!   and vLLM's transposed `[slot][K-1][C]` view alike. The q/k/v history is its last three columns, oldest
+//!   first, stored rounded to its dtype (nearest even); columns before `w - 3` are neither read nor written.
+//! - Inputs and y: rows `row_stride` elements apart (the row's own elements contiguous); with planes, y must
+//!   be packed (`row_stride` n) and the planes sit at `plane_stride` as in [`gdn::OutputLayout`].
+//! - Sequences: `cu_seqlens` (`i32 [n + 1]`) or start and length arrays (`i32 [n]` each), a slot each (`i32`,
+//!   negative skips), and optionally a commit point each (`i32`: 0 verify, k commit after k tokens; `None`:
+//!   every sequence commits its whole window). Bits are those of [`crate::CudaPool`] on the same values.
+//!
+//! **The shared q/k history.** The pool keeps a private copy of the q/k history for every value head, so a
+//! block can commit it in place. An engine's conv state has one copy, read by all `h_v / h_k` value heads of a
+//! key head (and by all blocks of a head's cluster), so a block must not overwrite it before every other
+//! reader of that sequence has read it. Per (sequence of the call, key head) the layer's scratch holds a u32
+//! counter, zero between calls. Each committing block reads its history, meets a block barrier, and its thread
+//! 0 issues a fence and an atomic increment: the one block that sees `readers - 1` before it is the last
+//! reader; it resets the counter to 0 (so graph replays and the next call need no reset) and alone writes the
+//! new q/k history at its commit token. Value channels belong to one block, which writes them. Verify
+//! sequences neither count nor write. So the steps of one `CudaLayer` must be ordered (one stream, or streams
+//! ordered by events): two steps of the same layer running at once would share counters.
+
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+use cudarc::driver::{sys, CudaSlice, DevicePtr};
+use gdn::{DType, Error, Layer, OutputLayout, PoolOptions, Result, StateLayout};
+
+use crate::pool::{fault_error, launch_kernel, STAGE_MIN_BLOCKS};
+use crate::spec::{Io, Spec};
+use crate::{drv, Cuda};
+
+/// A device tensor of rows the caller owns: row r at `ptr + r * row_stride` elements, its elements contiguous.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawTensor {
+    /// Device address (in this layer's context).
+    pub ptr: u64,
+    pub dtype: DType,
+    /// Elements between rows (at least the row's width).
+    pub row_stride: usize,
+}
+
+/// An engine's state pool: slot s at `ptr + s * slot_stride` elements, holding `d * h_v * d` elements
+/// contiguous in `layout`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawState {
+    pub ptr: u64,
+    /// F32 or Bf16.
+    pub dtype: DType,
+    pub layout: StateLayout,
+    /// Slots in the pool (also the conv state's); a slot index at or past this is skipped and reported.
+    pub slots: usize,
+    /// Elements between slots (at least `d * h_v * d`; `ptr` and `slot_stride` bytes multiples of 16).
+    pub slot_stride: usize,
+}
+
+/// An engine's conv state: element (slot, c, col) at `ptr + slot * slot_stride + c * chan_stride + col *
+/// col_stride` elements; the history is columns `width - 3 .. width` (oldest first). HF's `[slot][C][K]`:
+/// (K C, K, 1); vLLM's transposed view of `[slot][K-1][C]`: ((K-1) C, 1, C).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawConv {
+    pub ptr: u64,
+    /// F32, Bf16 or F16.
+    pub dtype: DType,
+    /// Columns, at least 3.
+    pub width: usize,
+    pub slot_stride: usize,
+    pub chan_stride: usize,
+    pub col_stride: usize,
+}
+
+/// Where each sequence's rows are (device `i32` arrays).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SeqRows {
+    /// `[seqs + 1]` offsets: sequence s has rows `cu[s] .. cu[s + 1]`.
+    CuSeqlens(u64),
+    /// `[seqs]` first rows and `[seqs]` lengths.
+    StartLen { start: u64, len: u64 },
+}
+
+/// One varlen step on memory the caller owns. `rows` rows of `qkv` [R][C], `alpha` and `beta` [R][h_v], `z`
+/// [R][n], y in `out` [R][n] (rows of skipped sequences and rows no sequence covers are not written; with
+/// `plane_stride` the planes and group sums follow as in [`gdn::OutputLayout`], y packed). Per sequence s < `seqs`
+/// (device `i32` arrays): `slot[s]` (negative: skipped), its rows (`seq_rows`), and `commit_at[s]` (0: verify, k:
+/// commit the state and history after its first k tokens; `None`: every sequence commits its whole window). The
+/// slots of one call must be distinct. Two hints pick the kernel and do not change bits: `uniform_len` (every
+/// live sequence has this length; a sequence of another length is skipped and reported) and `commits` (false:
+/// the verify-only kernel, nothing is written back and `commit_at` is not read; it must be true with `commit_at`
+/// `None`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawStep {
+    pub rows: usize,
+    pub qkv: RawTensor,
+    pub alpha: RawTensor,
+    pub beta: RawTensor,
+    pub z: RawTensor,
+    pub out: RawTensor,
+    pub plane_stride: Option<usize>,
+    pub state: RawState,
+    pub conv: RawConv,
+    pub seqs: usize,
+    pub slot: u64,
+    pub seq_rows: SeqRows,
+    pub commit_at: Option<u64>,
+    pub uniform_len: Option<usize>,
+    pub commits: bool,
+}
+
+/// What picks the kernel of a [`RawStep`] (what [`CudaLayer::prepare`] compiles ahead of a graph capture).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExternalKind {
+    pub uniform_len: Option<usize>,
+    pub commits: bool,
+    pub planes: bool,
+    /// Element types of qkv, alpha, beta, z and the output.
+    pub io: Io,
+    /// The state's element type and layout.
+    pub state: PoolOptions,
+    /// The conv state's element type.
+    pub conv: DType,
+    /// Sequences in the call (a bf16 state at T 1 is staged through shared memory from a size on; no bits
+    /// change).
+    pub seqs: usize,
+}
+
+impl RawStep {
+    /// The kind of kernel this step runs.
+    pub fn kind(&self) -> ExternalKind {
+        ExternalKind {
+            uniform_len: self.uniform_len,
+            commits: self.commits,
+            planes: self.plane_stride.is_some(),
+            io: Io::new(
+                [
+                    self.qkv.dtype,
+                    self.alpha.dtype,
+                    self.beta.dtype,
+                    self.z.dtype,
+                ],
+                self.out.dtype,
+            ),
+            state: PoolOptions {
+                state: self.state.dtype,
+                layout: self.state.layout,
+            },
+            conv: self.conv.dtype,
+            seqs: self.seqs,
+        }
+    }
+}
+
+/// The kernel's `GdnExt` argument (gdn_step.cu), field for field; every field 8 bytes, so no padding.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ExtArgs {
+    conv: u64,
+    ctr: u64,
+    state_ss: u64,
+    conv_ss: u64,
+    conv_cs: u64,
+    conv_ls: u64,
+    conv_off: u64,
+    qkv_rs: u64,
+    a_rs: u64,
+    b_rs: u64,
+    z_rs: u64,
+    o_rs: u64,
+}
+
+/// The most sequences one call may have (the launch grid's y limit).
+pub const MAX_SEQS: usize = 65535;
+
+/// One layer's weights and a small scratch on a device, for steps on memory the caller owns (see the module
+/// documentation).
+pub struct CudaLayer {
+    cuda: Cuda,
+    layer: Layer,
+    max_seqs: usize,
+    // the weights, kept alive for the raw addresses below
+    _weights: [CudaSlice<f32>; 4],
+    w_ptr: [u64; 4],
+    /// `[0]`: the fault word; `[1..]`: `max_seqs x h_k` last-reader counters (zero between calls).
+    scratch: Mutex<CudaSlice<u32>>,
+    scratch_ptr: u64,
+}
+
+fn param(name: &'static str, why: impl Into<String>) -> Error {
+    Error::Param {
+        name,
+        why: why.into(),
+    }
+}
+
+fn overflow(name: &'static str) -> Error {
+    param(name, "its extent overflows the address space")
+}
+
+/// Checks a device address: nonzero and aligned to `align` bytes; with the byte extent `bytes`, that the end
+/// fits the address space.
+fn check_ptr(name: &'static str, ptr: u64, align: u64, bytes: usize) -> Result<()> {
+    if ptr == 0 {
+        return Err(param(name, "null device pointer"));
+    }
+    if !ptr.is_multiple_of(align) {
+        return Err(param(
+            name,
+            format!("address {ptr:#x} is not aligned to {align} bytes"),
+        ));
+    }
+    u64::try_from(bytes)
+        .ok()
+        .and_then(|b| ptr.checked_add(b))
+        .filter(|&end| end <= i64::MAX as u64)
+        .map(|_| ())
+        .ok_or_else(|| overflow(name))
+}
+
+/// Checks rows `0..rows` of `width` elements `t.row_stride` apart (no-op for no rows).
+fn check_rows(name: &'static str, t: &RawTensor, rows: usize, width: usize) -> Result<()> {
+    if rows == 0 {
+        return Ok(());
+    }
+    if t.row_stride < width {
+        return Err(param(
+            name,
+            format!(
+                "row stride {} is below the row's {width} elements",
+                t.row_stride
+            ),
+        ));
+    }
+    let bytes = (rows - 1)
+        .checked_mul(t.row_stride)
+        .and_then(|x| x.checked_add(width))
+        .and_then(|x| x.checked_mul(t.dtype.size()))
+        .ok_or_else(|| overflow(name))?;
+    check_ptr(name, t.ptr, t.dtype.size() as u64, bytes)
+}
+
+/// `n` device i32 values at `ptr`.
+fn check_ints(name: &'static str, ptr: u64, n: usize) -> Result<()> {
+    let bytes = n.checked_mul(4).ok_or_else(|| overflow(name))?;
+    check_ptr(name, ptr, 4, bytes)
+}
+
+/// Everything the launch needs once a step has passed the checks.
+struct Checked {
+    spec: Spec,
+    ext: ExtArgs,
+    n_rows: i32,
+    n_slots: i32,
+    plane: i64,
+}
+
+impl CudaLayer {
+    /// The layer's weights on `cuda`'s device, for calls of at most `max_seqs` sequences (1..=65535; the
+    /// scratch is `4 * (1 + max_seqs * h_k)` bytes). Waits for the copies.
+    pub fn new(cuda: &Cuda, layer: &Layer, max_seqs: usize) -> Result<CudaLayer> {
+        layer.validate()?;
+        let sh = *layer.shape();
+        cuda.plan_for(sh.d, sh.h_v)?;
+        if !(1..=MAX_SEQS).contains(&max_seqs) {
+            return Err(param(
+                "max_seqs",
+                format!("{max_seqs} is outside 1..={MAX_SEQS}"),
+            ));
+        }
+        let scratch_len = max_seqs
+            .checked_mul(sh.h_k)
+            .and_then(|x| x.checked_add(1))
+            .ok_or_else(|| overflow("max_seqs"))?;
+        let s = &cuda.stream;
+        let p = &layer.params;
+        let up = |x: &[f32]| s.clone_htod(x).map_err(drv);
+        let weights = [up(&p.conv_w)?, up(&p.dt)?, up(&p.a)?, up(&p.gamma)?];
+        let scratch = s.alloc_zeros::<u32>(scratch_len).map_err(drv)?;
+        // the allocations live as long as the layer, so their addresses do too (event tracking is off for
+        // this backend's context: the guards record nothing)
+        let w_ptr = [0, 1, 2, 3].map(|i| weights[i].device_ptr(s).0);
+        let scratch_ptr = scratch.device_ptr(s).0;
+        s.synchronize().map_err(drv)?;
+        Ok(CudaLayer {
+            cuda: cuda.clone(),
+            layer: layer.clone(),
+            max_seqs,
+            _weights: weights,
+            w_ptr,
+            scratch: Mutex::new(scratch),
+            scratch_ptr,
+        })
+    }
+
+    pub fn layer(&self) -> &Layer {
+        &self.layer
+    }
+
+    /// The most sequences a call may have.
+    pub fn max_seqs(&self) -> usize {
+        self.max_seqs
+    }
+
+    /// The backend (context, device) this layer lives on.
+    pub fn cuda(&self) -> &Cuda {
+        &self.cuda
+    }
+
+    /// The kernel specialisation a step of this kind runs.
+    pub fn spec(&self, kind: &ExternalKind) -> Result<Spec> {
+        kind.state.validate()?;
+        let sh = self.layer.shape();
+        Ok(Spec::new(
+            self.cuda.arch,
+            &self.layer.config,
+            kind.uniform_len,
+            kind.commits,
+            kind.planes,
+            self.cuda.plan_for(sh.d, sh.h_v)?,
+        )
+        .with_io(kind.io)
+        .with_pool(kind.state)
+        .with_stage(kind.seqs.saturating_mul(sh.h_v) >= STAGE_MIN_BLOCKS * self.cuda.sms)
+        .with_ext(kind.conv))
+    }
+
+    /// Compiles and loads the kernel a step of this kind needs, so that a later step (one being captured into
+    /// a graph, say) does no compilation.
+    pub fn prepare(&self, kind: &ExternalKind) -> Result<()> {
+        self.cuda.function(&self.spec(kind)?).map(|_| ())
+    }
+
+    /// Checks every host-visible argument of `step` (shapes, strides within extents in checked arithmetic,
+    /// dtypes, the sequence count, alignment) without touching the device. [`CudaLayer::step_raw`] runs it
+    /// first.
+    pub fn check(&self, step: &RawStep) -> Result<()> {
+        self.checked(step).map(|_| ())
+    }
+
+    fn checked(&self, step: &RawStep) -> Result<Checked> {
+        let sh = *self.layer.shape();
+        let (c, hv, n) = (sh.channels(), sh.h_v, sh.n());
+        let rows = step.rows;
+        let n_rows = i32::try_from(rows)
+            .map_err(|_| param("rows", format!("{rows} does not fit the kernel's i32")))?;
+        if step.seqs > self.max_seqs {
+            return Err(param(
+                "seqs",
+                format!(
+                    "{} sequences, this layer was made for at most {}",
+                    step.seqs, self.max_seqs
+                ),
+            ));
+        }
+        if step.uniform_len == Some(0) {
+            return Err(Error::EmptyWindow);
+        }
+        if step.commit_at.is_none() && !step.commits {
+            return Err(param(
+                "commits",
+                "false (verify only) with commit_at None (every sequence commits its whole window)",
+            ));
+        }
+        check_rows("qkv", &step.qkv, rows, c)?;
+        check_rows("alpha", &step.alpha, rows, hv)?;
+        check_rows("beta", &step.beta, rows, hv)?;
+        check_rows("z", &step.z, rows, n)?;
+        let layout = OutputLayout::for_rows(&sh, rows, step.plane_stride)?;
+        if rows > 0 {
+            if step.plane_stride.is_some() && step.out.row_stride != n {
+                return Err(param(
+                    "out",
+                    format!(
+                        "row stride {}: with planes y is packed ({n} elements a row)",
+                        step.out.row_stride
+                    ),
+                ));
+            }
+            check_rows("out", &step.out, rows, n)?;
+            let bytes = layout
+                .len()
+                .checked_mul(step.out.dtype.size())
+                .ok_or_else(|| overflow("out"))?;
+            check_ptr("out", step.out.ptr, step.out.dtype.size() as u64, bytes)?;
+        }
+        let plane = i64::try_from(step.plane_stride.unwrap_or(0))
+            .map_err(|_| param("plane_stride", "too large"))?;
+
+        // the state pool
+        let st = &step.state;
+        PoolOptions {
+            state: st.dtype,
+            layout: st.layout,
+        }
+        .validate()?;
+        if st.slots == 0 {
+            return Err(param("state.slots", "a pool needs at least one slot"));
+        }
+        let n_slots = i32::try_from(st.slots).map_err(|_| {
+            param(
+                "state.slots",
+                format!("{} does not fit the kernel's i32", st.slots),
+            )
+        })?;
+        let sl = sh.state_len();
+        if st.slot_stride < sl {
+            return Err(param(
+                "state.slot_stride",
+                format!(
+                    "{} is below a slot's {sl} elements (d x h_v x d)",
+                    st.slot_stride
+                ),
+            ));
+        }
+        let es = st.dtype.size();
+        if !(st.slot_stride * es).is_multiple_of(16) {
+            return Err(param(
+                "state.slot_stride",
+                format!(
+                    "{} elements is not a multiple of 16 bytes (the kernel's vector loads)",
+                    st.slot_stride
+                ),
+            ));
+        }
+        let bytes = (st.slots - 1)
+            .checked_mul(st.slot_stride)
+            .and_then(|x| x.checked_add(sl))
+            .and_then(|x| x.checked_mul(es))
+            .ok_or_else(|| overflow("state"))?;
+        check_ptr("state", st.ptr, 16, bytes)?;
+
+        // the conv state: (c, col) must name distinct elements of a slot, the slots must not overlap
+        let cv = &step.conv;
+        if cv.width < 3 {
+            return Err(param(
+                "conv.width",
+                format!("{} columns: the history needs 3", cv.width),
+            ));
+        }
+        let mut dims = [(cv.chan_stride, c), (cv.col_stride, cv.width)];
+        dims.sort();
+        let disjoint = dims[0].0 >= 1
+            && dims[0]
+                .0
+                .checked_mul(dims[0].1)
+                .is_some_and(|inner| inner <= dims[1].0);
+        if !disjoint {
+            return Err(param(
+                "conv",
+                format!(
+                    "channel stride {} and column stride {} make channels or columns overlap",
+                    cv.chan_stride, cv.col_stride
+                ),
+            ));
+        }
+        let span = (c - 1)
+            .checked_mul(cv.chan_stride)
+            .and_then(|x| x.checked_add((cv.width - 1).checked_mul(cv.col_stride)?))
+            .and_then(|x| x.checked_add(1))
+            .ok_or_else(|| overflow("conv"))?;
+        if st.slots > 1 && cv.slot_stride < span {
+            return Err(param(
+                "conv.slot_stride",
+                format!(
+                    "{} is below one slot's span of {span} elements",
+                    cv.slot_stride
+                ),
+            ));
+        }
+        let bytes = (st.slots - 1)
+            .checked_mul(cv.slot_stride)
+            .and_then(|x| x.checked_add(span))
+            .and_then(|x| x.checked_mul(cv.dtype.size()))
+            .ok_or_else(|| overflow("conv"))?;
+        check_ptr("conv", cv.ptr, cv.dtype.size() as u64, bytes)?;
+
+        // the per-sequence arrays
+        if step.seqs > 0 {
+            check_ints("slot", step.slot, step.seqs)?;
+            match step.seq_rows {
+                SeqRows::CuSeqlens(p) => check_ints("cu_seqlens", p, step.seqs + 1)?,
+                SeqRows::StartLen { start, len } => {
+                    check_ints("start", start, step.seqs)?;
+                    check_ints("len", len, step.seqs)?;
+                }
+            }
+            if let Some(p) = step.commit_at {
+                check_ints("commit_at", p, step.seqs)?;
+            }
+        }
+        let u = |x: usize| x as u64;
+        Ok(Checked {
+            spec: self.spec(&step.kind())?,
+            ext: ExtArgs {
+                conv: cv.ptr,
+                ctr: self.scratch_ptr + 4,
+                state_ss: u(st.slot_stride),
+                conv_ss: u(cv.slot_stride),
+                conv_cs: u(cv.chan_stride),
+                conv_ls: u(cv.col_stride),
+                conv_off: u((cv.width - 3) * cv.col_stride),
+                qkv_rs: u(step.qkv.row_stride),
+                a_rs: u(step.alpha.row_stride),
+                b_rs: u(step.beta.row_stride),
+                z_rs: u(step.z.row_stride),
+                o_rs: u(step.out.row_stride),
+            },
+            n_rows,
+            n_slots,
+            plane,
+        })
+    }
+
+    /// The step on memory the caller owns, launched on `stream`: no allocation, no host synchronisation
+    /// (compile first with [`CudaLayer::prepare`] before a graph capture). Every host-visible argument is
+    /// checked first ([`CudaLayer::check`]) and `stream` must belong to this layer's context; an error leaves
+    /// everything untouched. Sequences the device finds out of range (a slot at or past `state.slots`, a
+    /// length not positive or not `uniform_len`, rows outside `rows`, a commit point outside 0..=length) are
+    /// skipped (a bad commit point commits nothing) and reported by [`CudaLayer::take_fault`].
+    ///
+    /// # Safety
+    /// Every address in `step` is device memory of this layer's context (or reachable from it), valid for
+    /// the extents that the shapes, strides and counts in `step` give, with the dtypes `step` names; the
+    /// per-sequence arrays hold `seqs` entries (`seqs + 1` for `cu_seqlens`) and name distinct slots; nothing
+    /// written by the step (the output, the state pool, the conv state) overlaps anything else the step reads
+    /// or writes, and nothing else writes any of it while `stream` runs the step. `stream` is a live stream
+    /// (or null, the legacy default stream of this context). Steps of one `CudaLayer` run one at a time (one
+    /// stream, or ordered by events): they share the q/k history counters.
+    pub unsafe fn step_raw(&self, step: &RawStep, stream: sys::CUstream) -> Result<()> {
+        let ck = self.checked(step)?;
+        self.cuda.ctx.bind_to_thread().map_err(drv)?;
+        let mut owner: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `stream` is live by the caller's contract; the out-pointer is a live local. With this
+        // context bound, the null stream resolves to it.
+        unsafe { sys::cuStreamGetCtx(stream, &mut owner) }
+            .result()
+            .map_err(|e| param("stream", format!("not a usable stream: {e:?}")))?;
+        if owner != self.cuda.ctx.cu_ctx() {
+            return Err(param(
+                "stream",
+                "belongs to another CUDA context than this layer's (another device?)",
+            ));
+        }
+        if step.seqs == 0 {
+            return Ok(());
+        }
+        let f = self.cuda.function(&ck.spec)?;
+        let sh = *self.layer.shape();
+        let (p_start, p_len) = match step.seq_rows {
+            SeqRows::CuSeqlens(p) => (p, 0u64),
+            SeqRows::StartLen { start, len } => (start, len),
+        };
+        let mut p_state = step.state.ptr;
+        let mut p_hist = 0u64;
+        let mut p_qkv = step.qkv.ptr;
+        let mut p_alpha = step.alpha.ptr;
+        let mut p_beta = step.beta.ptr;
+        let mut p_z = step.z.ptr;
+        let [mut p_conv_w, mut p_dt, mut p_a, mut p_gamma] = self.w_ptr;
+        let mut p_out = step.out.ptr;
+        let mut p_slot = step.slot;
+        let mut p_start = p_start;
+        let mut p_len = p_len;
+        let mut p_commit = step.commit_at.unwrap_or(0);
+        let mut n_slots = ck.n_slots;
+        let mut n_rows = ck.n_rows;
+        let mut plane = ck.plane;
+        let mut eps = self.layer.config.eps;
+        let mut p_fault = self.scratch_ptr;
+        let mut ext = ck.ext;
+        let mut params: [*mut c_void; 21] = [
+            &mut p_state as *mut _ as *mut c_void,
+            &mut p_hist as *mut _ as *mut c_void,
+            &mut p_qkv as *mut _ as *mut c_void,
+            &mut p_alpha as *mut _ as *mut c_void,
+            &mut p_beta as *mut _ as *mut c_void,
+            &mut p_z as *mut _ as *mut c_void,
+            &mut p_conv_w as *mut _ as *mut c_void,
+            &mut p_dt as *mut _ as *mut c_void,
+            &mut p_a as *mut _ as *mut c_void,
+            &mut p_gamma as *mut _ as *mut c_void,
+            &mut p_out as *mut _ as *mut c_void,
+            &mut p_slot as *mut _ as *mut c_void,
+            &mut p_start as *mut _ as *mut c_void,
+            &mut p_len as *mut _ as *mut c_void,
+            &mut p_commit as *mut _ as *mut c_void,
+            &mut n_slots as *mut _ as *mut c_void,
+            &mut n_rows as *mut _ as *mut c_void,
+            &mut plane as *mut _ as *mut c_void,
+            &mut eps as *mut _ as *mut c_void,
+            &mut p_fault as *mut _ as *mut c_void,
+            &mut ext as *mut _ as *mut c_void,
+        ];
+        let grid = (
+            (sh.h_v * ck.spec.plan.ncb) as u32,
+            step.seqs as u32, // <= max_seqs <= 65535, checked
+            1,
+        );
+        // SAFETY: the 21 parameters match the GDN_EXT kernel's signature in order and type (the state, a null
+        // pool history, the four inputs, the layer's four weights, the output, slot / start-or-cu_seqlens /
+        // len-or-null / commit-or-null, int n_slots, int n_rows, long long plane, float eps, the fault word,
+        // the GdnExt struct by value), each pointing to a local that lives across the call. The kernel was
+        // compiled for the dtypes `step` names. The caller guarantees the memory behind the addresses for
+        // the extents checked above; the weights and scratch are this layer's; the kernel skips sequences
+        // whose slot, rows or length are out of range. The stream belongs to this context (checked).
+        unsafe {
+            launch_kernel(
+                &self.cuda,
+                &f,
+                grid,
+                ck.spec.threads() as u32,
+                &mut params,
+                stream,
+            )
+        }
+    }
+
+    /// Waits for the whole context (every stream of it, the caller's too), then reports and clears what the
+    /// device found wrong in this layer's steps since the last call (see [`CudaLayer::step_raw`]).
+    pub fn take_fault(&self) -> Result<()> {
+        self.cuda.ctx.synchronize().map_err(drv)?;
+        let mut scratch = self
+            .scratch
+            .lock()
+            .map_err(|_| Error::Backend("scratch lock poisoned".into()))?;
+        let s = &self.cuda.stream;
+        let mut word = [0u32];
+        s.memcpy_dtoh(&scratch.slice(0..1), &mut word)
+            .map_err(drv)?;
+        s.synchronize().map_err(drv)?;
+        if word[0] == 0 {
+            return Ok(());
+        }
+        s.memset_zeros(&mut scratch.slice_mut(0..1)).map_err(drv)?;
+        s.synchronize().map_err(drv)?;
+        Err(fault_error(word[0]))
+    }
+}
