@@ -12,6 +12,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod tensor;
 
 use gdn::{Commit, Config, Gate, HeadMap, Params, Seq, Shape, StateLayout};
@@ -45,6 +47,9 @@ pub struct Layer {
     inner: gdn::Layer,
     /// The CPU path's scratch pool (see `cpu`), kept between steps.
     cpu: Mutex<Option<gdn::cpu::CpuPool>>,
+    /// The CUDA path's layers, one per device.
+    #[cfg(feature = "cuda")]
+    cuda: cuda::Layers,
 }
 
 impl Layer {
@@ -52,6 +57,8 @@ impl Layer {
         Layer {
             inner,
             cpu: Mutex::new(None),
+            #[cfg(feature = "cuda")]
+            cuda: cuda::Layers::default(),
         }
     }
 }
@@ -153,6 +160,16 @@ impl Layer {
         Err(PyNotImplementedError::new_err(
             "Layer.shard needs the core's Layer::shard, not in this build yet",
         ))
+    }
+
+    /// Waits for every device this layer ran on and raises a ValueError if a CUDA step skipped sequences for
+    /// bad index values (a slot past the pool, rows outside the step's, a commit past a length) that
+    /// ``validate=False`` let through; clears the report. A no-op for the CPU (its checks always run).
+    fn check_faults(&self, py: Python<'_>) -> PyResult<()> {
+        let _ = py;
+        #[cfg(feature = "cuda")]
+        self.cuda.take_faults()?;
+        Ok(())
     }
 
     #[getter]
@@ -345,7 +362,6 @@ fn step<'py>(
     state_layout: &str,
     validate: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let _ = validate; // the CPU path always checks the index values
     let lay = layer.get();
     let sh = *lay.inner.shape();
     let (c, hv, d, n) = (sh.channels(), sh.h_v, sh.d, sh.n());
@@ -510,23 +526,6 @@ fn step<'py>(
         }
     }
 
-    match device {
-        Device::Cpu => {}
-        Device::Cuda(_) => {
-            // TODO(ext-cuda): gdn_cuda::CudaLayer::step_raw on torch's current stream
-            return Err(PyNotImplementedError::new_err(
-                "qkv: CUDA tensors need gdn's CUDA path, not in this build yet",
-            ));
-        }
-        Device::Other => unreachable!("refused above"),
-    }
-
-    // the index values (host memory) and the sequences they give, checked with the core's checks
-    let slot_v = host_ints(&slots);
-    let cu_v = cu.as_ref().map(host_ints);
-    let len_v = lens.as_ref().map(host_ints);
-    let com_v = com.as_ref().map(host_ints);
-    let seqs = host_seqs(&slot_v, cu_v.as_deref(), len_v.as_deref(), com_v.as_deref())?;
     let rows_arg = if cu.is_some() {
         "cu_seqlens"
     } else if lens.is_some() {
@@ -534,8 +533,29 @@ fn step<'py>(
     } else {
         "qkv (one row per sequence without cu_seqlens or lengths)"
     };
-    // the output, allocated only now that every other argument's type and shape has passed (the sequences are
-    // checked in `cpu::run` before anything is written)
+    // the index values on the host: read in place on the CPU; copied (a sync) on CUDA with validate=True
+    let host = |v: &View<'py>| -> PyResult<Vec<i32>> {
+        if device == Device::Cpu {
+            Ok(host_ints(v))
+        } else {
+            let h = v.obj.call_method0("cpu")?;
+            let hv = View::of(v.name, &h)?;
+            Ok(host_ints(&hv))
+        }
+    };
+    let seqs = if device == Device::Cpu || validate {
+        let slot_v = host(&slots)?;
+        let cu_v = cu.as_ref().map(host).transpose()?;
+        let len_v = lens.as_ref().map(host).transpose()?;
+        let com_v = com.as_ref().map(host).transpose()?;
+        let seqs = host_seqs(&slot_v, cu_v.as_deref(), len_v.as_deref(), com_v.as_deref())?;
+        check_seqs(&seqs, rows, pool_slots).map_err(|e| step_err(e, rows_arg))?;
+        seqs
+    } else {
+        Vec::new()
+    };
+
+    // the output, allocated only now that every other argument has passed
     let out_obj = match out {
         Some(o) => o.clone(),
         None => alloc_out(py, &qkv, rows, n)?,
@@ -545,6 +565,34 @@ fn step<'py>(
         None => View::of("out", &out_obj)?,
     };
 
+    if let Device::Cuda(dev) = device {
+        #[cfg(feature = "cuda")]
+        {
+            let args = cuda::Args {
+                qkv: &qkv,
+                a: &a,
+                b: &b,
+                z: &z,
+                state: &state,
+                conv: &conv,
+                out: &out_v,
+                slots: &slots,
+                cu: cu.as_ref(),
+                lengths: lens.as_ref(),
+                commit: com.as_ref(),
+                layout,
+            };
+            cuda::step(py, &lay.cuda, &lay.inner, dev, &args)?;
+            return Ok(out_obj);
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = dev;
+            return Err(PyNotImplementedError::new_err(
+                "qkv: CUDA tensors need gdn built with its `cuda` feature",
+            ));
+        }
+    }
     let step = cpu::CpuStep {
         qkv: qkv.raw(),
         a: a.raw(),
@@ -556,7 +604,6 @@ fn step<'py>(
         layout,
         seqs: &seqs,
     };
-    let _ = pool_slots;
     let inner = &lay.inner;
     let cache = &lay.cpu;
     let result = py.detach(|| {
@@ -568,6 +615,48 @@ fn step<'py>(
     });
     result.map_err(|e| step_err(e, rows_arg))?;
     Ok(out_obj)
+}
+
+/// The core's sequence checks on index values read on the host: rows inside the step's and not shared, slots
+/// in range and named once (commits were checked against lengths by `host_seqs`).
+fn check_seqs(seqs: &[Seq], rows: usize, pool_slots: usize) -> gdn::Result<()> {
+    let mut order: Vec<usize> = (0..seqs.len()).collect();
+    for (i, s) in seqs.iter().enumerate() {
+        if s.start.checked_add(s.len).is_none_or(|e| e > rows) {
+            return Err(gdn::Error::SeqRows {
+                seq: i,
+                start: s.start,
+                len: s.len,
+                rows,
+            });
+        }
+    }
+    order.sort_by_key(|&i| seqs[i].start);
+    for w in order.windows(2) {
+        let (x, y) = (&seqs[w[0]], &seqs[w[1]]);
+        if x.start + x.len > y.start {
+            return Err(gdn::Error::SeqOverlap {
+                a: w[0].min(w[1]),
+                b: w[0].max(w[1]),
+            });
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    for s in seqs {
+        if s.slot < 0 {
+            continue;
+        }
+        if s.slot as usize >= pool_slots {
+            return Err(gdn::Error::SlotRange {
+                index: s.slot as i64,
+                slots: pool_slots,
+            });
+        }
+        if !seen.insert(s.slot) {
+            return Err(gdn::Error::SlotTwice(s.slot as usize));
+        }
+    }
+    Ok(())
 }
 
 /// A zeroed `[rows, n]` output in qkv's dtype and device.
