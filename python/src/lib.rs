@@ -296,56 +296,8 @@ fn step_err(e: gdn::Error, rows_arg: &str) -> PyErr {
     }
 }
 
-/// One window step of a layer on the caller's tensors, in place: every sequence advances by its rows, its
-/// output rows are written into ``out``, and its state and conv-state slot are updated where it commits.
-///
-/// Args:
-///     layer (gdn.Layer): the layer.
-///     qkv: ``[R, C]``, the mixed q | k | v projections BEFORE the conv (HF's ``in_proj_qkv`` output), ``C =
-///         (2 * num_k_heads + num_v_heads) * head_dim``; float32, bfloat16 or float16; the row stride is free, the
-///         last dimension contiguous. R rows in all, sequences packed.
-///     a: ``[R, num_v_heads]``, the decay logits (HF's ``in_proj_a`` output); float dtype as qkv (each input may
-///         have its own); last dimension contiguous.
-///     b: ``[R, num_v_heads]``, the beta logits (HF's ``in_proj_b`` output); as ``a``.
-///     z: ``[R, num_v_heads * head_dim]``, the output gate (HF's ``in_proj_z`` output); as ``a``.
-///     state: the recurrent state pool, updated in place: ``[slots, num_v_heads, head_dim, head_dim]`` with
-///         ``state_layout="value_major"`` (``[slot][head][v][k]``, vLLM's, SGLang's and FlashInfer's), or
-///         ``[slots, head_dim, num_v_heads, head_dim]`` with ``"key_major"`` (``[slot][k][head][v]``, gdn's SPEC);
-///         float32 or bfloat16 (a bf16 state is widened, updated in f32 over the window, rounded once where it
-///         commits); the slot stride is free, each slot contiguous.
-///     conv_state: ``[slots, C, w]``, ``w >= 3``, the conv history (HF's and vLLM's layout; the last three columns
-///         hold the last three inputs, oldest first; other columns are neither read nor written), updated in
-///         place; float32, bfloat16 or float16; any (non-negative, non-overlapping) strides, so vLLM's transposed
-///         view works.
-///     slots: ``[N]`` int32, each sequence's slot in ``state`` and ``conv_state``; -1 skips the sequence (its
-///         rows of ``out`` are not written, no slot is touched). A slot may be named once.
-///     cu_seqlens: ``[N + 1]`` int32 row offsets (FLA's and vLLM's ``query_start_loc``): sequence s has rows
-///         ``cu_seqlens[s]:cu_seqlens[s + 1]``; or
-///     lengths: ``[N]`` int32 tokens per sequence, rows packed in order from row 0. With neither, every sequence
-///         has one row (decode: R == N).
-///     commit: None (every sequence commits its whole window) or ``[N]`` int32: 0 verifies (writes no slot), k
-///         commits the state after k of its tokens (``1 <= k <= len``); every token's output is written either
-///         way (speculative decoding: verify a draft, then commit the accepted tokens).
-///     out: ``[R, num_v_heads * head_dim]``, float32, bfloat16 or float16, last dimension contiguous; None
-///         allocates it (zeros, qkv's dtype and device). Rows no running sequence covers are left as they were.
-///     state_layout: ``"value_major"`` or ``"key_major"``, see ``state``.
-///     validate: on CUDA, copy the index tensors to the host and check them first (syncs the stream). On the
-///         CPU they are always checked.
-///
-/// Returns:
-///     ``out``.
-///
-/// Every tensor is on one device: the CPU (torch CPU tensors or numpy arrays) or one CUDA device (torch
-/// tensors; the step runs on torch's current stream there). Nothing is copied: a tensor the step cannot use as
-/// it is (wrong dtype, shape, strides, device, not contiguous where that is needed, overlapping another) raises a
-/// TypeError or ValueError naming it, before anything is touched. The CPU path stages the named slots: each
-/// running sequence's state and conv history are copied into a scratch pool of the layer, stepped there, and
-/// copied back for the sequences that commit.
-#[pyfunction]
-#[pyo3(signature = (layer, qkv, a, b, z, state, conv_state, slots, *, cu_seqlens = None, lengths = None,
-                    commit = None, out = None, state_layout = "value_major", validate = false))]
 #[allow(clippy::too_many_arguments)]
-fn step<'py>(
+fn step_impl<'py>(
     py: Python<'py>,
     layer: &Bound<'py, Layer>,
     qkv: &Bound<'py, PyAny>,
@@ -361,6 +313,7 @@ fn step<'py>(
     out: Option<&Bound<'py, PyAny>>,
     state_layout: &str,
     validate: bool,
+    dry: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     let lay = layer.get();
     let sh = *lay.inner.shape();
@@ -555,6 +508,9 @@ fn step<'py>(
         Vec::new()
     };
 
+    if dry {
+        return Ok(py.None().into_bound(py));
+    }
     // the output, allocated only now that every other argument has passed
     let out_obj = match out {
         Some(o) => o.clone(),
@@ -615,6 +571,135 @@ fn step<'py>(
     });
     result.map_err(|e| step_err(e, rows_arg))?;
     Ok(out_obj)
+}
+
+/// One window step of a layer on the caller's tensors, in place: every sequence advances by its rows, its
+/// output rows are written into ``out``, and its state and conv-state slot are updated where it commits.
+///
+/// Args:
+///     layer (gdn.Layer): the layer.
+///     qkv: ``[R, C]``, the mixed q | k | v projections BEFORE the conv (HF's ``in_proj_qkv`` output), ``C =
+///         (2 * num_k_heads + num_v_heads) * head_dim``; float32, bfloat16 or float16; the row stride is free, the
+///         last dimension contiguous. R rows in all, sequences packed.
+///     a: ``[R, num_v_heads]``, the decay logits (HF's ``in_proj_a`` output); float dtype as qkv (each input may
+///         have its own); last dimension contiguous.
+///     b: ``[R, num_v_heads]``, the beta logits (HF's ``in_proj_b`` output); as ``a``.
+///     z: ``[R, num_v_heads * head_dim]``, the output gate (HF's ``in_proj_z`` output); as ``a``.
+///     state: the recurrent state pool, updated in place: ``[slots, num_v_heads, head_dim, head_dim]`` with
+///         ``state_layout="value_major"`` (``[slot][head][v][k]``, vLLM's, SGLang's and FlashInfer's), or
+///         ``[slots, head_dim, num_v_heads, head_dim]`` with ``"key_major"`` (``[slot][k][head][v]``, gdn's SPEC);
+///         float32 or bfloat16 (a bf16 state is widened, updated in f32 over the window, rounded once where it
+///         commits); the slot stride is free, each slot contiguous.
+///     conv_state: ``[slots, C, w]``, ``w >= 3``, the conv history (HF's and vLLM's layout; the last three columns
+///         hold the last three inputs, oldest first; other columns are neither read nor written), updated in
+///         place; float32, bfloat16 or float16; any (non-negative, non-overlapping) strides, so vLLM's transposed
+///         view works.
+///     slots: ``[N]`` int32, each sequence's slot in ``state`` and ``conv_state``; -1 skips the sequence (its
+///         rows of ``out`` are not written, no slot is touched). A slot may be named once.
+///     cu_seqlens: ``[N + 1]`` int32 row offsets (FLA's and vLLM's ``query_start_loc``): sequence s has rows
+///         ``cu_seqlens[s]:cu_seqlens[s + 1]``; or
+///     lengths: ``[N]`` int32 tokens per sequence, rows packed in order from row 0. With neither, every sequence
+///         has one row (decode: R == N).
+///     commit: None (every sequence commits its whole window) or ``[N]`` int32: 0 verifies (writes no slot), k
+///         commits the state after k of its tokens (``1 <= k <= len``); every token's output is written either
+///         way (speculative decoding: verify a draft, then commit the accepted tokens).
+///     out: ``[R, num_v_heads * head_dim]``, float32, bfloat16 or float16, last dimension contiguous; None
+///         allocates it (zeros, qkv's dtype and device). Rows no running sequence covers are left as they were.
+///     state_layout: ``"value_major"`` or ``"key_major"``, see ``state``.
+///     validate: on CUDA, copy the index tensors to the host and check them first (syncs the stream). On the
+///         CPU they are always checked.
+///
+/// Returns:
+///     ``out``.
+///
+/// Every tensor is on one device: the CPU (torch CPU tensors or numpy arrays) or one CUDA device (torch
+/// tensors; the step runs on torch's current stream there). Nothing is copied: a tensor the step cannot use as
+/// it is (wrong dtype, shape, strides, device, not contiguous where that is needed, overlapping another) raises a
+/// TypeError or ValueError naming it, before anything is touched. The CPU path stages the named slots: each
+/// running sequence's state and conv history are copied into a scratch pool of the layer, stepped there, and
+/// copied back for the sequences that commit.
+#[pyfunction]
+#[pyo3(signature = (layer, qkv, a, b, z, state, conv_state, slots, *, cu_seqlens = None, lengths = None,
+                    commit = None, out = None, state_layout = "value_major", validate = false))]
+#[allow(clippy::too_many_arguments)]
+fn step<'py>(
+    py: Python<'py>,
+    layer: &Bound<'py, Layer>,
+    qkv: &Bound<'py, PyAny>,
+    a: &Bound<'py, PyAny>,
+    b: &Bound<'py, PyAny>,
+    z: &Bound<'py, PyAny>,
+    state: &Bound<'py, PyAny>,
+    conv_state: &Bound<'py, PyAny>,
+    slots: &Bound<'py, PyAny>,
+    cu_seqlens: Option<&Bound<'py, PyAny>>,
+    lengths: Option<&Bound<'py, PyAny>>,
+    commit: Option<&Bound<'py, PyAny>>,
+    out: Option<&Bound<'py, PyAny>>,
+    state_layout: &str,
+    validate: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    step_impl(
+        py,
+        layer,
+        qkv,
+        a,
+        b,
+        z,
+        state,
+        conv_state,
+        slots,
+        cu_seqlens,
+        lengths,
+        commit,
+        out,
+        state_layout,
+        validate,
+        false,
+    )
+}
+
+/// `gdn.step`'s argument extraction and checks alone, without the step (nothing is read or written): the host
+/// cost of a call, for `bench_host.py`.
+#[pyfunction(name = "_check_only")]
+#[pyo3(signature = (layer, qkv, a, b, z, state, conv_state, slots, *, cu_seqlens = None, lengths = None,
+                    commit = None, out = None, state_layout = "value_major", validate = false))]
+#[allow(clippy::too_many_arguments)]
+fn check_only<'py>(
+    py: Python<'py>,
+    layer: &Bound<'py, Layer>,
+    qkv: &Bound<'py, PyAny>,
+    a: &Bound<'py, PyAny>,
+    b: &Bound<'py, PyAny>,
+    z: &Bound<'py, PyAny>,
+    state: &Bound<'py, PyAny>,
+    conv_state: &Bound<'py, PyAny>,
+    slots: &Bound<'py, PyAny>,
+    cu_seqlens: Option<&Bound<'py, PyAny>>,
+    lengths: Option<&Bound<'py, PyAny>>,
+    commit: Option<&Bound<'py, PyAny>>,
+    out: Option<&Bound<'py, PyAny>>,
+    state_layout: &str,
+    validate: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    step_impl(
+        py,
+        layer,
+        qkv,
+        a,
+        b,
+        z,
+        state,
+        conv_state,
+        slots,
+        cu_seqlens,
+        lengths,
+        commit,
+        out,
+        state_layout,
+        validate,
+        true,
+    )
 }
 
 /// The core's sequence checks on index values read on the host: rows inside the step's and not shared, slots
@@ -679,5 +764,6 @@ fn alloc_out<'py>(
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Layer>()?;
     m.add_function(wrap_pyfunction!(step, m)?)?;
+    m.add_function(wrap_pyfunction!(check_only, m)?)?;
     Ok(())
 }
