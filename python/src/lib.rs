@@ -7,7 +7,7 @@
 
 use std::sync::Mutex;
 
-use pyo3::exceptions::{PyNotImplementedError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
@@ -47,6 +47,8 @@ pub struct Layer {
     inner: gdn::Layer,
     /// The CPU path's scratch pool (see `cpu`), kept between steps.
     cpu: Mutex<Option<gdn::cpu::CpuPool>>,
+    /// Where this layer's heads sit in the layer it is a shard of (None: not a shard).
+    shard: Option<gdn::ShardMap>,
     /// The CUDA path's layers, one per device.
     #[cfg(feature = "cuda")]
     cuda: cuda::Layers,
@@ -57,6 +59,7 @@ impl Layer {
         Layer {
             inner,
             cpu: Mutex::new(None),
+            shard: None,
             #[cfg(feature = "cuda")]
             cuda: cuda::Layers::default(),
         }
@@ -153,13 +156,35 @@ impl Layer {
 
     /// The tensor-parallel shard ``rank`` of ``world``: the layer restricted to its heads (see the core's
     /// ``Layer::shard``).
+    ///
+    /// ``world`` must divide ``num_k_heads``. Grouped map: key heads ``rank * h_k/world ..`` and value heads
+    /// ``rank * h_v/world ..`` (contiguous, as engines split the projections); tiled map: the value heads
+    /// ``g + h_k * m`` that read the shard's key heads ``g``. ``shard_map`` on the result says which global
+    /// heads, qkv channels and output columns the shard's are: feed the shard ``qkv[:, m["channels"]]``,
+    /// ``a[:, m["value_heads"]]``, ``b[:, m["value_heads"]]``, ``z[:, m["columns"]]``, a state pool of its value
+    /// heads and a conv state of its channels; its output is ``out[:, m["columns"]]``.
     fn shard(&self, rank: usize, world: usize) -> PyResult<Layer> {
-        // TODO(core Layer::shard): bind `gdn::Layer::shard(&self, rank, world) -> Result<(Layer, ShardMap)>` once
-        // it lands on main; python/tests/test_shard.py is ready and skips until then.
-        let _ = (rank, world);
-        Err(PyNotImplementedError::new_err(
-            "Layer.shard needs the core's Layer::shard, not in this build yet",
-        ))
+        let (inner, map) = self.inner.shard(rank, world).map_err(value_err)?;
+        let mut l = Layer::wrap(inner);
+        l.shard = Some(map);
+        Ok(l)
+    }
+
+    /// For a shard (``Layer.shard``): a dict of lists, ``key_heads`` and ``value_heads`` (the global head of
+    /// each of the shard's), ``channels`` (the global qkv / conv channel of each of the shard's, in its
+    /// q | k | v order) and ``columns`` (the global column of z and of the output of each of the shard's);
+    /// None for a layer that is no shard.
+    #[getter]
+    fn shard_map<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(m) = &self.shard else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("key_heads", m.key_heads.clone())?;
+        d.set_item("value_heads", m.value_heads.clone())?;
+        d.set_item("channels", m.channels())?;
+        d.set_item("columns", m.columns())?;
+        Ok(Some(d))
     }
 
     /// Waits for every device this layer ran on and raises a ValueError if a CUDA step skipped sequences for
@@ -544,7 +569,7 @@ fn step_impl<'py>(
         #[cfg(not(feature = "cuda"))]
         {
             let _ = dev;
-            return Err(PyNotImplementedError::new_err(
+            return Err(pyo3::exceptions::PyNotImplementedError::new_err(
                 "qkv: CUDA tensors need gdn built with its `cuda` feature",
             ));
         }
