@@ -405,37 +405,32 @@ fn step_impl<'py>(
 
     // shapes
     if qkv.ndim != 2 {
-        qkv.expect_shape(&[None, Some(c)], &format!("[R, C = {c}]"))?;
+        qkv.expect_shape(&[None, Some(c)], || format!("[R, C = {c}]"))?;
     }
     let rows = qkv.shape[0];
-    qkv.expect_shape(&[Some(rows), Some(c)], &format!("[R, C = {c}]"))?;
-    a.expect_shape(
-        &[Some(rows), Some(hv)],
-        &format!("[R = {rows}, num_v_heads = {hv}]"),
-    )?;
-    b.expect_shape(
-        &[Some(rows), Some(hv)],
-        &format!("[R = {rows}, num_v_heads = {hv}]"),
-    )?;
-    z.expect_shape(
-        &[Some(rows), Some(n)],
-        &format!("[R = {rows}, num_v_heads * head_dim = {n}]"),
-    )?;
+    qkv.expect_shape(&[Some(rows), Some(c)], || format!("[R, C = {c}]"))?;
+    a.expect_shape(&[Some(rows), Some(hv)], || {
+        format!("[R = {rows}, num_v_heads = {hv}]")
+    })?;
+    b.expect_shape(&[Some(rows), Some(hv)], || {
+        format!("[R = {rows}, num_v_heads = {hv}]")
+    })?;
+    z.expect_shape(&[Some(rows), Some(n)], || {
+        format!("[R = {rows}, num_v_heads * head_dim = {n}]")
+    })?;
     match layout {
-        StateLayout::ValueMajor => state.expect_shape(
-            &[None, Some(hv), Some(d), Some(d)],
-            &format!("[slots, num_v_heads = {hv}, head_dim = {d}, head_dim = {d}] (value_major)"),
-        )?,
-        StateLayout::KeyMajor => state.expect_shape(
-            &[None, Some(d), Some(hv), Some(d)],
-            &format!("[slots, head_dim = {d}, num_v_heads = {hv}, head_dim = {d}] (key_major)"),
-        )?,
+        StateLayout::ValueMajor => state
+            .expect_shape(&[None, Some(hv), Some(d), Some(d)], || {
+                format!("[slots, num_v_heads = {hv}, head_dim = {d}, head_dim = {d}] (value_major)")
+            })?,
+        StateLayout::KeyMajor => state.expect_shape(&[None, Some(d), Some(hv), Some(d)], || {
+            format!("[slots, head_dim = {d}, num_v_heads = {hv}, head_dim = {d}] (key_major)")
+        })?,
     }
     let pool_slots = state.shape[0];
-    conv.expect_shape(
-        &[Some(pool_slots), Some(c), None],
-        &format!("[slots = {pool_slots}, C = {c}, w]"),
-    )?;
+    conv.expect_shape(&[Some(pool_slots), Some(c), None], || {
+        format!("[slots = {pool_slots}, C = {c}, w]")
+    })?;
     if conv.shape[2] < 3 {
         return Err(PyValueError::new_err(format!(
             "conv_state's last dimension w = {} must be at least 3 (the history is its last three columns)",
@@ -443,26 +438,24 @@ fn step_impl<'py>(
         )));
     }
     if slots.ndim != 1 {
-        slots.expect_shape(&[None], "[N]")?;
+        slots.expect_shape(&[None], || "[N]".into())?;
     }
     let nseq = slots.shape[0];
     if let Some(v) = &cu {
-        v.expect_shape(
-            &[Some(nseq + 1)],
-            &format!("[N + 1] = [{}] (N from slots)", nseq + 1),
-        )?;
+        v.expect_shape(&[Some(nseq + 1)], || {
+            format!("[N + 1] = [{}] (N from slots)", nseq + 1)
+        })?;
     }
     if let Some(v) = &lens {
-        v.expect_shape(&[Some(nseq)], &format!("[N] = [{nseq}] (N from slots)"))?;
+        v.expect_shape(&[Some(nseq)], || format!("[N] = [{nseq}] (N from slots)"))?;
     }
     if let Some(v) = &com {
-        v.expect_shape(&[Some(nseq)], &format!("[N] = [{nseq}] (N from slots)"))?;
+        v.expect_shape(&[Some(nseq)], || format!("[N] = [{nseq}] (N from slots)"))?;
     }
     if let Some(o) = &out_given {
-        o.expect_shape(
-            &[Some(rows), Some(n)],
-            &format!("[R = {rows}, num_v_heads * head_dim = {n}]"),
-        )?;
+        o.expect_shape(&[Some(rows), Some(n)], || {
+            format!("[R = {rows}, num_v_heads * head_dim = {n}]")
+        })?;
     }
 
     // strides, alignment, memory the step writes

@@ -289,7 +289,11 @@ impl<'py> View<'py> {
     }
 
     /// A ValueError unless the shape is `expected` (None: any size there).
-    pub fn expect_shape(&self, expected: &[Option<usize>], doc: &str) -> PyResult<()> {
+    pub fn expect_shape(
+        &self,
+        expected: &[Option<usize>],
+        doc: impl FnOnce() -> String,
+    ) -> PyResult<()> {
         let ok = self.ndim == expected.len()
             && self
                 .shape()
@@ -300,8 +304,9 @@ impl<'py> View<'py> {
             return Ok(());
         }
         Err(PyValueError::new_err(format!(
-            "{} must have shape {doc}, got {:?}",
+            "{} must have shape {}, got {:?}",
             self.name,
+            doc(),
             self.shape()
         )))
     }
