@@ -183,6 +183,29 @@ fn rows_of(v: &View<'_>) -> RawTensor {
     }
 }
 
+/// The thread's current CUDA context, put back when dropped: gdn-cuda binds its device's context to the thread,
+/// and torch (the runtime API) takes the thread's current context for its current device.
+struct KeepContext(cudarc::driver::sys::CUcontext);
+
+impl KeepContext {
+    fn new() -> Self {
+        let mut c: cudarc::driver::sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: cuCtxGetCurrent only writes the thread's current context (or null) through its out-pointer, a
+        // live local; the driver is loaded (torch runs on it: these are CUDA tensors)
+        let _ = unsafe { cudarc::driver::sys::cuCtxGetCurrent(&mut c) };
+        KeepContext(c)
+    }
+}
+
+impl Drop for KeepContext {
+    fn drop(&mut self) {
+        if !self.0.is_null() {
+            // SAFETY: the context was current on this thread before and is alive (torch holds it)
+            let _ = unsafe { cudarc::driver::sys::cuCtxSetCurrent(self.0) };
+        }
+    }
+}
+
 /// Launches the step on torch's current stream of `dev`.
 pub fn step(
     py: Python<'_>,
@@ -191,6 +214,7 @@ pub fn step(
     dev: i64,
     x: &Args<'_, '_>,
 ) -> PyResult<()> {
+    let _keep = KeepContext::new();
     let sh = *layer.shape();
     let seqs = x.slots.shape[0];
     let cl = layers.get(layer, dev, seqs.max(1))?;

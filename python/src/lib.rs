@@ -636,6 +636,14 @@ fn step_impl<'py>(
 /// TypeError or ValueError naming it, before anything is touched. The CPU path stages the named slots: each
 /// running sequence's state and conv history are copied into a scratch pool of the layer, stepped there, and
 /// copied back for the sequences that commit.
+///
+/// On CUDA: no host synchronisation (unless ``validate``), nothing allocated but ``out=None``'s output and, with
+/// ``lengths``, the row offsets (two small torch ops: pass ``cu_seqlens`` where you have it). Bad index values that
+/// ``validate=False`` lets through skip their sequence on the device and are reported by
+/// ``layer.check_faults()``. The steps of one layer on one device must be ordered (one stream, or streams ordered
+/// by events): they share the layer's q/k-history counters. CUDA graphs: run one step of each kind (dtypes,
+/// layout, commit given or not, decode without offsets or not) outside the capture first; it compiles the kernel
+/// and makes the layer's device copy, which a capture cannot.
 #[pyfunction]
 #[pyo3(signature = (layer, qkv, a, b, z, state, conv_state, slots, *, cu_seqlens = None, lengths = None,
                     commit = None, out = None, state_layout = "value_major", validate = false))]
