@@ -111,17 +111,18 @@ impl Layers {
 }
 
 fn current_stream(py: Python<'_>, dev: i64) -> PyResult<usize> {
-    let torch = py.import(intern!(py, "torch"))?;
-    let f = RAW_STREAM.get_or_init(py, || {
-        torch
+    let f = RAW_STREAM.get_or_try_init(py, || -> PyResult<Option<Py<PyAny>>> {
+        let torch = py.import("torch")?;
+        Ok(torch
             .getattr("_C")
             .and_then(|c| c.getattr("_cuda_getCurrentRawStream"))
             .ok()
-            .map(|f| f.unbind())
-    });
+            .map(|f| f.unbind()))
+    })?;
     match f {
         Some(f) => f.bind(py).call1((dev,))?.extract(),
-        None => torch
+        None => py
+            .import("torch")?
             .getattr("cuda")?
             .call_method1("current_stream", (dev,))?
             .getattr("cuda_stream")?
