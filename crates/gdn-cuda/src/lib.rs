@@ -58,6 +58,9 @@
 
 pub mod external;
 pub mod pool;
+
+/// The cudarc this crate is built on (an engine on cudarc passes its streams and device addresses).
+pub use cudarc;
 pub mod spec;
 
 use std::collections::HashMap;
