@@ -162,8 +162,12 @@ fn case(
     graph.launch().map_err(drv)?;
     s.synchronize().map_err(drv)?;
     let ctx = cuda.context();
-    let e0 = ctx.new_event(None).map_err(drv)?;
-    let e1 = ctx.new_event(None).map_err(drv)?;
+    // timing events (cudarc's default flags disable timing)
+    let ev = || {
+        ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(drv)
+    };
+    let (e0, e1) = (ev()?, ev()?);
     let replays = 10;
     let mut times = Vec::new();
     for _ in 0..7 {
