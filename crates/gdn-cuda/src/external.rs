@@ -28,6 +28,61 @@
 //! new q/k history at its commit token. Value channels belong to one block, which writes them. Verify
 //! sequences neither count nor write. So the steps of one `CudaLayer` must be ordered (one stream, or streams
 //! ordered by events): two steps of the same layer running at once would share counters.
+//!
+//! A decode step of 2 sequences at the seed shape on an engine's bf16 buffers (allocated here with cudarc; an
+//! engine passes its own addresses, torch's `data_ptr()` for instance) and on its stream:
+//!
+//! ```no_run
+//! use gdn::{Config, DType, Shape, StateLayout};
+//! use gdn_cuda::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+//! use std::sync::Arc;
+//! use gdn_cuda::{Cuda, CudaLayer, RawConv, RawState, RawStep, RawTensor, SeqRows};
+//!
+//! # fn main() -> gdn::Result<()> {
+//! let cuda = Cuda::new()?;
+//! let layer = gdn::synth::Synth::new(1).layer(Config::new(Shape::SEED))?;
+//! let ext = CudaLayer::new(&cuda, &layer, 256)?;
+//! let sh = Shape::SEED;
+//! let (rows, slots, c) = (2, 8, sh.channels());
+//! let stream = cuda.context().new_stream().map_err(|e| gdn::Error::Backend(format!("{e:?}")))?;
+//! let drv = |e| gdn::Error::Backend(format!("{e:?}"));
+//! let bf = |n: usize| stream.alloc_zeros::<gdn::bf16>(n).map_err(drv);
+//! let (qkv, ab, z, out) = (bf(rows * c)?, bf(2 * rows * sh.h_v)?, bf(rows * sh.n())?, bf(rows * sh.n())?);
+//! let state = bf(slots * sh.state_len())?; // [slot][h_v][d][d], value-major
+//! let conv = bf(slots * 3 * c)?; // vLLM's [slot][3][C], seen as [slot][C][3] through its strides
+//! let slot = stream.clone_htod(&[5i32, 2]).map_err(drv)?;
+//! let cu = stream.clone_htod(&[0i32, 1, 2]).map_err(drv)?;
+//! fn addr<T>(b: &CudaSlice<T>, s: &Arc<CudaStream>) -> u64 {
+//!     b.device_ptr(s).0
+//! }
+//! let p = |b: &CudaSlice<gdn::bf16>| addr(b, &stream);
+//! let t = |ptr: u64, row_stride: usize| RawTensor { ptr, dtype: DType::Bf16, row_stride };
+//! let step = RawStep {
+//!     rows,
+//!     qkv: t(p(&qkv), c),
+//!     alpha: t(p(&ab), sh.h_v),
+//!     beta: t(p(&ab) + 2 * (rows * sh.h_v) as u64, sh.h_v),
+//!     z: t(p(&z), sh.n()),
+//!     out: t(p(&out), sh.n()),
+//!     plane_stride: None,
+//!     state: RawState { ptr: p(&state), dtype: DType::Bf16, layout: StateLayout::ValueMajor, slots,
+//!                       slot_stride: sh.state_len() },
+//!     conv: RawConv { ptr: p(&conv), dtype: DType::Bf16, width: 3, slot_stride: 3 * c, chan_stride: 1,
+//!                     col_stride: c },
+//!     seqs: 2,
+//!     slot: addr(&slot, &stream),
+//!     seq_rows: SeqRows::CuSeqlens(addr(&cu, &stream)),
+//!     commit_at: None, // both commit their whole window
+//!     uniform_len: Some(1),
+//!     commits: true,
+//! };
+//! ext.prepare(&step.kind())?; // compile before a graph capture
+//! // SAFETY: the buffers above are of this context and of the extents the step names; `stream` is live.
+//! unsafe { ext.step_raw(&step, stream.cu_stream())? };
+//! ext.take_fault()?; // waits for the context; reports device-side skips
+//! # Ok(())
+//! # }
+//! ```
 
 use std::ffi::c_void;
 use std::sync::Mutex;
