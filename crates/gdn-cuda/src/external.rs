@@ -142,8 +142,8 @@ pub enum SeqRows {
     StartLen { start: u64, len: u64 },
 }
 
-/// One varlen step on memory the caller owns. `rows` rows of `qkv` [R][C], `alpha` and `beta` [R][h_v], `z`
-/// [R][n], y in `out` [R][n] (rows of skipped sequences and rows no sequence covers are not written; with
+/// One varlen step on memory the caller owns. `rows` rows of `qkv` `[R][C]`, `alpha` and `beta` `[R][h_v]`, `z`
+/// `[R][n]`, y in `out` `[R][n]` (rows of skipped sequences and rows no sequence covers are not written; with
 /// `plane_stride` the planes and group sums follow as in [`gdn::OutputLayout`], y packed). Per sequence s < `seqs`
 /// (device `i32` arrays): `slot[s]` (negative: skipped), its rows (`seq_rows`), and `commit_at[s]` (0: verify, k:
 /// commit the state and history after its first k tokens; `None`: every sequence commits its whole window). The
