@@ -711,6 +711,7 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!(@one $make, bad_varlen_input_is_rejected_and_changes_nothing, $crate::varlen::bad_varlen_input_is_rejected_and_changes_nothing);
         $crate::conformance_tests!(@one $make, bf16_state_drift_is_bounded, |b| $crate::varlen::bf16_state_drift_is_bounded(b, 10_000));
         $crate::conformance_tests!(@one $make, every_shape_matches_oracle, $crate::varlen::every_shape_matches_oracle);
+        $crate::conformance_tests!(@one $make, shards_side_by_side_equal_the_unsharded_step, $crate::varlen::shards_side_by_side_equal_the_unsharded_step);
     };
     (@one $make:expr, $name:ident, $check:expr) => {
         #[test]

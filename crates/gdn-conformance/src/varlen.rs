@@ -811,3 +811,112 @@ pub fn every_shape_matches_oracle(backend: &dyn Backend) {
         check_var(backend, &spec.build());
     }
 }
+
+/// Tensor-parallel shards: every rank's step on its slice of the rows and of the state, placed side by side,
+/// equals the unsharded step (y and committed states within 1e-6, bitwise where a backend's launch split does
+/// not depend on the head count), for both head maps and a varlen batch with every commit kind.
+pub fn shards_side_by_side_equal_the_unsharded_step(backend: &dyn Backend) {
+    for (head_map, world) in [
+        (HeadMap::Grouped, 2),
+        (HeadMap::Tiled, 2),
+        (HeadMap::Grouped, 4),
+    ] {
+        let mut spec = VarSpec::new(Shape::new(32, 4, 12).unwrap(), &[3, 1, 5], 91);
+        spec.head_map = head_map;
+        spec.seqs[0].1 = Commit::First(2);
+        spec.seqs[1].1 = Commit::Verify;
+        let case = spec.build();
+        let full = run_var(backend, &case);
+        let sh = *case.layer.shape();
+        let rows = case.rows();
+        let (mut y, mut states) = (vec![0.0f32; rows * sh.n()], full.slots.clone());
+        for (s, _) in states.iter_mut() {
+            s.fill(0.0);
+        }
+        let mut placed = vec![0usize; sh.n()];
+        for rank in 0..world {
+            let (layer, map) = case.layer.shard(rank, world).expect("shard");
+            let ssh = *layer.shape();
+            let (chans, cols) = (map.channels(), map.columns());
+            let gather = |x: &TensorData, width: usize, idx: &[usize]| {
+                let x = x.to_f32();
+                let v: Vec<f32> = (0..rows)
+                    .flat_map(|r| idx.iter().map(move |&c| r * width + c))
+                    .map(|i| x[i])
+                    .collect();
+                TensorData::from_f32(&v, DType::F32)
+            };
+            // the state's key-major [i][h][j] rows, of this shard's value heads
+            let state_of = |s: &[f32]| -> Vec<f32> {
+                (0..sh.d)
+                    .flat_map(|i| {
+                        map.value_heads
+                            .iter()
+                            .flat_map(move |&h| (0..sh.d).map(move |j| (i * sh.h_v + h) * sh.d + j))
+                    })
+                    .map(|k| s[k])
+                    .collect()
+            };
+            let init = case
+                .init
+                .iter()
+                .map(|(s, h)| {
+                    let hist = chans
+                        .iter()
+                        .flat_map(|&c| h[c * 3..c * 3 + 3].to_vec())
+                        .collect();
+                    (state_of(s), hist)
+                })
+                .collect();
+            let shard_case = VarCase {
+                layer,
+                init,
+                rows: RowsData {
+                    qkv: gather(&case.rows.qkv, sh.channels(), &chans),
+                    alpha: gather(&case.rows.alpha, sh.h_v, &map.value_heads),
+                    beta: gather(&case.rows.beta, sh.h_v, &map.value_heads),
+                    z: gather(&case.rows.z, sh.n(), &cols),
+                },
+                ..case.clone()
+            };
+            let got = run_var(backend, &shard_case);
+            let out = got.out.to_f32();
+            for r in 0..rows {
+                for (cs, &c) in cols.iter().enumerate() {
+                    y[r * sh.n() + c] = out[r * ssh.n() + cs];
+                }
+            }
+            for &c in &cols {
+                placed[c] += 1;
+            }
+            for (slot, (s, _)) in got.slots.iter().enumerate() {
+                for i in 0..sh.d {
+                    for (hs, &h) in map.value_heads.iter().enumerate() {
+                        for j in 0..sh.d {
+                            states[slot].0[(i * sh.h_v + h) * sh.d + j] =
+                                s[(i * ssh.h_v + hs) * sh.d + j];
+                        }
+                    }
+                }
+            }
+        }
+        assert!(
+            placed.iter().all(|&n| n == 1),
+            "every output column from one shard"
+        );
+        let want: Vec<f64> = full.out.to_f32()[..rows * sh.n()]
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
+        let e_y = gdn::relative_error(&y, &want);
+        let mut e_s = 0.0f64;
+        for (got, want) in states.iter().zip(&full.slots) {
+            let w: Vec<f64> = want.0.iter().map(|&v| v as f64).collect();
+            e_s = e_s.max(gdn::relative_error(&got.0, &w));
+        }
+        assert!(
+            e_y <= 1e-6 && e_s <= 1e-6,
+            "{head_map:?} world {world}: shards side by side differ from the unsharded step: y {e_y:.2e}, state {e_s:.2e}"
+        );
+    }
+}

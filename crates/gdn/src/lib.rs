@@ -5,6 +5,7 @@
 //! - [`batch`]: uniform windows of inputs, the output layout, the checks every backend runs first.
 //! - [`backend`]: the [`Backend`] and [`LayerPool`] traits every backend implements.
 //! - [`oracle`]: the float64 reference, SPEC.md as plain code.
+//! - [`shard`]: tensor-parallel shards of a layer over its heads.
 //! - [`cpu`]: the fast f32 CPU backend.
 //! - [`stepfile`]: the safetensors file format of `gdn step`.
 //! - [`synth`]: random layers and windows for tests, demos and benchmarks.
@@ -40,6 +41,7 @@ pub mod config;
 pub mod cpu;
 pub mod error;
 pub mod oracle;
+pub mod shard;
 pub mod step;
 pub mod stepfile;
 pub mod synth;
@@ -50,6 +52,7 @@ pub use config::{Commit, Config, Gate, HeadMap, Layer, Params, Shape};
 pub use cpu::Cpu;
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
+pub use shard::ShardMap;
 pub use step::{
     seqs_from_cu_seqlens, Checked, DType, PoolOptions, Rows, RowsData, Seq, StateLayout, Step,
     Tensor, TensorData, TensorMut,
