@@ -11,7 +11,7 @@
 #   `h200_external.sh more` instead: the external tests, then the `external_bench` example (copied stripped to
 #   .devbin/ext/external_bench) alone on the GPU, then synccheck, initcheck and racecheck on the external tests
 set -u
-B=.devbin/ext
+B=$(dirname "$0")  # the folder this copy of the script lies in, with the binaries
 S=$OUT/summary.txt
 t0=$(date +%s)
 stamp() { echo "-- t=$(( $(date +%s) - t0 ))s $*" | tee -a "$S"; }
