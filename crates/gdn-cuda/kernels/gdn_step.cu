@@ -504,26 +504,12 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #endif  // !STAGE
 
 #if GDN_EXT && GDN_COMMIT
-    // the last-reader count of this sequence's q / k history (see EXTERNAL above); commit_at is uniform over
-    // the sequence's blocks, so the barriers are too
-    bool last_reader = false;
-    if (commit_at > 0) {
-        __shared__ unsigned last_s;
-        __syncthreads();  // every thread of the block has read its history
-        if (tid == 0) {
-            unsigned* c = ext.ctr + (size_t)sq_i * HK + g;
-            __threadfence();
-            const unsigned before = atomicAdd(c, 1u);
-            const unsigned last = before == READERS - 1;
-            if (last) {
-                atomicExch(c, 0u);
-                __threadfence();
-            }
-            last_s = last;
-        }
-        __syncthreads();
-        last_reader = last_s != 0;
-    }
+    // the last-reader count of this sequence's q / k history (see EXTERNAL above): thread 0 counts the block
+    // at token 0 once the conv has consumed every thread's history (after the token's first barrier) and
+    // publishes the verdict before its output-norm barrier, so the atomic's round trip overlaps the sweeps
+    __shared__ unsigned last_s;
+    unsigned* const ctr = ext.ctr + (size_t)sq_i * HK + g;
+    unsigned before = 0;
 #endif
 
     for (int t = 0; t < T; ++t) {
@@ -567,6 +553,12 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
             b_in = more ? beta[(row + 1) * B_RS + h] : (EB::T)0;
         }
         __syncthreads();
+#if GDN_EXT && GDN_COMMIT
+        if (t == 0 && tid == 0 && commit_at > 0) {
+            __threadfence();  // release: the block's history reads (ordered by the barrier) before the count
+            before = atomicAdd(ctr, 1u);
+        }
+#endif
 
         // 2. L2 norms: each q / k channel's thread scales its value, in the spec's two roundings
 #pragma unroll
@@ -707,6 +699,16 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         const float zt = EZ::ld(zz);
         if (rg == 0) zz = more ? z[(row + 1) * Z_RS + h * D + j] : (EZ::T)0;
         if (lane == 0) part_o[t & 1][warp] = osq;
+#if GDN_EXT && GDN_COMMIT
+        if (t == 0 && tid == 0 && commit_at > 0) {
+            const bool last = before == READERS - 1;
+            if (last) {
+                atomicExch(ctr, 0u);
+                __threadfence();  // acquire: every reader counted, so every read is done, before the writes
+            }
+            last_s = last;
+        }
+#endif
         __syncthreads();
         float tot = 0.0f;
 #pragma unroll
@@ -760,8 +762,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
             for (int m = 0; m < NCH; ++m) {
                 const int e = tid + m * NT;
 #if GDN_EXT
-                // q / k: the last reader only; v: the owner of the column
-                const bool mine = e < 2 * D ? last_reader : chan[m] >= 0;
+                // q / k: the last reader only (last_s was published before token 0's output-norm barrier,
+                // which every commit follows); v: the owner of the column
+                const bool mine = e < 2 * D ? last_s != 0 : chan[m] >= 0;
                 if (mine) {
                     EC::T* p = conv_b + (size_t)chan[m] * ext.conv_cs;
                     p[0] = EC::st(hst[m][0]);
