@@ -357,8 +357,40 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 
     // the sequence: all four loads in flight at once; the rows and the state both wait only for them
     const int slot = seq_slot[sq_i];
-    const int start = seq_start[sq_i];
 #if GDN_EXT
+    // seq_start null: the rows are packed in sequence order and this sequence starts after the lengths before
+    // it, summed by the block (a negative or zero length among them makes the start invalid: skipped, reported)
+    int start_v;
+    if (seq_start) {
+        start_v = seq_start[sq_i];
+    } else {
+        __shared__ long long pre_sum[NW];
+        __shared__ int pre_bad[NW];
+        long long acc = 0;
+        int bad = 0;
+        for (int i = tid; i < sq_i; i += NT) {
+            const int l = seq_len[i];
+            acc += l;
+            bad |= l < 1;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        bad = __any_sync(0xffffffffu, bad);
+        if (lane == 0) {
+            pre_sum[warp] = acc;
+            pre_bad[warp] = bad;
+        }
+        __syncthreads();
+        long long tot = 0;
+        int any_bad = 0;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) {
+            tot += pre_sum[w];
+            any_bad |= pre_bad[w];
+        }
+        start_v = any_bad || tot > 0x7fffffffLL ? -1 : (int)tot;
+    }
+    const int start = start_v;
     // start / len, or cu_seqlens (seq_len null: the length is the next offset minus this one)
     const int next = seq_len ? seq_len[sq_i] : seq_start[sq_i + 1];
     const long long len_ll = seq_len ? (long long)next : (long long)next - start;
@@ -367,6 +399,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     const int commit_raw = seq_commit ? seq_commit[sq_i] : 0;
 #endif
 #else
+    const int start = seq_start[sq_i];
     const int len = seq_len[sq_i];
 #if GDN_COMMIT
     const int commit_in = seq_commit[sq_i];

@@ -14,7 +14,8 @@
 //!   first, stored rounded to its dtype (nearest even); columns before `w - 3` are neither read nor written.
 //! - Inputs and y: rows `row_stride` elements apart (the row's own elements contiguous); with planes, y must
 //!   be packed (`row_stride` n) and the planes sit at `plane_stride` as in [`gdn::OutputLayout`].
-//! - Sequences: `cu_seqlens` (`i32 [n + 1]`) or start and length arrays (`i32 [n]` each), a slot each (`i32`,
+//! - Sequences: `cu_seqlens` (`i32 [n + 1]`), start and length arrays (`i32 [n]` each) or lengths alone (rows
+//!   packed in sequence order from row 0; each block sums the lengths before it), a slot each (`i32`,
 //!   negative skips), and optionally a commit point each (`i32`: 0 verify, k commit after k tokens; `None`:
 //!   every sequence commits its whole window). Bits are those of [`crate::CudaPool`] on the same values.
 //!
@@ -140,6 +141,9 @@ pub enum SeqRows {
     CuSeqlens(u64),
     /// `[seqs]` first rows and `[seqs]` lengths.
     StartLen { start: u64, len: u64 },
+    /// `[seqs]` lengths, the rows packed in sequence order: sequence s starts after the lengths before it
+    /// (each block sums them on the device, so the caller needs no offsets).
+    Lengths(u64),
 }
 
 /// One varlen step on memory the caller owns. `rows` rows of `qkv` `[R][C]`, `alpha` and `beta` `[R][h_v]`, `z`
@@ -545,6 +549,7 @@ impl CudaLayer {
                     check_ints("start", start, step.seqs)?;
                     check_ints("len", len, step.seqs)?;
                 }
+                SeqRows::Lengths(p) => check_ints("len", p, step.seqs)?,
             }
             if let Some(p) = step.commit_at {
                 check_ints("commit_at", p, step.seqs)?;
@@ -611,6 +616,7 @@ impl CudaLayer {
         let (p_start, p_len) = match step.seq_rows {
             SeqRows::CuSeqlens(p) => (p, 0u64),
             SeqRows::StartLen { start, len } => (start, len),
+            SeqRows::Lengths(len) => (0u64, len),
         };
         let mut p_state = step.state.ptr;
         let mut p_hist = 0u64;

@@ -97,6 +97,8 @@ struct Case {
     /// extra elements per input / output row
     row_pad: usize,
     cu_seqlens: bool,
+    /// with `cu_seqlens`: the lengths alone (`SeqRows::Lengths`, rows packed from row 0)
+    lengths_only: bool,
     /// commit_at None (every sequence commits its whole window; the seqs' commits must be All)
     commit_none: bool,
     planes: bool,
@@ -343,7 +345,9 @@ fn engine(s: &Arc<CudaStream>, c: &Case, inp: &Inputs) -> Engine {
         },
         seqs: c.seqs.len(),
         slot: a(4),
-        seq_rows: if c.cu_seqlens {
+        seq_rows: if c.cu_seqlens && c.lengths_only {
+            SeqRows::Lengths(a(6))
+        } else if c.cu_seqlens {
             SeqRows::CuSeqlens(a(7))
         } else {
             SeqRows::StartLen {
@@ -484,6 +488,7 @@ fn base(name: &'static str) -> Case {
         state_pad: 0,
         row_pad: 0,
         cu_seqlens: false,
+        lengths_only: false,
         commit_none: false,
         planes: false,
         slots: 8,
@@ -499,6 +504,17 @@ fn base(name: &'static str) -> Case {
         uniform: false,
         bf16_hist: false,
     }
+}
+
+/// Lengths alone: adjacent sequences from row 0
+fn packed(c: Case) -> Case {
+    let mut c = adjacent(c);
+    for q in &mut c.seqs {
+        q.start -= 2;
+    }
+    c.rows -= 2;
+    c.lengths_only = true;
+    c
 }
 
 /// cu_seqlens needs adjacent sequences
@@ -580,6 +596,13 @@ fn cases() -> Vec<Case> {
                 .collect(),
             conv_kind: ConvKind::VllmT,
             ..adjacent(base("commit_at None, cu_seqlens, vLLM conv"))
+        },
+        Case {
+            conv_kind: ConvKind::VllmT,
+            io: DType::Bf16,
+            ..packed(base(
+                "lengths alone (rows packed from 0), mixed commits, vLLM conv",
+            ))
         },
         Case {
             seqs: base("")
