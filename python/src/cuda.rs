@@ -1,5 +1,5 @@
 //! The CUDA path: `gdn_cuda::CudaLayer::step_raw` on the caller's device memory, on torch's current stream. No
-//! copy, no allocation (but `out=None`'s and, with `lengths`, the row offsets torch computes), no host
+//! copy, no allocation (but `out=None`'s), no host
 //! synchronisation unless `validate=True`. One `CudaLayer` per (layer, device), made at the first step there;
 //! one `gdn_cuda::Cuda` per device shared by every layer, so each kernel specialisation compiles once.
 
@@ -220,28 +220,10 @@ pub fn step(
     let seqs = x.slots.shape[0];
     let cl = layers.get(layer, dev, seqs.max(1))?;
     let stream = current_stream(py, dev)?;
-    // with lengths, the offsets: start = cumsum(lengths) - lengths (two small kernels on the same stream; the
-    // tensor lives until this function returns, and torch's allocator orders its reuse on that stream)
-    let mut keep_alive = None;
+    // with lengths, the kernel's blocks sum the lengths before their own sequence (rows packed in order)
     let (seq_rows, uniform_len) = match (x.cu, x.lengths) {
         (Some(cu), _) => (SeqRows::CuSeqlens(cu.ptr as u64), None),
-        (None, Some(l)) => {
-            let kw = PyDict::new(py);
-            kw.set_item("dtype", l.obj.getattr("dtype")?)?;
-            let start = l
-                .obj
-                .call_method("cumsum", (0,), Some(&kw))?
-                .call_method1("sub_", (&l.obj,))?;
-            let p: u64 = start.call_method0(intern!(py, "data_ptr"))?.extract()?;
-            keep_alive = Some(start);
-            (
-                SeqRows::StartLen {
-                    start: p,
-                    len: l.ptr as u64,
-                },
-                None,
-            )
-        }
+        (None, Some(l)) => (SeqRows::Lengths(l.ptr as u64), None),
         (None, None) => (SeqRows::CuSeqlens(arange(py, dev, seqs)?), Some(1)),
     };
     let st = x.state;
@@ -292,6 +274,5 @@ pub fn step(
         // op, the caller must not have other streams write these tensors meanwhile.
         unsafe { cl.step_raw(&raw, stream as cudarc::driver::sys::CUstream) }
     });
-    drop(keep_alive);
     r.map_err(backend_err)
 }

@@ -82,13 +82,30 @@ def decode_ms(model, ids, steps):
         return (time.perf_counter() - t) * 1e3 / steps
 
 
-def compare(dtype):
+def forced_logits(model, full, steps):
+    """Logits of `steps` decode steps fed the tokens of `full` (teacher forcing): a prefill of the prompt, then
+    one-token windows."""
+    from transformers import DynamicCache
+
+    p = full.shape[1] - steps
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        out = [model(full[:, :p], past_key_values=cache, use_cache=True).logits[:, -1]]
+        for i in range(steps - 1):
+            out.append(model(full[:, p + i:p + i + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+    return torch.stack(out, 1).float()
+
+
+def compare(dtype, ref=None):
+    """Greedy generation with HF's path and with gdn.hf.patch. For bf16, also both paths' logits teacher-forced
+    on the f32 run's tokens, against the f32 run's logits (`ref`): how far each bf16 path is from f32."""
     name = str(dtype).split(".")[-1]
     model = build(dtype)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=g).to(DEV)
     ref_tok, ref_logits = generate(model, ids)
     hf_ms = decode_ms(model, ids, 8 if QUICK else 32)
+    hf_forced = forced_logits(model, ref[0], NEW) if ref is not None else None
     n = gdn.hf.patch(model)
     got_tok, got_logits = generate(model, ids)
     gdn_ms = decode_ms(model, ids, 8 if QUICK else 32)
@@ -99,10 +116,22 @@ def compare(dtype):
     err = ((got_logits[:, :k] - ref_logits[:, :k]).norm() / ref_logits[:, :k].norm()).item()
     r = dict(patched_layers=n, tokens_equal=same, first_divergence=first, logit_rel_err=err,
              hf_decode_ms=hf_ms, gdn_decode_ms=gdn_ms)
+    print(f"{name}: {n} GDN layers patched; greedy tokens equal {same * 100:.1f}% (first divergence at {first} of "
+          f"{NEW}); logit rel. error {err:.2e} over {k} steps; decode per token: HF {hf_ms:.2f} ms, gdn {gdn_ms:.2f} ms")
+    if ref is not None:
+        gdn_forced = forced_logits(model, ref[0], NEW)
+        f32_logits = ref[1]
+        rel = lambda x: ((x - f32_logits).norm() / f32_logits.norm()).item()
+        top = lambda x: (x.argmax(-1) == f32_logits.argmax(-1)).float().mean().item()
+        both = (hf_forced.argmax(-1) == gdn_forced.argmax(-1)).float().mean().item()
+        r.update(forced_hf_vs_f32_rel=rel(hf_forced), forced_gdn_vs_f32_rel=rel(gdn_forced),
+                 forced_hf_top1_vs_f32=top(hf_forced), forced_gdn_top1_vs_f32=top(gdn_forced),
+                 forced_top1_hf_vs_gdn=both)
+        print(f"{name}, teacher-forced on the f32 tokens, against the f32 logits: HF {name} rel. error "
+              f"{rel(hf_forced):.2e}, top-1 {top(hf_forced) * 100:.1f}%; gdn {name} rel. error {rel(gdn_forced):.2e}, "
+              f"top-1 {top(gdn_forced) * 100:.1f}%; HF and gdn top-1 agree {both * 100:.1f}%")
     res[name] = r
-    print(f"{name}: {n} GDN layers patched; tokens equal {same * 100:.1f}% (first divergence at {first} of {NEW}); "
-          f"logit rel. error {err:.2e} over {k} steps; decode per token: HF {hf_ms:.2f} ms, gdn {gdn_ms:.2f} ms")
-    return model
+    return torch.cat([ids, ref_tok], 1), ref_logits
 
 
 def host_cost():
@@ -160,8 +189,8 @@ def host_cost():
           f"(host cost above the kernel: {wall - kern:.2f} us)")
 
 
-compare(torch.float32)
-compare(torch.bfloat16)
+f32_run = compare(torch.float32)
+compare(torch.bfloat16, f32_run)
 host_cost()
 fla = None
 try:

@@ -357,8 +357,40 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 
     // the sequence: all four loads in flight at once; the rows and the state both wait only for them
     const int slot = seq_slot[sq_i];
-    const int start = seq_start[sq_i];
 #if GDN_EXT
+    // seq_start null: the rows are packed in sequence order and this sequence starts after the lengths before
+    // it, summed by the block (a negative or zero length among them makes the start invalid: skipped, reported)
+    int start_v;
+    if (seq_start) {
+        start_v = seq_start[sq_i];
+    } else {
+        __shared__ long long pre_sum[NW];
+        __shared__ int pre_bad[NW];
+        long long acc = 0;
+        int bad = 0;
+        for (int i = tid; i < sq_i; i += NT) {
+            const int l = seq_len[i];
+            acc += l;
+            bad |= l < 1;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        bad = __any_sync(0xffffffffu, bad);
+        if (lane == 0) {
+            pre_sum[warp] = acc;
+            pre_bad[warp] = bad;
+        }
+        __syncthreads();
+        long long tot = 0;
+        int any_bad = 0;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) {
+            tot += pre_sum[w];
+            any_bad |= pre_bad[w];
+        }
+        start_v = any_bad || tot > 0x7fffffffLL ? -1 : (int)tot;
+    }
+    const int start = start_v;
     // start / len, or cu_seqlens (seq_len null: the length is the next offset minus this one)
     const int next = seq_len ? seq_len[sq_i] : seq_start[sq_i + 1];
     const long long len_ll = seq_len ? (long long)next : (long long)next - start;
@@ -367,6 +399,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     const int commit_raw = seq_commit ? seq_commit[sq_i] : 0;
 #endif
 #else
+    const int start = seq_start[sq_i];
     const int len = seq_len[sq_i];
 #if GDN_COMMIT
     const int commit_in = seq_commit[sq_i];
@@ -504,26 +537,12 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #endif  // !STAGE
 
 #if GDN_EXT && GDN_COMMIT
-    // the last-reader count of this sequence's q / k history (see EXTERNAL above); commit_at is uniform over
-    // the sequence's blocks, so the barriers are too
-    bool last_reader = false;
-    if (commit_at > 0) {
-        __shared__ unsigned last_s;
-        __syncthreads();  // every thread of the block has read its history
-        if (tid == 0) {
-            unsigned* c = ext.ctr + (size_t)sq_i * HK + g;
-            __threadfence();
-            const unsigned before = atomicAdd(c, 1u);
-            const unsigned last = before == READERS - 1;
-            if (last) {
-                atomicExch(c, 0u);
-                __threadfence();
-            }
-            last_s = last;
-        }
-        __syncthreads();
-        last_reader = last_s != 0;
-    }
+    // the last-reader count of this sequence's q / k history (see EXTERNAL above): thread 0 counts the block
+    // at token 0 once the conv has consumed every thread's history (after the token's first barrier) and
+    // publishes the verdict before its output-norm barrier, so the atomic's round trip overlaps the sweeps
+    __shared__ unsigned last_s;
+    unsigned* const ctr = ext.ctr + (size_t)sq_i * HK + g;
+    unsigned before = 0;
 #endif
 
     for (int t = 0; t < T; ++t) {
@@ -567,6 +586,12 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
             b_in = more ? beta[(row + 1) * B_RS + h] : (EB::T)0;
         }
         __syncthreads();
+#if GDN_EXT && GDN_COMMIT
+        if (t == 0 && tid == 0 && commit_at > 0) {
+            __threadfence();  // release: the block's history reads (ordered by the barrier) before the count
+            before = atomicAdd(ctr, 1u);
+        }
+#endif
 
         // 2. L2 norms: each q / k channel's thread scales its value, in the spec's two roundings
 #pragma unroll
@@ -707,6 +732,16 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         const float zt = EZ::ld(zz);
         if (rg == 0) zz = more ? z[(row + 1) * Z_RS + h * D + j] : (EZ::T)0;
         if (lane == 0) part_o[t & 1][warp] = osq;
+#if GDN_EXT && GDN_COMMIT
+        if (t == 0 && tid == 0 && commit_at > 0) {
+            const bool last = before == READERS - 1;
+            if (last) {
+                atomicExch(ctr, 0u);
+                __threadfence();  // acquire: every reader counted, so every read is done, before the writes
+            }
+            last_s = last;
+        }
+#endif
         __syncthreads();
         float tot = 0.0f;
 #pragma unroll
@@ -760,8 +795,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
             for (int m = 0; m < NCH; ++m) {
                 const int e = tid + m * NT;
 #if GDN_EXT
-                // q / k: the last reader only; v: the owner of the column
-                const bool mine = e < 2 * D ? last_reader : chan[m] >= 0;
+                // q / k: the last reader only (last_s was published before token 0's output-norm barrier,
+                // which every commit follows); v: the owner of the column
+                const bool mine = e < 2 * D ? last_s != 0 : chan[m] >= 0;
                 if (mine) {
                     EC::T* p = conv_b + (size_t)chan[m] * ext.conv_cs;
                     p[0] = EC::st(hst[m][0]);

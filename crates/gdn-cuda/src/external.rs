@@ -14,7 +14,8 @@
 //!   first, stored rounded to its dtype (nearest even); columns before `w - 3` are neither read nor written.
 //! - Inputs and y: rows `row_stride` elements apart (the row's own elements contiguous); with planes, y must
 //!   be packed (`row_stride` n) and the planes sit at `plane_stride` as in [`gdn::OutputLayout`].
-//! - Sequences: `cu_seqlens` (`i32 [n + 1]`) or start and length arrays (`i32 [n]` each), a slot each (`i32`,
+//! - Sequences: `cu_seqlens` (`i32 [n + 1]`), start and length arrays (`i32 [n]` each) or lengths alone (rows
+//!   packed in sequence order from row 0; each block sums the lengths before it), a slot each (`i32`,
 //!   negative skips), and optionally a commit point each (`i32`: 0 verify, k commit after k tokens; `None`:
 //!   every sequence commits its whole window). Bits are those of [`crate::CudaPool`] on the same values.
 //!
@@ -28,6 +29,61 @@
 //! new q/k history at its commit token. Value channels belong to one block, which writes them. Verify
 //! sequences neither count nor write. So the steps of one `CudaLayer` must be ordered (one stream, or streams
 //! ordered by events): two steps of the same layer running at once would share counters.
+//!
+//! A decode step of 2 sequences at the seed shape on an engine's bf16 buffers (allocated here with cudarc; an
+//! engine passes its own addresses, torch's `data_ptr()` for instance) and on its stream:
+//!
+//! ```no_run
+//! use gdn::{Config, DType, Shape, StateLayout};
+//! use gdn_cuda::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+//! use std::sync::Arc;
+//! use gdn_cuda::{Cuda, CudaLayer, RawConv, RawState, RawStep, RawTensor, SeqRows};
+//!
+//! # fn main() -> gdn::Result<()> {
+//! let cuda = Cuda::new()?;
+//! let layer = gdn::synth::Synth::new(1).layer(Config::new(Shape::SEED))?;
+//! let ext = CudaLayer::new(&cuda, &layer, 256)?;
+//! let sh = Shape::SEED;
+//! let (rows, slots, c) = (2, 8, sh.channels());
+//! let stream = cuda.context().new_stream().map_err(|e| gdn::Error::Backend(format!("{e:?}")))?;
+//! let drv = |e| gdn::Error::Backend(format!("{e:?}"));
+//! let bf = |n: usize| stream.alloc_zeros::<gdn::bf16>(n).map_err(drv);
+//! let (qkv, ab, z, out) = (bf(rows * c)?, bf(2 * rows * sh.h_v)?, bf(rows * sh.n())?, bf(rows * sh.n())?);
+//! let state = bf(slots * sh.state_len())?; // [slot][h_v][d][d], value-major
+//! let conv = bf(slots * 3 * c)?; // vLLM's [slot][3][C], seen as [slot][C][3] through its strides
+//! let slot = stream.clone_htod(&[5i32, 2]).map_err(drv)?;
+//! let cu = stream.clone_htod(&[0i32, 1, 2]).map_err(drv)?;
+//! fn addr<T>(b: &CudaSlice<T>, s: &Arc<CudaStream>) -> u64 {
+//!     b.device_ptr(s).0
+//! }
+//! let p = |b: &CudaSlice<gdn::bf16>| addr(b, &stream);
+//! let t = |ptr: u64, row_stride: usize| RawTensor { ptr, dtype: DType::Bf16, row_stride };
+//! let step = RawStep {
+//!     rows,
+//!     qkv: t(p(&qkv), c),
+//!     alpha: t(p(&ab), sh.h_v),
+//!     beta: t(p(&ab) + 2 * (rows * sh.h_v) as u64, sh.h_v),
+//!     z: t(p(&z), sh.n()),
+//!     out: t(p(&out), sh.n()),
+//!     plane_stride: None,
+//!     state: RawState { ptr: p(&state), dtype: DType::Bf16, layout: StateLayout::ValueMajor, slots,
+//!                       slot_stride: sh.state_len() },
+//!     conv: RawConv { ptr: p(&conv), dtype: DType::Bf16, width: 3, slot_stride: 3 * c, chan_stride: 1,
+//!                     col_stride: c },
+//!     seqs: 2,
+//!     slot: addr(&slot, &stream),
+//!     seq_rows: SeqRows::CuSeqlens(addr(&cu, &stream)),
+//!     commit_at: None, // both commit their whole window
+//!     uniform_len: Some(1),
+//!     commits: true,
+//! };
+//! ext.prepare(&step.kind())?; // compile before a graph capture
+//! // SAFETY: the buffers above are of this context and of the extents the step names; `stream` is live.
+//! unsafe { ext.step_raw(&step, stream.cu_stream())? };
+//! ext.take_fault()?; // waits for the context; reports device-side skips
+//! # Ok(())
+//! # }
+//! ```
 
 use std::ffi::c_void;
 use std::sync::Mutex;
@@ -85,10 +141,13 @@ pub enum SeqRows {
     CuSeqlens(u64),
     /// `[seqs]` first rows and `[seqs]` lengths.
     StartLen { start: u64, len: u64 },
+    /// `[seqs]` lengths, the rows packed in sequence order: sequence s starts after the lengths before it
+    /// (each block sums them on the device, so the caller needs no offsets).
+    Lengths(u64),
 }
 
-/// One varlen step on memory the caller owns. `rows` rows of `qkv` [R][C], `alpha` and `beta` [R][h_v], `z`
-/// [R][n], y in `out` [R][n] (rows of skipped sequences and rows no sequence covers are not written; with
+/// One varlen step on memory the caller owns. `rows` rows of `qkv` `[R][C]`, `alpha` and `beta` `[R][h_v]`, `z`
+/// `[R][n]`, y in `out` `[R][n]` (rows of skipped sequences and rows no sequence covers are not written; with
 /// `plane_stride` the planes and group sums follow as in [`gdn::OutputLayout`], y packed). Per sequence s < `seqs`
 /// (device `i32` arrays): `slot[s]` (negative: skipped), its rows (`seq_rows`), and `commit_at[s]` (0: verify, k:
 /// commit the state and history after its first k tokens; `None`: every sequence commits its whole window). The
@@ -490,6 +549,7 @@ impl CudaLayer {
                     check_ints("start", start, step.seqs)?;
                     check_ints("len", len, step.seqs)?;
                 }
+                SeqRows::Lengths(p) => check_ints("len", p, step.seqs)?,
             }
             if let Some(p) = step.commit_at {
                 check_ints("commit_at", p, step.seqs)?;
@@ -556,6 +616,7 @@ impl CudaLayer {
         let (p_start, p_len) = match step.seq_rows {
             SeqRows::CuSeqlens(p) => (p, 0u64),
             SeqRows::StartLen { start, len } => (start, len),
+            SeqRows::Lengths(len) => (0u64, len),
         };
         let mut p_state = step.state.ptr;
         let mut p_hist = 0u64;

@@ -5,6 +5,10 @@
 //! pool's state and the launch split (see [`spec`]). The state pool lives on the device;
 //! [`CudaPool::step_device`] takes inputs already there and can be captured into a CUDA graph.
 //!
+//! [`CudaLayer::step_raw`] runs the same step on memory an engine owns (its state pool, its `[slot][C][w]` conv
+//! state, strided rows, cu_seqlens) on the engine's stream; see [`external`] for the design and how the
+//! shared q/k history stays race-free.
+//!
 //! With no driver, no GPU or no libnvrtc, [`Cuda::new`] returns [`gdn::Error::Unavailable`]. The library
 //! reads no environment variables.
 //!
@@ -58,6 +62,9 @@
 
 pub mod external;
 pub mod pool;
+
+/// The cudarc this crate is built on (an engine on cudarc passes its streams and device addresses).
+pub use cudarc;
 pub mod spec;
 
 use std::collections::HashMap;
