@@ -637,8 +637,8 @@ fn step_impl<'py>(
 /// running sequence's state and conv history are copied into a scratch pool of the layer, stepped there, and
 /// copied back for the sequences that commit.
 ///
-/// On CUDA: no host synchronisation (unless ``validate``), nothing allocated but ``out=None``'s output and, with
-/// ``lengths``, the row offsets (two small torch ops: pass ``cu_seqlens`` where you have it). Bad index values that
+/// On CUDA: one kernel launch, no host synchronisation (unless ``validate``), nothing allocated but ``out=None``'s
+/// output (``lengths`` are summed on the device by the kernel itself). Bad index values that
 /// ``validate=False`` lets through skip their sequence on the device and are reported by
 /// ``layer.check_faults()``. The steps of one layer on one device must be ordered (one stream, or streams ordered
 /// by events): they share the layer's q/k-history counters. CUDA graphs: run one step of each kind (dtypes,
