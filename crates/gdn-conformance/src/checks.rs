@@ -712,6 +712,8 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!(@one $make, bf16_state_drift_is_bounded, |b| $crate::varlen::bf16_state_drift_is_bounded(b, 10_000));
         $crate::conformance_tests!(@one $make, every_shape_matches_oracle, $crate::varlen::every_shape_matches_oracle);
         $crate::conformance_tests!(@one $make, shards_side_by_side_equal_the_unsharded_step, $crate::varlen::shards_side_by_side_equal_the_unsharded_step);
+        $crate::conformance_tests!(@one $make, speculative_steps_match_the_two_pass_flow, $crate::spec::speculative_steps_match_the_two_pass_flow);
+        $crate::conformance_tests!(@one $make, bad_speculative_input_is_rejected, $crate::spec::bad_speculative_input_is_rejected);
     };
     (@one $make:expr, $name:ident, $check:expr) => {
         #[test]

@@ -4,6 +4,7 @@
 //! `gdn::Result<Box<dyn gdn::Backend>>`; an `Error::Unavailable` skips each test with a message on stderr.
 
 pub mod fixtures;
+pub mod spec;
 
 pub use gdn;
 pub use proptest;

@@ -186,6 +186,36 @@ pub trait LayerPool {
     /// are left as they were). Every check ([`Step::validate`], then the dtypes the backend takes) runs
     /// before any state is touched: on error, the pool and `out` are as they were.
     fn step_varlen(&mut self, step: &Step<'_>, out: TensorMut<'_>) -> Result<()>;
+    /// The speculative step (SPEC.md, "Speculative steps"): for each sequence, the window held on its slot (if
+    /// any) first keeps its first `accept[i]` tokens (as a k-token commit would; 0 drops it), then the sequence's
+    /// window runs; a window whose commit is `Verify` is *held* (a later `step_spec` or
+    /// [`LayerPool::commit_held`] keeps a prefix of it), one that commits commits as in `step_varlen`. Outputs,
+    /// committed states and histories are bitwise those of the seed's flow (verify, commit the prefix, verify
+    /// the next window) on the same backend. Every check runs first. Backends without a native path return
+    /// `Unsupported`; wrap them in [`crate::spec::TwoPass`].
+    fn step_spec(&mut self, step: &Step<'_>, accept: &[usize], out: TensorMut<'_>) -> Result<()> {
+        let _ = (step, accept, out);
+        Err(crate::Error::Unsupported(
+            "a native speculative step (wrap the pool in gdn::spec::TwoPass)".into(),
+        ))
+    }
+    /// The length of the window held on `slot` (0: none).
+    fn held(&self, slot: usize) -> usize {
+        let _ = slot;
+        0
+    }
+    /// Keeps the first `accept` tokens of the window held on `slot` and drops the rest (a request's end, or
+    /// before the slot is read, copied elsewhere or stepped plainly). Nothing held: `accept` must be 0.
+    fn commit_held(&mut self, slot: usize, accept: usize) -> Result<()> {
+        crate::spec::slot_in_range(slot, self.slots())?;
+        if accept > 0 {
+            return Err(crate::Error::Param {
+                name: "accept",
+                why: format!("{accept} tokens, but slot {slot} holds no window"),
+            });
+        }
+        Ok(())
+    }
     /// A uniform batch of f32 windows with one commit mode (a convenience over [`LayerPool::step_varlen`]).
     fn step(&mut self, args: &StepArgs<'_>, out: &mut [f32]) -> Result<()> {
         let seqs = args.seqs(self.layer().shape())?;
@@ -319,6 +349,51 @@ pub mod head_history {
                 }
             }
         }
+    }
+}
+
+/// A boxed pool is a pool (so adapters such as [`crate::spec::TwoPass`] wrap what `create_pool_with` returns).
+impl<P: LayerPool + ?Sized> LayerPool for Box<P> {
+    fn layer(&self) -> &Layer {
+        (**self).layer()
+    }
+    fn slots(&self) -> usize {
+        (**self).slots()
+    }
+    fn options(&self) -> PoolOptions {
+        (**self).options()
+    }
+    fn write_slot(&mut self, slot: usize, state: &[f32], hist: &[f32]) -> Result<()> {
+        (**self).write_slot(slot, state, hist)
+    }
+    fn read_slot(&mut self, slot: usize, state: &mut [f32], hist: &mut [f32]) -> Result<()> {
+        (**self).read_slot(slot, state, hist)
+    }
+    fn reset_slot(&mut self, slot: usize) -> Result<()> {
+        (**self).reset_slot(slot)
+    }
+    fn copy_slot(&mut self, from: usize, to: usize) -> Result<()> {
+        (**self).copy_slot(from, to)
+    }
+    fn step_varlen(&mut self, step: &Step<'_>, out: TensorMut<'_>) -> Result<()> {
+        (**self).step_varlen(step, out)
+    }
+    fn step_spec(&mut self, step: &Step<'_>, accept: &[usize], out: TensorMut<'_>) -> Result<()> {
+        (**self).step_spec(step, accept, out)
+    }
+    fn held(&self, slot: usize) -> usize {
+        (**self).held(slot)
+    }
+    fn commit_held(&mut self, slot: usize, accept: usize) -> Result<()> {
+        (**self).commit_held(slot, accept)
+    }
+    fn time_varlen(
+        &mut self,
+        step: &Step<'_>,
+        out_dtype: crate::DType,
+        iters: usize,
+    ) -> Result<StepTiming> {
+        (**self).time_varlen(step, out_dtype, iters)
     }
 }
 

@@ -6,6 +6,7 @@
 //! - [`backend`]: the [`Backend`] and [`LayerPool`] traits every backend implements.
 //! - [`oracle`]: the float64 reference, SPEC.md as plain code.
 //! - [`shard`]: tensor-parallel shards of a layer over its heads.
+//! - [`spec`]: speculative steps (a held verify window, a prefix of it kept by the next step).
 //! - [`cpu`]: the fast f32 CPU backend.
 //! - [`stepfile`]: the safetensors file format of `gdn step`.
 //! - [`synth`]: random layers and windows for tests, demos and benchmarks.
@@ -42,6 +43,7 @@ pub mod cpu;
 pub mod error;
 pub mod oracle;
 pub mod shard;
+pub mod spec;
 pub mod step;
 pub mod stepfile;
 pub mod synth;

@@ -208,9 +208,16 @@ pub struct HeadInputs<'a> {
     pub gate: Gate,
     pub eps: f32,
     pub commit_at: usize,
-    /// Whether the head's stored rows still owe a deferred update (see `head_window`).
-    pub owes: bool,
+    /// How many deferred updates (the first entries of the head's pending region) the stored rows still owe
+    /// (see `head_window`).
+    pub owed: usize,
+    /// Hold the window (a speculative verify window): keep every token's update in the pending region for a
+    /// later step to apply a prefix of.
+    pub hold: bool,
 }
+
+/// The most tokens a held window may have on the CPU (its updates are applied from registers at the next read).
+pub const MAX_HELD: usize = 16;
 
 /// Floats of one head's deferred update: the gate, then k [d], then delta [d].
 pub fn pending_len(d: usize) -> usize {
@@ -237,7 +244,37 @@ pub fn apply_pending(g: f32, src: &[f32; LANES], ki: f32, delta: &[f32; LANES]) 
 
 /// Floats of scratch `head_window` needs for a window of `t` tokens.
 pub fn head_scratch_len(d: usize, t: usize) -> usize {
-    d * LANES + t * d + 3 * t + d
+    d * LANES + t * d + 3 * t + t * d
+}
+
+/// Deferred updates of one column block: (gate, k [d], the block's 16 lanes of delta), at most `N` (1 for
+/// decode's deferred update, so that it costs what it did before windows could be held; [`MAX_HELD`] else).
+struct Owed<'a, const N: usize> {
+    n: usize,
+    u: [(f32, &'a [f32], Lanes); N],
+}
+
+impl<'a, const N: usize> Owed<'a, N> {
+    #[inline(always)]
+    fn of(pending: &'a [f32], n: usize, d: usize, c0: usize) -> Owed<'a, N> {
+        debug_assert!(n <= N);
+        let pl = pending_len(d);
+        let mut u = [(1.0f32, &pending[..0], [0.0f32; LANES]); N];
+        for (j, e) in u.iter_mut().enumerate().take(n) {
+            let (g, k, delta) = pending_parts(&pending[j * pl..(j + 1) * pl], d);
+            *e = (g, k, block_lanes(delta, c0));
+        }
+        Owed { n, u }
+    }
+    /// `row` of the block with every owed update applied in order, in f32.
+    #[inline(always)]
+    fn apply(&self, x: Lanes, row: usize) -> Lanes {
+        let mut x = x;
+        for (g, k, delta) in &self.u[..self.n] {
+            x = apply_pending(*g, &x, k[row], delta);
+        }
+        x
+    }
 }
 
 type Lanes = [f32; LANES];
@@ -310,16 +347,21 @@ fn block_lanes(x: &[f32], c0: usize) -> Lanes {
 /// in cache at its next call (the other layers' states pass through in between), and where it is, in a
 /// benchmark stepping one layer over and over, its cost was within this VM's noise (CPU-NOTES.md).
 #[inline(always)]
-fn first_read<E: StateElem, const APPLY: bool, const TO_POOL: bool, const TO_WORK: bool>(
+fn first_read<
+    E: StateElem,
+    const N: usize,
+    const APPLY: bool,
+    const TO_POOL: bool,
+    const TO_WORK: bool,
+>(
     inp: &HeadInputs<'_>,
     pool: &mut [E::Row],
     work: &mut [Lanes],
-    owed: Option<(f32, &[f32], Lanes)>,
+    owed: &Owed<'_, N>,
 ) -> ([Lanes; 2], [Lanes; 2]) {
     let d = inp.d;
     let (k0, q0) = (&inp.k[..d], &inp.q[..d]);
-    let (g, k_owed, delta) = owed.unwrap_or((1.0, k0, [0.0; LANES]));
-    let (k_owed, work) = (&k_owed[..d], &mut work[..d]);
+    let work = &mut work[..d];
     let (mut kv2, mut sq2) = ([[0.0f32; LANES]; 2], [[0.0f32; LANES]; 2]);
     let ahead = pool.as_ptr().wrapping_add(d);
     for i in (0..d).step_by(2) {
@@ -329,7 +371,7 @@ fn first_read<E: StateElem, const APPLY: bool, const TO_POOL: bool, const TO_WOR
             // an owed update gives the state as it was committed: rounded to the pool's element (once: the
             // rounded row is what is written back and what this window reads)
             let s = if APPLY {
-                let packed = E::store(&apply_pending(g, &E::load(&pool[row]), k_owed[row], &delta));
+                let packed = E::store(&owed.apply(E::load(&pool[row]), row));
                 if TO_POOL {
                     pool[row] = packed;
                 }
@@ -360,7 +402,7 @@ fn first_read<E: StateElem, const APPLY: bool, const TO_POOL: bool, const TO_WOR
 /// next token's read; an update nobody reads (after the last token, no commit) is skipped.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn column_block<E: StateElem>(
+fn column_block<E: StateElem, const N: usize>(
     inp: &HeadInputs<'_>,
     gates: &[f32],
     betas: &[f32],
@@ -369,20 +411,23 @@ fn column_block<E: StateElem>(
     work: &mut [Lanes],
     o: &mut [f32],
     c0: usize,
-    pending: Option<(f32, &[f32], &[f32])>,
+    pending: &[f32],
     new_delta: &mut [f32],
 ) {
     let d = inp.d;
     let inv_sqrt_d = 1.0 / (d as f32).sqrt();
-    // the window's first read: the block's rows with the deferred update applied when one is owed (kept in
-    // `work` for the window's later tokens, or written back where a one-token commit defers its own update)
+    // the window's first read: the block's rows with the deferred updates applied when some are owed (kept in
+    // `work` for the window's later tokens, and written back where this window replaces the pending updates:
+    // a one-token commit that defers its own, or a held window)
     let deferred = defers_update(inp.t, inp.commit_at);
-    let owed = pending.map(|(g, k, delta)| (g, k, block_lanes(delta, c0)));
-    let (kv2, sq2) = match (owed, deferred, inp.t > 1) {
-        (None, _, _) => first_read::<E, false, false, false>(inp, pool, work, None),
-        (Some(_), false, false) => first_read::<E, true, false, false>(inp, pool, work, owed),
-        (Some(_), true, _) => first_read::<E, true, true, false>(inp, pool, work, owed),
-        (Some(_), false, true) => first_read::<E, true, false, true>(inp, pool, work, owed),
+    let owed = Owed::<N>::of(pending, inp.owed, d, c0);
+    let replaces = deferred || inp.hold;
+    let (kv2, sq2) = match (inp.owed > 0, replaces, inp.t > 1) {
+        (false, _, _) => first_read::<E, N, false, false, false>(inp, pool, work, &owed),
+        (true, false, false) => first_read::<E, N, true, false, false>(inp, pool, work, &owed),
+        (true, true, false) => first_read::<E, N, true, true, false>(inp, pool, work, &owed),
+        (true, false, true) => first_read::<E, N, true, false, true>(inp, pool, work, &owed),
+        (true, true, true) => first_read::<E, N, true, true, true>(inp, pool, work, &owed),
     };
     let (mut kv, mut sq) = (add_lanes(&kv2[0], &kv2[1]), add_lanes(&sq2[0], &sq2[1]));
     for tok in 0..inp.t {
@@ -407,13 +452,16 @@ fn column_block<E: StateElem>(
         } else {
             (k, k)
         };
+        if deferred || inp.hold {
+            // a one-token commit: this token's update is owed by the stored rows until the next read; a held
+            // window: every token's update is kept for a later step to apply a prefix of
+            new_delta[tok * d + c0..tok * d + c0 + LANES].copy_from_slice(&delta);
+        }
         if deferred {
-            // a one-token commit: this token's update is owed by the stored rows until the next read
-            new_delta[c0..c0 + LANES].copy_from_slice(&delta);
             break;
         }
         // rows come from the pool on the first token unless the first read put them (updated) in `work`
-        let first = tok == 0 && owed.is_none();
+        let first = tok == 0 && inp.owed == 0;
         let more = tok + 1 < inp.t;
         let commit = tok + 1 == inp.commit_at;
         let (w, dl) = (&mut *work, &delta);
@@ -435,7 +483,8 @@ fn column_block<E: StateElem>(
 /// A one-token window that commits (decode) defers its update: the first read is then the only pass over the
 /// state, and the head's `pending` region ([`pending_len`]) keeps the update, `S = g S + k delta^T`, until the
 /// next window's first read applies it (with the same operations a token's update uses, so the bits are those
-/// of the update applied at once). `inp.owes` says whether the stored rows owe one now.
+/// of the update applied at once). `inp.owed` says how many the stored rows owe now; a held window (`inp.hold`)
+/// keeps all of its tokens' updates there.
 #[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
 pub fn head_window<'a>(
     inp: &HeadInputs<'a>,
@@ -473,7 +522,7 @@ fn head_window_body<E: StateElem>(
     let (gates, rest) = rest.split_at_mut(t);
     let (betas, rest) = rest.split_at_mut(t);
     let (kqs, rest) = rest.split_at_mut(t);
-    let new_delta = &mut rest[..d];
+    let new_delta = &mut rest[..t * d];
     for tok in 0..t {
         gates[tok] = decay(inp.alpha[tok * inp.gate_stride], inp.dt, inp.a);
         betas[tok] = sigmoid(inp.beta[tok * inp.gate_stride]);
@@ -483,27 +532,34 @@ fn head_window_body<E: StateElem>(
         );
     }
     let work = work.as_chunks_mut::<LANES>().0;
-    let owed = inp.owes.then(|| pending_parts(pending, d));
     for (cb, block) in pool.chunks_exact_mut(d).enumerate() {
-        column_block::<E>(
-            inp,
-            gates,
-            betas,
-            kqs,
-            block,
-            work,
-            o,
-            cb * LANES,
-            owed,
-            new_delta,
-        );
+        let c0 = cb * LANES;
+        if inp.owed <= 1 {
+            column_block::<E, 1>(
+                inp, gates, betas, kqs, block, work, o, c0, pending, new_delta,
+            );
+        } else {
+            column_block::<E, MAX_HELD>(
+                inp, gates, betas, kqs, block, work, o, c0, pending, new_delta,
+            );
+        }
     }
-    if defers_update(t, inp.commit_at) {
-        let (g, rest) = pending.split_first_mut().expect("pending_len");
+    // the updates this window leaves pending (after every block has read the ones it owed)
+    let kept = if inp.hold {
+        t
+    } else if defers_update(t, inp.commit_at) {
+        1
+    } else {
+        0
+    };
+    let pl = pending_len(d);
+    for tok in 0..kept {
+        let e = &mut pending[tok * pl..(tok + 1) * pl];
+        let (g, rest) = e.split_first_mut().expect("pending_len");
         let (k, delta) = rest.split_at_mut(d);
-        *g = gates[0];
-        k.copy_from_slice(&inp.k[..d]);
-        delta[..d].copy_from_slice(new_delta);
+        *g = gates[tok];
+        k.copy_from_slice(&inp.k[tok * d..(tok + 1) * d]);
+        delta.copy_from_slice(&new_delta[tok * d..(tok + 1) * d]);
     }
     // gated RMS norm per token
     for tok in 0..t {

@@ -226,8 +226,16 @@ impl Cpu {
             work: Work::default(),
             scratch: Vec::new(),
             threads: self.threads.clone(),
-            pending: zeros(sh.h_v * kernels::pending_len(sh.d))?,
-            owes: vec![false; slots],
+            pending: (0..slots)
+                .map(|_| LineVec::zeroed(sh.h_v * kernels::pending_len(sh.d)))
+                .collect::<std::result::Result<_, _>>()
+                .map_err(|_| Error::Param {
+                    name: "slots",
+                    why: format!("{slots} slots do not fit in this machine's memory"),
+                })?,
+            owes: vec![0; slots],
+            held: vec![0; slots],
+            held_rows: vec![Vec::new(); slots],
         })
     }
 }
@@ -272,6 +280,8 @@ struct LiveSeq {
     start: usize,
     len: usize,
     commit_at: usize,
+    /// A speculative verify window, held on its slot.
+    hold: bool,
     /// Offsets of its conv outputs and head outputs in `Work`.
     conv: usize,
     y: usize,
@@ -294,12 +304,17 @@ pub struct CpuPool {
     /// thread and starts no nested parallel work).
     scratch: Vec<std::sync::Mutex<LineVec>>,
     threads: Option<Arc<rayon::ThreadPool>>,
-    /// Per slot and value head, the update a one-token commit deferred ([`kernels::pending_len`] floats: the
-    /// gate, k, delta), and per slot whether its stored S still owes it: the next window applies it while it
-    /// first reads S, so decode reads and writes the state once per token instead of reading it, then updating
-    /// it. `read_slot` applies it too; `write_slot` clears it.
-    pending: LineVec,
-    owes: Vec<bool>,
+    /// Per slot, per value head, updates kept for a later read ([`kernels::pending_len`] floats each: the gate,
+    /// k, delta; [h][cap][..], cap growing to the longest window held there). A one-token commit defers its
+    /// update there: the next window applies it while it first reads S, so decode reads and writes the state
+    /// once per token. A held window (a speculative verify) keeps every token's update there: the next step
+    /// applies the accepted prefix the same way. `owes[slot]` updates are owed by the stored S (`read_slot`
+    /// applies them too); `held[slot]` are a held window's, not yet accepted (never both).
+    pending: Vec<LineVec>,
+    owes: Vec<usize>,
+    held: Vec<usize>,
+    /// Per slot, a held window's qkv rows (widened), for the conv history of its accepted prefix.
+    held_rows: Vec<Vec<f32>>,
 }
 
 impl CpuPool {
@@ -337,15 +352,20 @@ impl CpuPool {
         let rows = sh.state_len() / LANES;
         let src = &bytemuck::cast_slice::<f32, E::Row>(&self.state)[slot * rows..(slot + 1) * rows];
         let pend_len = kernels::pending_len(sh.d);
-        let pending = &self.pending[slot * sh.h_v * pend_len..(slot + 1) * sh.h_v * pend_len];
+        let pending = &self.pending[slot];
+        let cap = pending.len() / (sh.h_v * pend_len);
         let owes = self.owes[slot];
         for_each_row(&sh, |(i, h, j0), pool| {
             let stored = E::load(&src[pool / LANES]);
-            let row = if owes {
-                let (g, k, delta) =
-                    kernels::pending_parts(&pending[h * pend_len..(h + 1) * pend_len], sh.d);
-                let delta = delta[j0..j0 + LANES].try_into().expect("lanes");
-                E::roundtrip(kernels::apply_pending(g, &stored, k[i], delta))
+            let row = if owes > 0 {
+                let mut x = stored;
+                for u in 0..owes {
+                    let at = (h * cap + u) * pend_len;
+                    let (g, k, delta) = kernels::pending_parts(&pending[at..at + pend_len], sh.d);
+                    let delta = delta[j0..j0 + LANES].try_into().expect("lanes");
+                    x = kernels::apply_pending(g, &x, k[i], delta);
+                }
+                E::roundtrip(x)
             } else {
                 stored
             };
@@ -361,6 +381,7 @@ impl CpuPool {
         step: &Step<'_>,
         checked: &Checked,
         out: TensorMut<'_>,
+        spec: bool,
     ) {
         let layer = &self.layer;
         let sh = *layer.shape();
@@ -381,6 +402,7 @@ impl CpuPool {
                 start: seq.start,
                 len: seq.len,
                 commit_at,
+                hold: spec && commit_at == 0,
                 conv: conv_len,
                 y: y_len,
             });
@@ -463,9 +485,10 @@ impl CpuPool {
         // rows of 16 values per head and per slot
         let head_len = d * d / LANES;
         let pend_len = kernels::pending_len(d);
+        // every held window's updates fit its slot's region (`CpuPool::fit_pending` ran before)
         let mut state_of_slot: Vec<Option<_>> = state
             .chunks_mut(sh.state_len() / LANES)
-            .zip(self.pending.chunks_mut(h_v * pend_len))
+            .zip(self.pending.iter_mut())
             .map(Some)
             .collect();
         let mut head_tasks = Vec::with_capacity(live.len() * h_v);
@@ -475,9 +498,10 @@ impl CpuPool {
             y_rest = rest;
             let (st, pend) = state_of_slot[s.slot].take().expect("slot named once");
             let owes = self.owes[s.slot];
+            let cap = pend.len() / (h_v * pend_len);
             for (h, ((st_h, pend_h), y_h)) in st
                 .chunks_mut(head_len)
-                .zip(pend.chunks_mut(pend_len))
+                .zip(pend.chunks_mut(cap * pend_len))
                 .zip(y_s.chunks_mut(s.len * d))
                 .enumerate()
             {
@@ -515,7 +539,8 @@ impl CpuPool {
                 gate: layer.config.gate,
                 eps,
                 commit_at: s.commit_at,
-                owes: task.owes,
+                owed: task.owes,
+                hold: s.hold,
             };
             E::head_window(&hi, task.state, task.pending, scratch, task.y);
         };
@@ -544,10 +569,15 @@ impl CpuPool {
             });
 
         // a committed one-token window left its update owed (see `kernels::head_window`); a longer committed
-        // window wrote its state in full; a verify changed nothing
+        // window wrote its state in full; a held window left all of its updates pending, its owed ones applied
+        // and written; a plain verify changed nothing
         for s in &live {
-            if s.commit_at > 0 {
-                self.owes[s.slot] = kernels::defers_update(s.len, s.commit_at);
+            if s.hold {
+                self.owes[s.slot] = 0;
+                self.held[s.slot] = s.len;
+                self.held_rows[s.slot] = qkv[s.start * c_n..(s.start + s.len) * c_n].to_vec();
+            } else if s.commit_at > 0 {
+                self.owes[s.slot] = usize::from(kernels::defers_update(s.len, s.commit_at));
             }
         }
 
@@ -695,14 +725,14 @@ fn from_lanes(x: &[f32], w: usize) -> Vec<f32> {
     out
 }
 
-/// One value head of one sequence for the recurrence phase: its state, its deferred update and whether the state
-/// owes it, and its outputs [t][d].
+/// One value head of one sequence for the recurrence phase: its state, its pending updates and how many of them
+/// the state owes, and its outputs [t][d].
 struct HeadTask<'s, E: StateElem> {
     seq: LiveSeq,
     h: usize,
     state: &'s mut [E::Row],
     pending: &'s mut [f32],
-    owes: bool,
+    owes: usize,
     y: &'s mut [f32],
 }
 
@@ -754,7 +784,8 @@ impl LayerPool for CpuPool {
             DType::Bf16 => self.write_state::<Bf16>(slot, state),
             _ => self.write_state::<f32>(slot, state),
         }
-        self.owes[slot] = false;
+        self.owes[slot] = 0;
+        self.held[slot] = 0;
         let hl = hist.len();
         self.hist[slot * hl..(slot + 1) * hl].copy_from_slice(&to_lanes(hist, 3));
         Ok(())
@@ -773,15 +804,137 @@ impl LayerPool for CpuPool {
 
     fn step_varlen(&mut self, step: &Step<'_>, out: TensorMut<'_>) -> Result<()> {
         let checked = step.validate(&self.layer, self.slots, out.len())?;
+        for s in step.seqs.iter().filter(|s| s.slot >= 0) {
+            let h = self.held[s.slot as usize];
+            if h > 0 {
+                return Err(crate::spec::held_error(s.slot as usize, h));
+            }
+        }
+        self.run(step, &checked, out, false);
+        Ok(())
+    }
+
+    fn step_spec(&mut self, step: &Step<'_>, accept: &[usize], out: TensorMut<'_>) -> Result<()> {
+        let checked = step.validate(&self.layer, self.slots, out.len())?;
+        crate::spec::check_accept(step, accept, |slot| self.held[slot])?;
+        for (s, &at) in step.seqs.iter().zip(&checked.commit_at) {
+            if s.slot >= 0 && at == 0 && s.len > kernels::MAX_HELD {
+                return Err(Error::Unsupported(format!(
+                    "a held window of {} tokens (the CPU holds at most {})",
+                    s.len,
+                    kernels::MAX_HELD
+                )));
+            }
+        }
+        // every check passed: accept the held prefixes (owed by the stored S from now on, applied by the
+        // window's first read), then make room for the windows to be held
+        for (s, &a) in step.seqs.iter().zip(accept) {
+            if s.slot >= 0 {
+                self.accept_held(s.slot as usize, a);
+            }
+        }
+        for (s, &at) in step.seqs.iter().zip(&checked.commit_at) {
+            if s.slot >= 0 && at == 0 {
+                self.fit_pending(s.slot as usize, s.len);
+            }
+        }
+        self.run(step, &checked, out, true);
+        Ok(())
+    }
+
+    fn held(&self, slot: usize) -> usize {
+        self.held.get(slot).copied().unwrap_or(0)
+    }
+
+    fn commit_held(&mut self, slot: usize, accept: usize) -> Result<()> {
+        crate::spec::slot_in_range(slot, self.slots)?;
+        let h = self.held[slot];
+        if accept > h {
+            return Err(Error::Param {
+                name: "accept",
+                why: format!("{accept} tokens of slot {slot}'s held window of {h}"),
+            });
+        }
+        self.accept_held(slot, accept);
+        Ok(())
+    }
+
+    fn reset_slot(&mut self, slot: usize) -> Result<()> {
+        let sh = *self.layer.shape();
+        self.write_slot(slot, &vec![0.0; sh.state_len()], &vec![0.0; sh.hist_len()])
+    }
+
+    fn copy_slot(&mut self, from: usize, to: usize) -> Result<()> {
+        let sh = *self.layer.shape();
+        let (mut st, mut hi) = (vec![0.0; sh.state_len()], vec![0.0; sh.hist_len()]);
+        check_slot_io(&self.layer, self.slots, to, st.len(), hi.len())?;
+        self.read_slot(from, &mut st, &mut hi)?;
+        self.write_slot(to, &st, &hi)?;
+        // a fork keeps the held window (the stored S of a slot holding one owes nothing)
+        if from != to && self.held[from] > 0 {
+            self.pending[to] = self.pending[from].clone();
+            self.held[to] = self.held[from];
+            self.held_rows[to] = self.held_rows[from].clone();
+        }
+        Ok(())
+    }
+}
+
+impl CpuPool {
+    fn run(&mut self, step: &Step<'_>, checked: &Checked, out: TensorMut<'_>, spec: bool) {
         // the whole step on one pool thread: its phases' parallel loops then split work among the pool's threads
         // without a hand-off from the calling thread for each
         let threads = self.threads.clone();
         let mut state = std::mem::take(&mut self.state);
         in_pool(&threads, || match self.options.state {
-            DType::Bf16 => self.run_step::<Bf16>(rows_of::<Bf16>(&mut state), step, &checked, out),
-            _ => self.run_step::<f32>(rows_of::<f32>(&mut state), step, &checked, out),
+            DType::Bf16 => {
+                self.run_step::<Bf16>(rows_of::<Bf16>(&mut state), step, checked, out, spec)
+            }
+            _ => self.run_step::<f32>(rows_of::<f32>(&mut state), step, checked, out, spec),
         });
         self.state = state;
-        Ok(())
+    }
+
+    /// The first `a` tokens of the window held on `slot` become owed by its stored S (the next read applies
+    /// them) and its history takes their inputs; the rest of the window is dropped. Nothing held: no change.
+    fn accept_held(&mut self, slot: usize, a: usize) {
+        let h = std::mem::take(&mut self.held[slot]);
+        if h == 0 {
+            return;
+        }
+        self.owes[slot] = a;
+        let sh = *self.layer.shape();
+        let c_n = sh.channels();
+        let rows = std::mem::take(&mut self.held_rows[slot]);
+        let hl = sh.hist_len();
+        let hist = &mut self.hist[slot * hl..(slot + 1) * hl];
+        // the history in lanes of 16 channels: [c / 16][3][16]; shift each accepted token's input in
+        for row in rows.chunks_exact(c_n).take(a) {
+            for (c, &x) in row.iter().enumerate() {
+                let (g, l) = (c / LANES, c % LANES);
+                let at = g * 3 * LANES + l;
+                hist[at] = hist[at + LANES];
+                hist[at + LANES] = hist[at + 2 * LANES];
+                hist[at + 2 * LANES] = x;
+            }
+        }
+    }
+
+    /// Grows `slot`'s pending region to hold `n` updates per head, keeping the ones there.
+    fn fit_pending(&mut self, slot: usize, n: usize) {
+        let sh = *self.layer.shape();
+        let pl = kernels::pending_len(sh.d);
+        let old = &self.pending[slot];
+        let cap = old.len() / (sh.h_v * pl);
+        if cap >= n {
+            return;
+        }
+        let mut new = LineVec::default();
+        new.resize(sh.h_v * n * pl);
+        for h in 0..sh.h_v {
+            new[h * n * pl..(h * n + cap) * pl]
+                .copy_from_slice(&old[h * cap * pl..(h + 1) * cap * pl]);
+        }
+        self.pending[slot] = new;
     }
 }
