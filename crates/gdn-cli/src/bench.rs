@@ -52,6 +52,12 @@ pub struct Args {
     /// calls it replaces; 0:0 for none (default: 256:64 on a GPU, 8:64 on the CPU).
     #[arg(long)]
     mixed: Option<Mixed>,
+    /// Time a speculative loop instead, for each of these window lengths and each batch size: every call
+    /// verifies a window of W drafted tokens per sequence and accepts a random prefix (0..=W, seeded) of the
+    /// last one; the backend's one-pass `step_spec` beside the seed's two-pass flow (verify, then commit the
+    /// prefix) on the same backend. With --rotate-mib the calls rotate among slot sets as above.
+    #[arg(long, value_delimiter = ',')]
+    spec: Option<Vec<usize>>,
 }
 
 /// `B:T` for `--mixed`.
@@ -198,6 +204,19 @@ pub fn run(args: Args) -> Result<()> {
             name: "batch",
             why: format!("a batch size must be at least 1, got {b}"),
         });
+    }
+    if let Some(windows) = &args.spec {
+        progress.finish_and_clear();
+        return run_spec(
+            backend.as_ref(),
+            &layer,
+            options,
+            args.io,
+            &batches,
+            windows,
+            (args.rotate_mib as usize) << 20,
+            args.round_ms,
+        );
     }
     progress.set_message("FMA ceiling");
     let fma = backend.fma_ceiling()?;
@@ -356,6 +375,123 @@ fn time_mixed(
             .as_secs_f64();
     }
     Ok(out)
+}
+
+/// `gdn bench --spec`: seconds per speculative step, the one-pass step (None where the backend has none) and the
+/// two-pass flow, for each batch and window; printed as a table.
+#[allow(clippy::too_many_arguments)]
+fn run_spec(
+    backend: &dyn gdn::Backend,
+    layer: &gdn::Layer,
+    options: PoolOptions,
+    io: DType,
+    batches: &[usize],
+    windows: &[usize],
+    rotate_bytes: usize,
+    round_ms: u64,
+) -> Result<()> {
+    let sh = *layer.shape();
+    let mut rng = Synth::new(77);
+    println!("speculative loop on {} (state {}, io {}), seconds per speculative step (one call: verify W tokens per sequence, accept a random prefix of the last window)", backend.name(), options.state.name(), io.name());
+    println!();
+    println!("| B | W | slot sets | one-pass step_spec us | two-pass flow us | speed-up | state GB/s (one pass: 1 read + 1 write) |");
+    println!("|---|---|---|---|---|---|---|");
+    for &b in batches {
+        let state_bytes = b * sh.state_len() * options.state.size();
+        let sets = rotate_bytes.div_ceil(state_bytes).max(1);
+        for &w in windows {
+            if w == 0 {
+                return Err(gdn::Error::Param {
+                    name: "spec",
+                    why: "a window has at least one token".into(),
+                });
+            }
+            let data = random_rows(&mut rng, layer, b * w, io);
+            let set_seqs: Vec<Vec<Seq>> = (0..sets)
+                .map(|set| {
+                    (0..b)
+                        .map(|i| Seq {
+                            slot: (set * b + i) as i32,
+                            start: i * w,
+                            len: w,
+                            commit: Commit::Verify,
+                        })
+                        .collect()
+                })
+                .collect();
+            // acceptance patterns, the same for both flows
+            let patterns: Vec<Vec<usize>> = (0..16)
+                .map(|_| {
+                    rng.uniform(b, 0.0, (w + 1) as f32)
+                        .iter()
+                        .map(|&x| (x as usize).min(w))
+                        .collect()
+                })
+                .collect();
+            let mut time_flow = |pool: &mut dyn LayerPool| -> Result<Option<f64>> {
+                for s in 0..b * sets {
+                    let (st, h) = rng.seq_state(layer);
+                    pool.write_slot(s, &st, &h)?;
+                }
+                let mut out = vec![0.0f32; b * w * sh.n()];
+                let mut call = 0usize;
+                let mut one = |pool: &mut dyn LayerPool, call: usize| -> Result<()> {
+                    let set = call % sets;
+                    let seqs = &set_seqs[set];
+                    let accept: Vec<usize> = seqs
+                        .iter()
+                        .zip(&patterns[(call / sets) % patterns.len()])
+                        .map(|(q, &a)| a.min(pool.held(q.slot as usize)))
+                        .collect();
+                    let step = Step {
+                        rows: data.view(),
+                        seqs,
+                        plane_stride: None,
+                    };
+                    pool.step_spec(&step, &accept, gdn::TensorMut::F32(&mut out))
+                };
+                match one(pool, call) {
+                    Err(gdn::Error::Unsupported(_)) => return Ok(None),
+                    r => r?,
+                }
+                call += 1;
+                while call < 2 * sets {
+                    one(pool, call)?;
+                    call += 1;
+                }
+                let mut rounds = Vec::new();
+                for _ in 0..5 {
+                    let t0 = std::time::Instant::now();
+                    let mut n = 0usize;
+                    while n < sets || t0.elapsed() < Duration::from_millis(round_ms) {
+                        one(pool, call)?;
+                        call += 1;
+                        n += 1;
+                    }
+                    rounds.push(t0.elapsed().as_secs_f64() / n as f64);
+                }
+                rounds.sort_by(f64::total_cmp);
+                Ok(Some(rounds[rounds.len() / 2]))
+            };
+            let mut native = backend.create_pool_with(layer, b * sets, options)?;
+            let one_pass = time_flow(native.as_mut())?;
+            drop(native);
+            let mut flow =
+                gdn::spec::TwoPass::new(backend.create_pool_with(layer, b * sets, options)?);
+            let two_pass = time_flow(&mut flow)?.unwrap_or(f64::NAN);
+            let fmt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{:.1}", v * 1e6));
+            let gbs = one_pass.map_or("-".to_string(), |v| {
+                format!("{:.1}", 2.0 * state_bytes as f64 / v / 1e9)
+            });
+            println!(
+                "| {b} | {w} | {sets} | {} | {:.1} | {} | {gbs} |",
+                fmt(one_pass),
+                two_pass * 1e6,
+                one_pass.map_or("-".to_string(), |v| format!("{:.2}x", two_pass / v)),
+            );
+        }
+    }
+    Ok(())
 }
 
 fn timing_method(pool: &mut dyn LayerPool) -> Result<String> {

@@ -129,6 +129,7 @@ pub fn run(args: Args) -> Result<()> {
         .map(|s| (args.prompt * (s + 1)).div_ceil(b))
         .collect();
     let (rows, seqs) = windows(&mut rng, &layer, &lens, &vec![Commit::All; b]);
+    let prompts = (rows.clone(), seqs.clone());
     let (y, want, took) = call(pool.as_mut(), &mut reference, &rows, &seqs)?;
     let e = check("prompts", &y, &want)?;
     let total: usize = lens.iter().sum();
@@ -142,6 +143,8 @@ pub fn run(args: Args) -> Result<()> {
     // sequence's accepted prefix
     let (mut verify_time, mut commit_time) = (Duration::ZERO, Duration::ZERO);
     let mut accepted_total = 0;
+    // each round's windows, verify outputs and acceptances, for the one-pass run below
+    let mut record: Vec<(RowsData, Vec<Seq>, TensorData, Vec<usize>)> = Vec::new();
     for round in 0..args.rounds {
         let drafts: Vec<usize> = (0..b).map(|_| rng.index(1, args.window)).collect();
         let (rows, mut seqs) = windows(&mut rng, &layer, &drafts, &vec![Commit::Verify; b]);
@@ -150,6 +153,7 @@ pub fn run(args: Args) -> Result<()> {
         verify_time += took;
         let e_verify = check("verify", &y, &want)?;
         let accepted: Vec<usize> = drafts.iter().map(|&d| rng.index(1, d)).collect();
+        record.push((rows.clone(), seqs.clone(), y.clone(), accepted.clone()));
         for (q, &k) in seqs.iter_mut().zip(&accepted) {
             q.commit = Commit::First(k);
         }
@@ -189,5 +193,78 @@ pub fn run(args: Args) -> Result<()> {
     println!(
         "final states against the oracle: S {e_s:.1e}, history {e_h:.1e}; worst error seen {worst:.1e} (bound 1e-4): agreement OK"
     );
+
+    // the same rounds again, timed alone (no oracle between the calls), two ways: the seed's two-pass flow
+    // (verify, then commit the accepted prefix) and one state pass per round (`step_spec`: each call verifies the
+    // new drafts, held, and first keeps the accepted prefix of the last round's; `commit_held` keeps the last)
+    let mut run_flow = |one: &mut dyn gdn::LayerPool| -> Result<Duration> {
+        let (rows, seqs) = &prompts;
+        let mut y = TensorData::filled(rows.view().count(sh)? * n, 0.0, DType::F32);
+        let step = Step {
+            rows: rows.view(),
+            seqs,
+            plane_stride: None,
+        };
+        one.step_varlen(&step, y.view_mut())?;
+        let mut took = Duration::ZERO;
+        let mut prev: Vec<usize> = vec![0; b];
+        for (rows, seqs, y_two, accepted) in &record {
+            let mut y = TensorData::filled(y_two.len(), 0.0, DType::F32);
+            let verify: Vec<Seq> = seqs
+                .iter()
+                .map(|q| Seq {
+                    commit: Commit::Verify,
+                    ..*q
+                })
+                .collect();
+            let step = Step {
+                rows: rows.view(),
+                seqs: &verify,
+                plane_stride: None,
+            };
+            let t0 = Instant::now();
+            one.step_spec(&step, &prev, y.view_mut())?;
+            took += t0.elapsed();
+            let bits = |t: &TensorData| t.to_f32().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            if bits(&y) != bits(y_two) {
+                return Err(Error::Backend(
+                    "a speculative flow's outputs differ from the first run's".into(),
+                ));
+            }
+            prev.clone_from(accepted);
+        }
+        for (slot, &k) in prev.iter().enumerate() {
+            one.commit_held(slot, k)?;
+        }
+        for slot in 0..b {
+            let (mut s1, mut h1) = (vec![0.0; sh.state_len()], vec![0.0; sh.hist_len()]);
+            let (mut s2, mut h2) = (vec![0.0; sh.state_len()], vec![0.0; sh.hist_len()]);
+            pool.read_slot(slot, &mut s1, &mut h1)?;
+            one.read_slot(slot, &mut s2, &mut h2)?;
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            if bits(&s1) != bits(&s2) || bits(&h1) != bits(&h2) {
+                return Err(Error::Backend(format!(
+                    "slot {slot}: a speculative flow's state differs"
+                )));
+            }
+        }
+        Ok(took)
+    };
+    let mut two = gdn::spec::TwoPass::new(backend.create_pool(&layer, b)?);
+    let two_time = run_flow(&mut two)?;
+    let mut one = backend.create_pool(&layer, b)?;
+    match run_flow(one.as_mut()) {
+        Ok(one_time) => println!(
+            "the rounds again, timed alone: verify + commit {:.1} us per round, one state pass per round (step_spec) {:.1} us ({:.2}x); outputs and final states bitwise equal",
+            two_time.as_secs_f64() * 1e6 / rounds,
+            one_time.as_secs_f64() * 1e6 / rounds,
+            two_time.as_secs_f64() / one_time.as_secs_f64()
+        ),
+        Err(Error::Unsupported(why)) => println!(
+            "the rounds again, timed alone: verify + commit {:.1} us per round; one state pass per round: not on this backend ({why})",
+            two_time.as_secs_f64() * 1e6 / rounds
+        ),
+        Err(e) => return Err(e),
+    }
     Ok(())
 }
