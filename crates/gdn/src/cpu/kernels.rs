@@ -493,7 +493,32 @@ pub fn head_window<'a>(
     scratch: &mut [f32],
     y: &mut [f32],
 ) {
-    head_window_body::<f32>(inp, pool.as_chunks_mut::<LANES>().0, pending, scratch, y)
+    head_window_body::<f32, 1>(inp, pool.as_chunks_mut::<LANES>().0, pending, scratch, y)
+}
+
+/// [`head_window`] where the state owes more than one update (a held window's accepted prefix): its own
+/// instances, so that the decode and window paths compile as they did before windows could be held.
+#[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn head_window_owed<'a>(
+    inp: &HeadInputs<'a>,
+    pool: &mut [f32],
+    pending: &mut [f32],
+    scratch: &mut [f32],
+    y: &mut [f32],
+) {
+    head_window_body::<f32, MAX_HELD>(inp, pool.as_chunks_mut::<LANES>().0, pending, scratch, y)
+}
+
+/// [`head_window_owed`] on a bf16 state.
+#[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn head_window_owed_bf16<'a>(
+    inp: &HeadInputs<'a>,
+    pool: &mut [[u32; LANES / 2]],
+    pending: &mut [f32],
+    scratch: &mut [f32],
+    y: &mut [f32],
+) {
+    head_window_body::<Bf16, MAX_HELD>(inp, pool, pending, scratch, y)
 }
 
 /// [`head_window`] on a bf16 state (bits in u16).
@@ -505,11 +530,11 @@ pub fn head_window_bf16<'a>(
     scratch: &mut [f32],
     y: &mut [f32],
 ) {
-    head_window_body::<Bf16>(inp, pool, pending, scratch, y)
+    head_window_body::<Bf16, 1>(inp, pool, pending, scratch, y)
 }
 
 #[inline(always)]
-fn head_window_body<E: StateElem>(
+fn head_window_body<E: StateElem, const N: usize>(
     inp: &HeadInputs<'_>,
     pool: &mut [E::Row],
     pending: &mut [f32],
@@ -534,15 +559,9 @@ fn head_window_body<E: StateElem>(
     let work = work.as_chunks_mut::<LANES>().0;
     for (cb, block) in pool.chunks_exact_mut(d).enumerate() {
         let c0 = cb * LANES;
-        if inp.owed <= 1 {
-            column_block::<E, 1>(
-                inp, gates, betas, kqs, block, work, o, c0, pending, new_delta,
-            );
-        } else {
-            column_block::<E, MAX_HELD>(
-                inp, gates, betas, kqs, block, work, o, c0, pending, new_delta,
-            );
-        }
+        column_block::<E, N>(
+            inp, gates, betas, kqs, block, work, o, c0, pending, new_delta,
+        );
     }
     // the updates this window leaves pending (after every block has read the ones it owed)
     let kept = if inp.hold {
@@ -628,7 +647,11 @@ impl StateElem for f32 {
         scratch: &mut [f32],
         y: &mut [f32],
     ) {
-        head_window(inp, pool.as_flattened_mut(), pending, scratch, y)
+        if inp.owed <= 1 {
+            head_window(inp, pool.as_flattened_mut(), pending, scratch, y)
+        } else {
+            head_window_owed(inp, pool.as_flattened_mut(), pending, scratch, y)
+        }
     }
 }
 
@@ -664,7 +687,11 @@ impl StateElem for Bf16 {
         scratch: &mut [f32],
         y: &mut [f32],
     ) {
-        head_window_bf16(inp, pool, pending, scratch, y)
+        if inp.owed <= 1 {
+            head_window_bf16(inp, pool, pending, scratch, y)
+        } else {
+            head_window_owed_bf16(inp, pool, pending, scratch, y)
+        }
     }
 }
 
