@@ -282,6 +282,20 @@ impl QuantWeights {
                         Words::U16(w) => Row::U16(&w[o * wpr..(o + 1) * wpr]),
                         Words::U32(w) => Row::U32(&w[o * wpr..(o + 1) * wpr]),
                     };
+                    #[cfg(target_arch = "x86_64")]
+                    if !shift && std::arch::is_x86_feature_detected!("avx512f") {
+                        let bytes: &[u8] = match w {
+                            Row::U16(w) => bytemuck::cast_slice(w),
+                            Row::U32(w) => bytemuck::cast_slice(w),
+                        };
+                        // SAFETY: the CPU has AVX-512F (checked above); the kernel reads `bytes` (the row's
+                        // groups x group bytes), `scale`, `zs` (groups each), `x` (tokens x n) and `gsum` (tokens
+                        // x groups) within their lengths, which `product_planes` checked against the layout.
+                        unsafe {
+                            avx512::planes_row(self.packing, bytes, scale, zs, x, gsum, acc_row)
+                        };
+                        continue;
+                    }
                     row_dots(self.packing, shift, w, scale, zs, x, gsum, acc_row);
                 }
             });
@@ -367,6 +381,130 @@ fn dots<W: Copy + Into<u32>, const F: usize, const B: u32, const SHIFT: bool>(
     }
 }
 
+/// The planes path in AVX-512: per group one load (or broadcast), a permute, a mask, a conversion, a multiply
+/// by the group's scale and one FMA per token; up to 8 tokens at a time share a group's decoded fields.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::Packing;
+    use std::arch::x86_64::*;
+
+    /// Per lane e of a group (column 16 g + e): which u32 of the group's bytes holds its field, the mask that
+    /// keeps the field in place, and the power of two that takes a field from the upper half of a u32 back to
+    /// its u16's place value (the plane's scale covers the place within the u16).
+    fn lanes(p: Packing) -> ([i32; 16], [u32; 16], [f32; 16]) {
+        let h = 1.0 / 65536.0;
+        match p {
+            Packing::Q8U32 => (
+                std::array::from_fn(|e| (e / 4) as i32),
+                std::array::from_fn(|e| 0xffu32 << (8 * (e % 4))),
+                [1.0; 16],
+            ),
+            Packing::Q8U16 => (
+                std::array::from_fn(|e| (e / 4) as i32),
+                std::array::from_fn(|e| 0xffu32 << (8 * (e % 4))),
+                std::array::from_fn(|e| if e % 4 >= 2 { h } else { 1.0 }),
+            ),
+            Packing::Q2U16 => (
+                [0; 16],
+                std::array::from_fn(|e| 3u32 << (16 * (e / 8) + 2 * (e % 8))),
+                std::array::from_fn(|e| if e >= 8 { h } else { 1.0 }),
+            ),
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F; `w` holds `scale.len()` groups of the packing's bytes, `x` `acc.len()` rows of
+    /// `16 scale.len()` values, `gsum` `acc.len()` rows of `scale.len()`, `zs` as many as `scale`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn planes_row(
+        p: Packing,
+        w: &[u8],
+        scale: &[f32],
+        zs: &[f32],
+        x: &[f32],
+        gsum: &[f32],
+        acc: &mut [f32],
+    ) {
+        let r_n = acc.len();
+        let mut rb = 0;
+        while rb < r_n {
+            let nb = (r_n - rb).min(8);
+            // SAFETY: forwarded (the block's rows are within `acc`, `x` and `gsum`)
+            unsafe {
+                match nb {
+                    8 => block::<8>(p, w, scale, zs, x, gsum, acc, rb),
+                    4..=7 => {
+                        block::<4>(p, w, scale, zs, x, gsum, acc, rb);
+                        rb += 4;
+                        continue;
+                    }
+                    2 | 3 => {
+                        block::<2>(p, w, scale, zs, x, gsum, acc, rb);
+                        rb += 2;
+                        continue;
+                    }
+                    _ => block::<1>(p, w, scale, zs, x, gsum, acc, rb),
+                }
+            }
+            rb += nb;
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn block<const NB: usize>(
+        p: Packing,
+        w: &[u8],
+        scale: &[f32],
+        zs: &[f32],
+        x: &[f32],
+        gsum: &[f32],
+        acc: &mut [f32],
+        rb: usize,
+    ) {
+        let groups = scale.len();
+        let n = 16 * groups;
+        let gb = if p == Packing::Q2U16 { 4 } else { 16 };
+        assert!(
+            w.len() >= groups * gb && x.len() >= (rb + NB) * n && gsum.len() >= (rb + NB) * groups
+        );
+        let (idx, mask, lmul) = lanes(p);
+        // SAFETY: the loads below read 16-byte groups within `w` (length checked above) and 64-byte rows within
+        // `x`; every intrinsic needs AVX-512F only, which the caller guarantees.
+        unsafe {
+            let idx = _mm512_loadu_si512(idx.as_ptr().cast());
+            let mask = _mm512_loadu_si512(mask.as_ptr().cast());
+            let lmul = _mm512_loadu_ps(lmul.as_ptr());
+            let mut a = [_mm512_setzero_ps(); NB];
+            for g in 0..groups {
+                let src = w.as_ptr().add(g * gb);
+                let raw = if gb == 4 {
+                    _mm512_set1_epi32(std::ptr::read_unaligned(src.cast::<i32>()))
+                } else {
+                    _mm512_permutexvar_epi32(
+                        idx,
+                        _mm512_castsi128_si512(_mm_loadu_si128(src.cast())),
+                    )
+                };
+                let f = _mm512_cvtepu32_ps(_mm512_and_si512(raw, mask));
+                let v = _mm512_mul_ps(
+                    f,
+                    _mm512_mul_ps(_mm512_set1_ps(*scale.get_unchecked(g)), lmul),
+                );
+                for (t, at) in a.iter_mut().enumerate() {
+                    let xv = _mm512_loadu_ps(x.as_ptr().add((rb + t) * n + 16 * g));
+                    *at = _mm512_fmadd_ps(v, xv, *at);
+                }
+            }
+            for (t, at) in a.iter().enumerate() {
+                let gr = &gsum[(rb + t) * groups..(rb + t + 1) * groups];
+                let z: f32 = zs.iter().zip(gr).map(|(a, b)| a * b).sum();
+                acc[rb + t] = _mm512_reduce_add_ps(*at) - z;
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -398,7 +536,7 @@ mod tests {
 
     #[test]
     fn planes_product_matches_the_dequantized_product_and_the_shift_path() {
-        let (hidden, n, rows) = (96, 256, 3);
+        let (hidden, n, rows) = (96, 256, 15); // 15 tokens: blocks of 8, 4, 2 and 1
         let mut rng = Synth::new(4);
         let w = rng.uniform(hidden * n, -0.05, 0.05);
         let y = rng.uniform(rows * n, -2.0, 2.0);
