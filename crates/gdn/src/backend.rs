@@ -186,6 +186,13 @@ pub trait LayerPool {
     /// are left as they were). Every check ([`Step::validate`], then the dtypes the backend takes) runs
     /// before any state is touched: on error, the pool and `out` are as they were.
     fn step_varlen(&mut self, step: &Step<'_>, out: TensorMut<'_>) -> Result<()>;
+    /// Every check `step_varlen` runs on `step` before it touches anything ([`Step::validate`] and the
+    /// backend's own), without running it: adapters that run a step in parts (such as
+    /// [`crate::spec::TwoPass`]) call it first. Backends with checks of their own override it.
+    fn check_step(&self, step: &Step<'_>, out_len: usize) -> Result<()> {
+        step.validate(self.layer(), self.slots(), out_len)
+            .map(|_| ())
+    }
     /// The speculative step (SPEC.md, "Speculative steps"): for each sequence, the window held on its slot (if
     /// any) first keeps its first `accept[i]` tokens (as a k-token commit would; 0 drops it), then the sequence's
     /// window runs; a window whose commit is `Verify` is *held* (a later `step_spec` or
@@ -381,6 +388,9 @@ impl<P: LayerPool + ?Sized> LayerPool for Box<P> {
     }
     fn step_spec(&mut self, step: &Step<'_>, accept: &[usize], out: TensorMut<'_>) -> Result<()> {
         (**self).step_spec(step, accept, out)
+    }
+    fn check_step(&self, step: &Step<'_>, out_len: usize) -> Result<()> {
+        (**self).check_step(step, out_len)
     }
     fn held(&self, slot: usize) -> usize {
         (**self).held(slot)

@@ -802,14 +802,14 @@ impl LayerPool for CpuPool {
         Ok(())
     }
 
+    fn check_step(&self, step: &Step<'_>, out_len: usize) -> Result<()> {
+        step.validate(&self.layer, self.slots, out_len)?;
+        self.no_held(step)
+    }
+
     fn step_varlen(&mut self, step: &Step<'_>, out: TensorMut<'_>) -> Result<()> {
         let checked = step.validate(&self.layer, self.slots, out.len())?;
-        for s in step.seqs.iter().filter(|s| s.slot >= 0) {
-            let h = self.held[s.slot as usize];
-            if h > 0 {
-                return Err(crate::spec::held_error(s.slot as usize, h));
-            }
-        }
+        self.no_held(step)?;
         self.run(step, &checked, out, false);
         Ok(())
     }
@@ -885,6 +885,17 @@ impl LayerPool for CpuPool {
 }
 
 impl CpuPool {
+    /// A plain step may not name a slot that holds a window.
+    fn no_held(&self, step: &Step<'_>) -> Result<()> {
+        for s in step.seqs.iter().filter(|s| s.slot >= 0) {
+            let h = self.held[s.slot as usize];
+            if h > 0 {
+                return Err(crate::spec::held_error(s.slot as usize, h));
+            }
+        }
+        Ok(())
+    }
+
     fn run(&mut self, step: &Step<'_>, checked: &Checked, out: TensorMut<'_>, spec: bool) {
         // the whole step on one pool thread: its phases' parallel loops then split work among the pool's threads
         // without a hand-off from the calling thread for each
