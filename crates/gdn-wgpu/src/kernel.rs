@@ -392,6 +392,14 @@ mod tests {
     }
 
     #[test]
+    fn pending_region_sizes() {
+        // the seed shape: 16 tokens x (5 d + 1) floats x 48 value heads
+        assert_eq!(pending_len(128, 48), Some(16 * 641 * 48));
+        assert_eq!(pending_len(usize::MAX / 4, 1), None);
+        assert_eq!(pending_len(1024, usize::MAX / 1024), None);
+    }
+
+    #[test]
     fn copy_kernel_is_valid_wgsl() {
         let src = include_str!("copy.wgsl");
         let module = naga::front::wgsl::parse_str(src).expect("copy.wgsl parses");

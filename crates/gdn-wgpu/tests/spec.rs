@@ -44,7 +44,11 @@ fn backends() -> Vec<Wgpu> {
 }
 
 fn layer(seed: u64) -> Layer {
-    let mut config = Config::new(Shape::new(32, 2, 4).unwrap());
+    layer_of(Shape::new(32, 2, 4).unwrap(), seed)
+}
+
+fn layer_of(shape: Shape, seed: u64) -> Layer {
+    let mut config = Config::new(shape);
     config.gate = gdn::Gate::Silu;
     Synth::new(seed).layer(config).unwrap()
 }
@@ -82,35 +86,20 @@ impl Plan {
 
 #[test]
 fn native_speculative_steps_match_the_two_pass_flow_in_every_option() {
+    let small = Shape::new(32, 2, 4).unwrap();
+    use DType::{Bf16, F16, F32};
+    use StateLayout::{KeyMajor, ValueMajor};
+    // (shape, state, layout, input dtypes, output dtype, steps): the seed shape's unrolled pipelines once
     let cases = [
-        (
-            DType::F32,
-            StateLayout::KeyMajor,
-            [DType::Bf16; 4],
-            DType::Bf16,
-        ),
-        (
-            DType::F32,
-            StateLayout::ValueMajor,
-            [DType::F16, DType::F32, DType::Bf16, DType::F32],
-            DType::F32,
-        ),
-        (
-            DType::Bf16,
-            StateLayout::KeyMajor,
-            [DType::F32; 4],
-            DType::F16,
-        ),
-        (
-            DType::Bf16,
-            StateLayout::ValueMajor,
-            [DType::Bf16, DType::Bf16, DType::F32, DType::F16],
-            DType::Bf16,
-        ),
+        (small, F32, KeyMajor, [Bf16; 4], Bf16, 40),
+        (small, F32, ValueMajor, [F16, F32, Bf16, F32], F32, 40),
+        (small, Bf16, KeyMajor, [F32; 4], F16, 40),
+        (small, Bf16, ValueMajor, [Bf16, Bf16, F32, F16], Bf16, 40),
+        (Shape::SEED, Bf16, ValueMajor, [Bf16; 4], Bf16, 6),
     ];
     for backend in backends() {
-        for (ci, &(state, layout, dtypes, out_dt)) in cases.iter().enumerate() {
-            let layer = layer(40 + ci as u64);
+        for (ci, &(shape, state, layout, dtypes, out_dt, steps)) in cases.iter().enumerate() {
+            let layer = layer_of(shape, 40 + ci as u64);
             let sh = *layer.shape();
             let slots = 5;
             let options = PoolOptions { state, layout };
@@ -123,7 +112,7 @@ fn native_speculative_steps_match_the_two_pass_flow_in_every_option() {
                 flow.write_slot(slot, &s, &h).unwrap();
             }
             let mut plan = Plan(99 + ci as u64);
-            for step_i in 0..40 {
+            for step_i in 0..steps {
                 match plan.below(12) {
                     0 => {
                         let (a, b) = (plan.below(slots), plan.below(slots));
@@ -204,7 +193,7 @@ fn native_speculative_steps_match_the_two_pass_flow_in_every_option() {
                         "case {ci} step {step_i}"
                     );
                 }
-                if step_i % 8 == 7 {
+                if step_i % 8 == 7 || step_i + 1 == steps {
                     for slot in 0..slots {
                         assert!(
                             slot_bits(native.as_mut(), slot) == slot_bits(&mut flow, slot),
