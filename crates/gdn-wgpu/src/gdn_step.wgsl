@@ -69,17 +69,16 @@ struct Params {
 // y [R][n] at 0, planes at P, 2P, 3P, group sums [R][h_v][GW] at 4P; f32 as bits, 16-bit two a word
 @group(0) @binding(4) var<storage, read_write> out: array<u32>;
 // two vectors per live sequence, workgroup_id.y indexes them: (pool slot, first row, length, commit point: 0
-// verify), then (accepted tokens of the slot's held window, 1 where this window is held, 0, 0)
+// verify), then (accepted tokens of the slot's held window, 1 where this window is held, the half of the shared
+// held records the slot's held window is in, 0)
 @group(0) @binding(5) var<storage, read> jobs: array<vec4<u32>>;
 @group(0) @binding(6) var<uniform> prm: Params;
-// held windows (speculative steps), [slot][h_v] blocks of PBLK floats: per token t < HOLD a record of PREC
-// floats (the normalized key [D], the delta vector [D], the gate), then per token the raw conv inputs of the
-// value head's 3 D channels (what a commit shifts into the history)
+// held windows (speculative steps), per slot: what a held token's commit applies and shifts in. What the value
+// heads of one q/k head share (its normalized key, its raw q and k inputs) is written once, by its first value
+// head, into the half of the slot's shared records the next held window does not read (the halves alternate, so
+// a head writing a new window never overwrites what another head of the slot is still applying); what is each
+// value head's own (its raw v inputs, delta vector and gate) is private. Layout: `pend_base`, `at_*` below.
 @group(0) @binding(7) var<storage, read_write> pend: array<f32>;
-
-const PREC: u32 = 2u * D + 1u;
-const PRAW: u32 = HOLD * PREC;
-const PBLK: u32 = HOLD * (5u * D + 1u);
 
 // raw conv outputs of the token: q [0, D), k [D, 2D), v [2D, 3D); the readout o of the previous token at [3D, 4D);
 // four values a vector (element x at vals[x / 4][x % 4]), so the norms read them four at a time
@@ -277,6 +276,28 @@ fn sum_parts(first: u32) -> f32 {
 }
 //#endif
 
+// A slot's held region: [2][HOLD][h_k][D] normalized keys, [2][HOLD][h_k][2 D] raw q, k inputs, [HOLD][h_v][D]
+// raw v inputs, [HOLD][h_v][D + 1] delta vectors and gates (the pool's `pending_len`).
+fn pend_base(slot: u32) -> u32 {
+    return slot * (6u * HOLD * prm.h_k * D + HOLD * prm.h_v * (2u * D + 1u));
+}
+
+fn at_kh(base: u32, half: u32, t: u32, g: u32) -> u32 {
+    return base + ((half * HOLD + t) * prm.h_k + g) * D;
+}
+
+fn at_rqk(base: u32, half: u32, t: u32, g: u32) -> u32 {
+    return base + 2u * HOLD * prm.h_k * D + ((half * HOLD + t) * prm.h_k + g) * (2u * D);
+}
+
+fn at_rv(base: u32, t: u32, h: u32) -> u32 {
+    return base + 6u * HOLD * prm.h_k * D + (t * prm.h_v + h) * D;
+}
+
+fn at_dg(base: u32, t: u32, h: u32) -> u32 {
+    return base + 6u * HOLD * prm.h_k * D + HOLD * prm.h_v * D + (t * prm.h_v + h) * (D + 1u);
+}
+
 // The committed state stored from `st` (the commit point of the token loop, and an accepted prefix applied at a
 // window's start): text pasted where `//#include STORE` stands.
 //#define STORE
@@ -349,12 +370,18 @@ fn gdn_step(
     let spec = jobs[2u * wg.y + 1u];
     let accept = spec.x;
     let hold = spec.y != 0u;
+    // the half of the shared records the held window is in (read), and the one a window held now goes to
+    let rd = spec.z;
+    let wr = 1u - rd;
     let h_k = prm.h_k;
     let h_v = prm.h_v;
     let cc = prm.c;
     var g = h % h_k;
+    // the first value head of its q/k head writes what they share of a held window
+    var first = h < h_k;
     if (prm.grouped != 0u) {
         g = h / (h_v / h_k);
+        first = h % (h_v / h_k) == 0u;
     }
 //#if VMAJOR
     // value-major: a column's row blocks are adjacent threads and a thread's row groups are interleaved (group
@@ -377,7 +404,7 @@ fn gdn_step(
     var xin: array<f32, CPT>;
     var chan: array<u32, CPT>;
     let hist_base = (slot * h_v + h) * (9u * D);
-    let pb = (slot * h_v + h) * PBLK;
+    let pb = pend_base(slot);
     //#for m CPT
     {
         let cl = tid + $m * W;
@@ -400,7 +427,11 @@ fn gdn_step(
             for (var r = 0u; r < accept; r++) {
                 h0[$m] = h1[$m];
                 h1[$m] = h2[$m];
-                h2[$m] = pend[pb + PRAW + r * (3u * D) + cl];
+                if (cl < 2u * D) {
+                    h2[$m] = pend[at_rqk(pb, rd, r, g) + cl];
+                } else {
+                    h2[$m] = pend[at_rv(pb, r, h) + cl - 2u * D];
+                }
             }
             if (accept > 0u && commit_at == 0u) {
                 hist[hb] = h0[$m];
@@ -472,12 +503,13 @@ fn gdn_step(
     // rounded once, where that commit rounds it; written back at once when this window commits nothing itself
     if (accept > 0u) {
         for (var r = 0u; r < accept; r++) {
-            let rec = pb + r * PREC;
-            let gate4 = vec4<f32>(pend[rec + 2u * D]);
-            let delta = pend[rec + D + j];
+            let dg = at_dg(pb, r, h);
+            let gate4 = vec4<f32>(pend[dg + D]);
+            let delta = pend[dg + j];
+            let kr = at_kh(pb, rd, r, g);
             //#for q RPT4
             {
-                let kb = rec + 4u * (r0 + $q * RS);
+                let kb = kr + 4u * (r0 + $q * RS);
                 let kq = vec4<f32>(pend[kb], pend[kb + 1u], pend[kb + 2u], pend[kb + 3u]);
                 st[$q] = fma(gate4, st[$q], kq * delta);
             }
@@ -548,7 +580,11 @@ fn gdn_step(
                     hist[hb + 2u] = h2[$m];
                 }
                 if (hold) {
-                    pend[pb + PRAW + t * (3u * D) + cl] = h2[$m];
+                    if (cl >= 2u * D) {
+                        pend[at_rv(pb, t, h) + cl - 2u * D] = h2[$m];
+                    } else if (first) {
+                        pend[at_rqk(pb, wr, t, g) + cl] = h2[$m];
+                    }
                 }
                 if (t + 1u < nt) {
                     xin[$m] = ld_qkv((row0 + t + 1u) * cc + chan[$m]);
@@ -626,11 +662,13 @@ fn gdn_step(
         red2[red_at(ib, j)] = (o4.x + o4.y) + (o4.z + o4.w);
         if (hold && ib == 0u) {
             // what this token's commit would apply, for the step that accepts it
-            let rec = pb + t * PREC;
-            pend[rec + j] = kh[j / 4u][j % 4u];
-            pend[rec + D + j] = delta;
+            let dg = at_dg(pb, t, h);
+            pend[dg + j] = delta;
             if (j == 0u) {
-                pend[rec + 2u * D] = gate;
+                pend[dg + D] = gate;
+            }
+            if (first) {
+                pend[at_kh(pb, wr, t, g) + j] = kh[j / 4u][j % 4u];
             }
         }
         if (commit) {

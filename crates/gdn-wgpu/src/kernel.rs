@@ -15,11 +15,17 @@ pub const STORAGE_BUFFERS: u32 = 7;
 /// The longest window a slot holds (speculative steps): the kernel's pending records per slot and value head.
 pub const HOLD: usize = 16;
 
-/// Floats of one slot's held-window region (`pend` in the kernel): per value head and token, the normalized
-/// key, the delta vector and the gate (2 d + 1), and the raw inputs of the head's 3 d conv channels.
-pub fn pending_len(d: usize, h_v: usize) -> Option<usize> {
-    HOLD.checked_mul(d.checked_mul(5)?.checked_add(1)?)?
-        .checked_mul(h_v)
+/// Floats of one slot's held-window region (`pend` in the kernel), per token: for each q/k head its normalized
+/// key and raw q, k inputs (3 d, in two halves used in turn), for each value head its raw v inputs, delta vector
+/// and gate (2 d + 1).
+pub fn pending_len(d: usize, h_k: usize, h_v: usize) -> Option<usize> {
+    let shared = (2 * HOLD)
+        .checked_mul(h_k)?
+        .checked_mul(d.checked_mul(3)?)?;
+    let own = HOLD
+        .checked_mul(h_v)?
+        .checked_mul(d.checked_mul(2)?.checked_add(1)?)?;
+    shared.checked_add(own)
 }
 
 /// What a pipeline is specialised on: the head dim, the launch geometry, the pool's state (dtype, layout) and
@@ -393,10 +399,14 @@ mod tests {
 
     #[test]
     fn pending_region_sizes() {
-        // the seed shape: 16 tokens x (5 d + 1) floats x 48 value heads
-        assert_eq!(pending_len(128, 48), Some(16 * 641 * 48));
-        assert_eq!(pending_len(usize::MAX / 4, 1), None);
-        assert_eq!(pending_len(1024, usize::MAX / 1024), None);
+        // the seed shape: 16 tokens x (2 halves x 16 q/k heads x 3 d + 48 value heads x (2 d + 1))
+        assert_eq!(
+            pending_len(128, 16, 48),
+            Some(16 * (2 * 16 * 384 + 48 * 257))
+        );
+        assert_eq!(pending_len(usize::MAX / 4, 1, 1), None);
+        assert_eq!(pending_len(1024, 1, usize::MAX / 1024), None);
+        assert_eq!(pending_len(1024, usize::MAX / 1024, 1), None);
     }
 
     #[test]

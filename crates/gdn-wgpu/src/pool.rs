@@ -269,6 +269,8 @@ pub struct WgpuPool {
     pend: Option<wgpu::Buffer>,
     pend_none: wgpu::Buffer,
     held: Vec<usize>,
+    /// The half of a slot's shared held records its held window is in (the next held window writes the other).
+    half: Vec<u32>,
     /// Host scratch: the live sequences' jobs (slot, first row, length, commit point, then accepted tokens,
     /// held or not), history conversions.
     job_list: Vec<[u32; 8]>,
@@ -373,6 +375,7 @@ impl WgpuPool {
             pend: None,
             pend_none,
             held: vec![0; slots],
+            half: vec![0; slots],
             job_list: Vec::new(),
             scratch: Vec::new(),
             gpu,
@@ -443,6 +446,7 @@ impl WgpuPool {
                     Some(a) => (a[i] as u32, (commit_at == 0) as u32),
                     None => (0, 0),
                 };
+                let half = self.half[s.slot as usize];
                 // validate() put start + len within the rows, whose element count is checked below
                 self.job_list.push([
                     s.slot as u32,
@@ -451,7 +455,7 @@ impl WgpuPool {
                     index(commit_at, "a commit point")?,
                     acc,
                     hold,
-                    0,
+                    half,
                     0,
                 ]);
             }
@@ -570,8 +574,8 @@ impl WgpuPool {
     fn slot_pend_bytes(&self) -> Result<u64> {
         let sh = *self.layer.shape();
         let what = "the held windows' region";
-        let per =
-            pending_len(sh.d, sh.h_v).ok_or_else(|| Error::Backend(format!("{what} overflows")))?;
+        let per = pending_len(sh.d, sh.h_k, sh.h_v)
+            .ok_or_else(|| Error::Backend(format!("{what} overflows")))?;
         index(mul(per, self.slots, what)?, what)?;
         Ok(per as u64 * 4)
     }
@@ -688,7 +692,11 @@ impl WgpuPool {
             // the accepted prefixes are committed now; a verify window is held in their place
             for (s, &at) in step.seqs.iter().zip(&checked.commit_at) {
                 if s.slot >= 0 {
-                    self.held[s.slot as usize] = if at == 0 { s.len } else { 0 };
+                    let slot = s.slot as usize;
+                    self.held[slot] = if at == 0 { s.len } else { 0 };
+                    if at == 0 {
+                        self.half[slot] ^= 1;
+                    }
                 }
             }
         }
@@ -706,7 +714,7 @@ impl WgpuPool {
         grown |= self.jobs.reserve(&gpu, 32, keep)?;
         self.bind(grown)?;
         // slot < slots and accept <= HOLD: both fit u32
-        let job = [slot as u32, 0, 0, 0, accept as u32, 0, 0, 0];
+        let job = [slot as u32, 0, 0, 0, accept as u32, 0, self.half[slot], 0];
         gpu.queue
             .write_buffer(self.jobs.get()?, 0, bytemuck::cast_slice(&job));
         self.write_params(0, [0; 4])?;
@@ -901,6 +909,7 @@ impl LayerPool for WgpuPool {
         }
         gpu.queue.submit([enc.finish()]);
         self.held[to] = held;
+        self.half[to] = self.half[from];
         gpu.take_errors()
     }
 

@@ -47,9 +47,14 @@ fn layer(seed: u64) -> Layer {
     layer_of(Shape::new(32, 2, 4).unwrap(), seed)
 }
 
+/// A layer whose head map alternates with the seed (tiled, grouped): the value heads that share a q/k head, and
+/// which of them writes their shared held records, differ.
 fn layer_of(shape: Shape, seed: u64) -> Layer {
     let mut config = Config::new(shape);
     config.gate = gdn::Gate::Silu;
+    if seed % 2 == 1 {
+        config.head_map = gdn::HeadMap::Grouped;
+    }
     Synth::new(seed).layer(config).unwrap()
 }
 
