@@ -17,7 +17,12 @@
 //
 // The q/k conv history is private to each value head (layout [slot][h_v][3][D][3], see pool.rs), so the
 // workgroup owns everything it reads and writes its committed history in place: no double buffer and no
-// dependency between workgroups. Nothing a workgroup computes depends on another job of the dispatch.
+// dependency between workgroups. Nothing a workgroup computes depends on another job of the dispatch. (A held
+// window's shared records are read from an earlier dispatch, and written in the other half: see `pend`.)
+//
+// Speculative steps: a held window's per-token records are stored as its tokens run; the accepted prefix of the
+// previous one is applied to the state rows and the history registers right after they are loaded (see the
+// comment there), so the state is read once and written once.
 //
 // A token takes four barriers (five without subgroups). The readout's RMS norm and the planes of token t run
 // inside token t + 1 (after its first and second barriers), and after the last token in a short tail.
