@@ -272,7 +272,7 @@ pub struct WgpuPool {
     /// The half of a slot's shared held records its held window is in (the next held window writes the other).
     half: Vec<u32>,
     /// Host scratch: the live sequences' jobs (slot, first row, length, commit point, then accepted tokens,
-    /// held or not), history conversions.
+    /// held or not, the half the slot's held window is in, 0), history conversions.
     job_list: Vec<[u32; 8]>,
     scratch: Vec<f32>,
 }
