@@ -2,7 +2,8 @@
 # The device run of gdn-wgpu (what produced measurements/h200-run2-*.log). Prepare it here, then run it there:
 #   cargo test --release --no-run -p gdn-wgpu; cargo build --release --example timing -p gdn-wgpu
 #   mkdir -p /work/main/.devbin/wgpu; cp target/release/deps/conformance-<newest> /work/main/.devbin/wgpu/conformance
-#   (and target/release/deps/varlen-<newest> as .devbin/wgpu/varlen: the crate's own varlen tests, run if present)
+#   (and target/release/deps/varlen-<newest> as .devbin/wgpu/varlen, spec-<newest> as .devbin/wgpu/spec: the
+#   crate's own varlen and speculative-step tests, run if present)
 #   cp target/release/examples/timing /work/main/.devbin/wgpu/; strip /work/main/.devbin/wgpu/{conformance,timing}
 #   cp crates/gdn-wgpu/h200-run.sh /work/main/.devbin/wgpu/run.sh   (and the Vulkan loaders in /work/main/.gl)
 #   device run, carry [".devbin/wgpu", ".gl"]:
@@ -30,6 +31,12 @@ if [ -x $D/varlen ]; then
   timeout 100 $D/varlen --test-threads 8 >$OUT/varlen.log 2>&1
   echo "rc $?"
   grep -E "test result|SKIPPED|panicked|FAILED" $OUT/varlen.log | head -10
+fi
+if [ -x $D/spec ]; then
+  echo "== speculative-step tests (native against the two-pass flow, bitwise, every pool option)"
+  timeout 100 $D/spec --test-threads 8 >$OUT/spec.log 2>&1
+  echo "rc $?"
+  grep -E "test result|SKIPPED|panicked|FAILED" $OUT/spec.log | head -10
 fi
 echo "== timing"
 [ -n "${SKIP_TIMING:-}" ] || {

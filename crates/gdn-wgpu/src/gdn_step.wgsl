@@ -1,6 +1,6 @@
 // The fused GDN window step (SPEC.md), one workgroup per (sequence, value head) of a varlen step.
 //
-// This file is a template: `kernel.rs` prepends the launch constants (D, IB, RPT, RPT4, W, CPT, GW, SCALE) and
+// This file is a template: `kernel.rs` prepends the launch constants (D, IB, RPT, RPT4, W, CPT, GW, HOLD, SCALE) and
 // the input loaders (`ld_qkv`, `ld_alpha`, `ld_beta`, `ld_z`, `enc16`: one per dtype of the pipeline), and
 // expands the directives below before handing the text to wgpu, so every loop over state rows has constant
 // bounds and constant indices and the state array lives in registers. The head counts, conventions and planes
@@ -8,6 +8,7 @@
 //   //#if NAME / //#else / //#endif       kept or dropped by a host flag (SUBGROUPS, VMAJOR, SBF16, OUT16)
 //   //#for v COUNT ... //#endfor         the block repeated COUNT times with `$v` replaced by 0, 1, ...
 //                                        (or a real loop when COUNT is large); each copy gets its own braces
+//   //#define NAME ... //#enddef, //#include NAME   a block written once, pasted where it is included
 //
 // Thread layout: thread `tid = ib * D + j` owns column j of the head's state and the RPT rows
 // `ib * RPT .. + RPT` (value-major pools: `tid = j * IB + ib`, rows interleaved by four, see below). The first 3 D threads (or all of them, several channels each when the workgroup is
@@ -16,7 +17,12 @@
 //
 // The q/k conv history is private to each value head (layout [slot][h_v][3][D][3], see pool.rs), so the
 // workgroup owns everything it reads and writes its committed history in place: no double buffer and no
-// dependency between workgroups. Nothing a workgroup computes depends on another job of the dispatch.
+// dependency between workgroups. Nothing a workgroup computes depends on another job of the dispatch. (A held
+// window's shared records are read from an earlier dispatch, and written in the other half: see `pend`.)
+//
+// Speculative steps: a held window's per-token records are stored as its tokens run; the accepted prefix of the
+// previous one is applied to the state rows and the history registers right after they are loaded (see the
+// comment there), so the state is read once and written once.
 //
 // A token takes four barriers (five without subgroups). The readout's RMS norm and the planes of token t run
 // inside token t + 1 (after its first and second barriers), and after the last token in a short tail.
@@ -67,9 +73,17 @@ struct Params {
 @group(0) @binding(3) var<storage, read> lw: array<f32>;
 // y [R][n] at 0, planes at P, 2P, 3P, group sums [R][h_v][GW] at 4P; f32 as bits, 16-bit two a word
 @group(0) @binding(4) var<storage, read_write> out: array<u32>;
-// (pool slot, first row, length, commit point: 0 verify) of each live sequence: workgroup_id.y indexes it
+// two vectors per live sequence, workgroup_id.y indexes them: (pool slot, first row, length, commit point: 0
+// verify), then (accepted tokens of the slot's held window, 1 where this window is held, the half of the shared
+// held records the slot's held window is in, 0)
 @group(0) @binding(5) var<storage, read> jobs: array<vec4<u32>>;
 @group(0) @binding(6) var<uniform> prm: Params;
+// held windows (speculative steps), per slot: what a held token's commit applies and shifts in. What the value
+// heads of one q/k head share (its normalized key, its raw q and k inputs) is written once, by its first value
+// head, into the half of the slot's shared records the next held window does not read (the halves alternate, so
+// a head writing a new window never overwrites what another head of the slot is still applying); what is each
+// value head's own (its raw v inputs, delta vector and gate) is private. Layout: `pend_base`, `at_*` below.
+@group(0) @binding(7) var<storage, read_write> pend: array<f32>;
 
 // raw conv outputs of the token: q [0, D), k [D, 2D), v [2D, 3D); the readout o of the previous token at [3D, 4D);
 // four values a vector (element x at vals[x / 4][x % 4]), so the norms read them four at a time
@@ -267,6 +281,82 @@ fn sum_parts(first: u32) -> f32 {
 }
 //#endif
 
+// A slot's held region: [2][HOLD][h_k][D] normalized keys, [2][HOLD][h_k][2 D] raw q, k inputs, [HOLD][h_v][D]
+// raw v inputs, [HOLD][h_v][D + 1] delta vectors and gates (the pool's `pending_len`).
+fn pend_base(slot: u32) -> u32 {
+    return slot * (6u * HOLD * prm.h_k * D + HOLD * prm.h_v * (2u * D + 1u));
+}
+
+fn at_kh(base: u32, half: u32, t: u32, g: u32) -> u32 {
+    return base + ((half * HOLD + t) * prm.h_k + g) * D;
+}
+
+fn at_rqk(base: u32, half: u32, t: u32, g: u32) -> u32 {
+    return base + 2u * HOLD * prm.h_k * D + ((half * HOLD + t) * prm.h_k + g) * (2u * D);
+}
+
+fn at_rv(base: u32, t: u32, h: u32) -> u32 {
+    return base + 6u * HOLD * prm.h_k * D + (t * prm.h_v + h) * D;
+}
+
+fn at_dg(base: u32, t: u32, h: u32) -> u32 {
+    return base + 6u * HOLD * prm.h_k * D + HOLD * prm.h_v * D + (t * prm.h_v + h) * (D + 1u);
+}
+
+// The committed state stored from `st` (the commit point of the token loop, and an accepted prefix applied at a
+// window's start): text pasted where `//#include STORE` stands.
+//#define STORE
+//#if VMAJOR
+            //#for q RPT4
+            {
+                let v = st[$q];
+//#if SBF16
+                state[v_base + $q * RS] = vec2<u32>(bf16_bits(v.x) | (bf16_bits(v.y) << 16u),
+                                               bf16_bits(v.z) | (bf16_bits(v.w) << 16u));
+//#else
+                state[v_base + $q * RS] = v;
+//#endif
+            }
+            //#endfor
+//#else
+//#if SBF16
+            // an odd column's thread hands its rounded rows to the even column's thread, which stores the
+            // packed words; the two halves of `xs` alternate, so one barrier a row group suffices
+            //#for q RPT4
+            {
+                let v = st[$q];
+                let r01 = bf16_bits(v.x) | (bf16_bits(v.y) << 16u);
+                let r23 = bf16_bits(v.z) | (bf16_bits(v.w) << 16u);
+                let xb = ($q % 2u) * (W / 2u) + tid / 2u;
+                if (odd) {
+                    xs[xb] = vec2<u32>(r01, r23);
+                }
+                workgroupBarrier();
+                if (!odd) {
+                    let o = xs[xb];
+                    let at = (s_base + (i0 + 4u * $q) * s_stride) >> 1u;
+                    state[at] = (r01 & 0xffffu) | (o.x << 16u);
+                    state[at + w_stride] = (r01 >> 16u) | (o.x & 0xffff0000u);
+                    state[at + 2u * w_stride] = (r23 & 0xffffu) | (o.y << 16u);
+                    state[at + 3u * w_stride] = (r23 >> 16u) | (o.y & 0xffff0000u);
+                }
+            }
+            //#endfor
+//#else
+            //#for q RPT4
+            {
+                let at = s_base + (i0 + 4u * $q) * s_stride;
+                let v = st[$q];
+                state[at] = v.x;
+                state[at + s_stride] = v.y;
+                state[at + 2u * s_stride] = v.z;
+                state[at + 3u * s_stride] = v.w;
+            }
+            //#endfor
+//#endif
+//#endif
+//#enddef
+
 @compute @workgroup_size(W)
 fn gdn_step(
     @builtin(workgroup_id) wg: vec3<u32>,
@@ -277,17 +367,26 @@ fn gdn_step(
 //#endif
 ) {
     let h = wg.x;
-    let job = jobs[wg.y];
+    let job = jobs[2u * wg.y];
     let slot = job.x;
     let row0 = job.y;
     let nt = job.z;
     let commit_at = job.w;
+    let spec = jobs[2u * wg.y + 1u];
+    let accept = spec.x;
+    let hold = spec.y != 0u;
+    // the half of the shared records the held window is in (read), and the one a window held now goes to
+    let rd = spec.z;
+    let wr = 1u - rd;
     let h_k = prm.h_k;
     let h_v = prm.h_v;
     let cc = prm.c;
     var g = h % h_k;
+    // the first value head of its q/k head writes what they share of a held window
+    var first = h < h_k;
     if (prm.grouped != 0u) {
         g = h / (h_v / h_k);
+        first = h % (h_v / h_k) == 0u;
     }
 //#if VMAJOR
     // value-major: a column's row blocks are adjacent threads and a thread's row groups are interleaved (group
@@ -310,6 +409,7 @@ fn gdn_step(
     var xin: array<f32, CPT>;
     var chan: array<u32, CPT>;
     let hist_base = (slot * h_v + h) * (9u * D);
+    let pb = pend_base(slot);
     //#for m CPT
     {
         let cl = tid + $m * W;
@@ -328,7 +428,24 @@ fn gdn_step(
             h0[$m] = hist[hb];
             h1[$m] = hist[hb + 1u];
             h2[$m] = hist[hb + 2u];
-            xin[$m] = ld_qkv(row0 * cc + ch);
+            // the accepted prefix of the held window shifted in, as its commit shifts it token by token
+            for (var r = 0u; r < accept; r++) {
+                h0[$m] = h1[$m];
+                h1[$m] = h2[$m];
+                if (cl < 2u * D) {
+                    h2[$m] = pend[at_rqk(pb, rd, r, g) + cl];
+                } else {
+                    h2[$m] = pend[at_rv(pb, r, h) + cl - 2u * D];
+                }
+            }
+            if (accept > 0u && commit_at == 0u) {
+                hist[hb] = h0[$m];
+                hist[hb + 1u] = h1[$m];
+                hist[hb + 2u] = h2[$m];
+            }
+            if (nt > 0u) {
+                xin[$m] = ld_qkv(row0 * cc + ch);
+            }
         }
     }
     //#endfor
@@ -386,6 +503,43 @@ fn gdn_step(
 //#endif
 //#endif
 
+    // the accepted prefix of the slot's held window, applied as the state is first loaded: token r's update with
+    // the operations of the token loop below (so bitwise what the k-token commit computes), then a bf16 state
+    // rounded once, where that commit rounds it; written back at once when this window commits nothing itself
+    if (accept > 0u) {
+        for (var r = 0u; r < accept; r++) {
+            let dg = at_dg(pb, r, h);
+            let gate4 = vec4<f32>(pend[dg + D]);
+            let delta = pend[dg + j];
+            let kr = at_kh(pb, rd, r, g);
+            //#for q RPT4
+            {
+                let kb = kr + 4u * (r0 + $q * RS);
+                let kq = vec4<f32>(pend[kb], pend[kb + 1u], pend[kb + 2u], pend[kb + 3u]);
+                st[$q] = fma(gate4, st[$q], kq * delta);
+            }
+            //#endfor
+        }
+//#if SBF16
+        //#for q RPT4
+        {
+            let v = st[$q];
+            st[$q] = vec4<f32>(bf16_lo(bf16_bits(v.x)), bf16_lo(bf16_bits(v.y)), bf16_lo(bf16_bits(v.z)),
+                               bf16_lo(bf16_bits(v.w)));
+        }
+        //#endfor
+//#endif
+        if (commit_at == 0u) {
+//#include STORE
+        }
+        // the records just read are overwritten by this window's own (a held one) further down
+        storageBarrier();
+    }
+    // a commit of held tokens alone (commit_held): no window
+    if (nt == 0u) {
+        return;
+    }
+
     // z of the token whose y is written next (z_emit) and of the one after (z_load), a token ahead of its use
     let z_base = row0 * prm.n + h * D + j;
     var z_load = 0.0;
@@ -429,6 +583,13 @@ fn gdn_step(
                     hist[hb] = h0[$m];
                     hist[hb + 1u] = h1[$m];
                     hist[hb + 2u] = h2[$m];
+                }
+                if (hold) {
+                    if (cl >= 2u * D) {
+                        pend[at_rv(pb, t, h) + cl - 2u * D] = h2[$m];
+                    } else if (first) {
+                        pend[at_rqk(pb, wr, t, g) + cl] = h2[$m];
+                    }
                 }
                 if (t + 1u < nt) {
                     xin[$m] = ld_qkv((row0 + t + 1u) * cc + chan[$m]);
@@ -504,57 +665,20 @@ fn gdn_step(
         }
         //#endfor
         red2[red_at(ib, j)] = (o4.x + o4.y) + (o4.z + o4.w);
+        if (hold && ib == 0u) {
+            // what this token's commit would apply, for the step that accepts it
+            let dg = at_dg(pb, t, h);
+            pend[dg + j] = delta;
+            if (j == 0u) {
+                pend[dg + D] = gate;
+            }
+            if (first) {
+                pend[at_kh(pb, wr, t, g) + j] = kh[j / 4u][j % 4u];
+            }
+        }
         if (commit) {
             // the state after token commit_at - 1, rounded once to bf16 where the pool keeps bf16
-//#if VMAJOR
-            //#for q RPT4
-            {
-                let v = st[$q];
-//#if SBF16
-                state[v_base + $q * RS] = vec2<u32>(bf16_bits(v.x) | (bf16_bits(v.y) << 16u),
-                                               bf16_bits(v.z) | (bf16_bits(v.w) << 16u));
-//#else
-                state[v_base + $q * RS] = v;
-//#endif
-            }
-            //#endfor
-//#else
-//#if SBF16
-            // an odd column's thread hands its rounded rows to the even column's thread, which stores the
-            // packed words; the two halves of `xs` alternate, so one barrier a row group suffices
-            //#for q RPT4
-            {
-                let v = st[$q];
-                let r01 = bf16_bits(v.x) | (bf16_bits(v.y) << 16u);
-                let r23 = bf16_bits(v.z) | (bf16_bits(v.w) << 16u);
-                let xb = ($q % 2u) * (W / 2u) + tid / 2u;
-                if (odd) {
-                    xs[xb] = vec2<u32>(r01, r23);
-                }
-                workgroupBarrier();
-                if (!odd) {
-                    let o = xs[xb];
-                    let at = (s_base + (i0 + 4u * $q) * s_stride) >> 1u;
-                    state[at] = (r01 & 0xffffu) | (o.x << 16u);
-                    state[at + w_stride] = (r01 >> 16u) | (o.x & 0xffff0000u);
-                    state[at + 2u * w_stride] = (r23 & 0xffffu) | (o.y << 16u);
-                    state[at + 3u * w_stride] = (r23 >> 16u) | (o.y & 0xffff0000u);
-                }
-            }
-            //#endfor
-//#else
-            //#for q RPT4
-            {
-                let at = s_base + (i0 + 4u * $q) * s_stride;
-                let v = st[$q];
-                state[at] = v.x;
-                state[at + s_stride] = v.y;
-                state[at + 2u * s_stride] = v.z;
-                state[at + 3u * s_stride] = v.w;
-            }
-            //#endfor
-//#endif
-//#endif
+//#include STORE
         }
         workgroupBarrier();
 

@@ -9,8 +9,24 @@ pub const TEMPLATE: &str = include_str!("gdn_step.wgsl");
 /// Loops over at most this many iterations are written out; longer ones stay loops.
 const UNROLL_MAX: usize = 64;
 
-/// Bindings of the kernel: six storage buffers and one uniform buffer.
-pub const STORAGE_BUFFERS: u32 = 6;
+/// Bindings of the kernel: seven storage buffers and one uniform buffer.
+pub const STORAGE_BUFFERS: u32 = 7;
+
+/// The longest window a slot holds (speculative steps): the kernel's pending records per slot and value head.
+pub const HOLD: usize = 16;
+
+/// Floats of one slot's held-window region (`pend` in the kernel), per token: for each q/k head its normalized
+/// key and raw q, k inputs (3 d, in two halves used in turn), for each value head its raw v inputs, delta vector
+/// and gate (2 d + 1).
+pub fn pending_len(d: usize, h_k: usize, h_v: usize) -> Option<usize> {
+    let shared = (2 * HOLD)
+        .checked_mul(h_k)?
+        .checked_mul(d.checked_mul(3)?)?;
+    let own = HOLD
+        .checked_mul(h_v)?
+        .checked_mul(d.checked_mul(2)?.checked_add(1)?)?;
+    shared.checked_add(own)
+}
 
 /// What a pipeline is specialised on: the head dim, the launch geometry, the pool's state (dtype, layout) and
 /// the step's dtypes. Head counts, head map, gate, eps, planes and every sequence's rows and commit are uniforms
@@ -135,7 +151,8 @@ impl KernelKey {
         } else {
             1
         };
-        let consts: [(&str, usize); 8] = [
+        let consts: [(&str, usize); 9] = [
+            ("HOLD", HOLD),
             ("RS", rs),
             ("D", d),
             ("IB", ib),
@@ -177,7 +194,7 @@ impl KernelKey {
             ("OUT16", self.out != DType::F32),
         ];
         let counts = [("RPT", rpt), ("RPT4", rpt / 4), ("IB", ib), ("CPT", cpt)];
-        header + &expand(TEMPLATE, &flags, &counts)
+        header + &expand(&paste_includes(TEMPLATE), &flags, &counts)
     }
 }
 
@@ -202,6 +219,46 @@ pub fn choose_row_blocks(d: usize, limits: &wgpu::Limits, preferred: usize) -> u
         ib /= 2;
     }
     ib
+}
+
+/// Cuts the `//#define NAME` ... `//#enddef` blocks out of `src` and pastes each where `//#include NAME` stands
+/// (before the other directives are expanded, so a block may hold them).
+pub fn paste_includes(src: &str) -> String {
+    let mut blocks: Vec<(String, String)> = Vec::new();
+    let mut rest = String::with_capacity(src.len());
+    let mut open: Option<(String, String)> = None;
+    for line in src.lines() {
+        let t = line.trim();
+        if let Some(name) = t.strip_prefix("//#define ") {
+            open = Some((name.trim().to_string(), String::new()));
+            continue;
+        }
+        if t == "//#enddef" {
+            blocks.extend(open.take());
+            continue;
+        }
+        let into = match open.as_mut() {
+            Some((_, body)) => body,
+            None => &mut rest,
+        };
+        into.push_str(line);
+        into.push('\n');
+    }
+    let mut out = String::with_capacity(rest.len() * 2);
+    for line in rest.lines() {
+        match line.trim().strip_prefix("//#include ") {
+            Some(name) => {
+                if let Some((_, body)) = blocks.iter().find(|(n, _)| n == name.trim()) {
+                    out.push_str(body);
+                }
+            }
+            None => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    out
 }
 
 /// Expands the template's directives. Flags not named are false; counts not named are an internal error, so
@@ -309,6 +366,10 @@ mod tests {
         let out = expand(src, &[], &[("N", 100)]);
         assert!(out.starts_with("a\nc\nd\nfor (var r_i: u32 = 0u; r_i < 100u; r_i++) {"));
         assert!(out.contains("{ s[r_i]; }"));
+        let src =
+            "x\n//#define B\n//#if X\nb\n//#endif\n//#enddef\n//#include B\ny\n  //#include B\n";
+        let out = expand(&paste_includes(src), &[("X", true)], &[]);
+        assert_eq!(out, "x\nb\ny\nb\n");
     }
 
     #[test]
@@ -334,6 +395,18 @@ mod tests {
         assert!(err.contains("512 invocations"), "{err}");
         let err = key(1024, 1).check_limits(&web).unwrap_err().to_string();
         assert!(err.contains("d = 1024"), "{err}");
+    }
+
+    #[test]
+    fn pending_region_sizes() {
+        // the seed shape: 16 tokens x (2 halves x 16 q/k heads x 3 d + 48 value heads x (2 d + 1))
+        assert_eq!(
+            pending_len(128, 16, 48),
+            Some(16 * (2 * 16 * 384 + 48 * 257))
+        );
+        assert_eq!(pending_len(usize::MAX / 4, 1, 1), None);
+        assert_eq!(pending_len(1024, 1, usize::MAX / 1024), None);
+        assert_eq!(pending_len(1024, usize::MAX / 1024, 1), None);
     }
 
     #[test]

@@ -285,6 +285,7 @@ impl Gpu {
                     },
                     count: None,
                 },
+                storage(7, false),
             ],
         });
         let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {

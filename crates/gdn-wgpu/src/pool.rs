@@ -16,7 +16,7 @@ use gdn::{
     StateLayout, Step, StepTiming, Tensor, TensorMut,
 };
 
-use crate::kernel::{choose_row_blocks, KernelKey};
+use crate::kernel::{choose_row_blocks, pending_len, KernelKey, HOLD};
 use crate::Gpu;
 
 /// The uniform block of the kernel (`Params` in gdn_step.wgsl).
@@ -264,8 +264,16 @@ pub struct WgpuPool {
     jobs: Scratch,
     readback: Scratch,
     bind_group: Option<wgpu::BindGroup>,
-    /// Host scratch: the live sequences' jobs (slot, first row, length, commit point), history conversions.
-    job_list: Vec<[u32; 4]>,
+    /// Held windows (speculative steps): every slot's region, allocated by the first `step_spec`; until then a
+    /// placeholder is bound. `held[slot]`: the length of the window the slot holds (0: none).
+    pend: Option<wgpu::Buffer>,
+    pend_none: wgpu::Buffer,
+    held: Vec<usize>,
+    /// The half of a slot's shared held records its held window is in (the next held window writes the other).
+    half: Vec<u32>,
+    /// Host scratch: the live sequences' jobs (slot, first row, length, commit point, then accepted tokens,
+    /// held or not, the half the slot's held window is in, 0), history conversions.
+    job_list: Vec<[u32; 8]>,
     scratch: Vec<f32>,
 }
 
@@ -320,26 +328,28 @@ impl WgpuPool {
         let storage = wgpu::BufferUsages::STORAGE
             | wgpu::BufferUsages::COPY_DST
             | wgpu::BufferUsages::COPY_SRC;
-        let (state, hist, weights_buf, params) = gpu.scoped("allocating the pool", || {
-            let mk = |label, size: u64, usage| {
-                gpu.device.create_buffer(&wgpu::BufferDescriptor {
-                    label: Some(label),
-                    size: size.max(16),
-                    usage,
-                    mapped_at_creation: false,
-                })
-            };
-            (
-                mk("gdn state", state_bytes, storage),
-                mk("gdn hist", hist_bytes, storage),
-                mk("gdn weights", weight_bytes, storage),
-                mk(
-                    "gdn params",
-                    std::mem::size_of::<Params>() as u64,
-                    wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-                ),
-            )
-        })?;
+        let (state, hist, weights_buf, params, pend_none) =
+            gpu.scoped("allocating the pool", || {
+                let mk = |label, size: u64, usage| {
+                    gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                        label: Some(label),
+                        size: size.max(16),
+                        usage,
+                        mapped_at_creation: false,
+                    })
+                };
+                (
+                    mk("gdn state", state_bytes, storage),
+                    mk("gdn hist", hist_bytes, storage),
+                    mk("gdn weights", weight_bytes, storage),
+                    mk(
+                        "gdn params",
+                        std::mem::size_of::<Params>() as u64,
+                        wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                    ),
+                    mk("gdn no held windows", 16, wgpu::BufferUsages::STORAGE),
+                )
+            })?;
         gpu.queue
             .write_buffer(&weights_buf, 0, bytemuck::cast_slice(&weights));
         let rw = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
@@ -362,6 +372,10 @@ impl WgpuPool {
                 wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             ),
             bind_group: None,
+            pend: None,
+            pend_none,
+            held: vec![0; slots],
+            half: vec![0; slots],
             job_list: Vec::new(),
             scratch: Vec::new(),
             gpu,
@@ -405,7 +419,7 @@ impl WgpuPool {
         if dropped {
             self.bind_group = None;
         }
-        if self.job_list.capacity() as u64 * 16 > keep {
+        if self.job_list.capacity() as u64 * 32 > keep {
             self.job_list = Vec::new();
         }
     }
@@ -417,20 +431,32 @@ impl WgpuPool {
         step: &Step<'_>,
         checked: &Checked,
         out_dtype: DType,
+        accept: Option<&[usize]>,
     ) -> Result<(u32, Arc<wgpu::ComputePipeline>, DevOut)> {
         let gpu = self.gpu.clone();
         let sh = *self.layer.shape();
         let key = self.kernel_key(step.rows.dtypes(), out_dtype);
         let pipeline = gpu.pipeline(key)?;
         self.job_list.clear();
-        for (s, &commit_at) in step.seqs.iter().zip(&checked.commit_at) {
+        for (i, (s, &commit_at)) in step.seqs.iter().zip(&checked.commit_at).enumerate() {
             if s.slot >= 0 {
+                // a speculative step: the accepted prefix of the slot's held window (checked against it, at most
+                // HOLD), and whether this window is held (a verify)
+                let (acc, hold) = match accept {
+                    Some(a) => (a[i] as u32, (commit_at == 0) as u32),
+                    None => (0, 0),
+                };
+                let half = self.half[s.slot as usize];
                 // validate() put start + len within the rows, whose element count is checked below
                 self.job_list.push([
                     s.slot as u32,
                     index(s.start, "a sequence's first row")?,
                     index(s.len, "a sequence's length")?,
                     index(commit_at, "a commit point")?,
+                    acc,
+                    hold,
+                    half,
+                    0,
                 ]);
             }
         }
@@ -454,34 +480,8 @@ impl WgpuPool {
         grown |= self.out.reserve(&gpu, dev.bytes(), keep)?;
         grown |= self
             .jobs
-            .reserve(&gpu, self.job_list.len().max(1) as u64 * 16, keep)?;
-        if grown || self.bind_group.is_none() {
-            let entries = [
-                self.state.as_entire_binding(),
-                self.hist.as_entire_binding(),
-                self.inputs.get()?.as_entire_binding(),
-                self.weights.as_entire_binding(),
-                self.out.get()?.as_entire_binding(),
-                self.jobs.get()?.as_entire_binding(),
-                self.params.as_entire_binding(),
-            ];
-            let entries: Vec<wgpu::BindGroupEntry> = entries
-                .into_iter()
-                .enumerate()
-                .map(|(i, resource)| wgpu::BindGroupEntry {
-                    binding: i as u32,
-                    resource,
-                })
-                .collect();
-            let bg = gpu.scoped("binding the step's buffers", || {
-                gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                    label: Some("gdn step"),
-                    layout: &gpu.bind_layout,
-                    entries: &entries,
-                })
-            })?;
-            self.bind_group = Some(bg);
-        }
+            .reserve(&gpu, self.job_list.len().max(1) as u64 * 32, keep)?;
+        self.bind(grown)?;
         let inputs = self.inputs.get()?;
         for (t, &off) in tensors.iter().zip(&offs) {
             // write_buffer takes whole words: a 16-bit tensor of odd length ends in a padded word
@@ -501,12 +501,20 @@ impl WgpuPool {
             gpu.queue
                 .write_buffer(self.jobs.get()?, 0, bytemuck::cast_slice(&self.job_list));
         }
+        let plane = if dev.planes {
+            index(dev.y, "the plane stride")?
+        } else {
+            0
+        };
+        self.write_params(plane, offs)?;
+        Ok((live, pipeline, dev))
+    }
+
+    /// The uniform block: the output's plane stride (device elements), the inputs' word offsets, the layer.
+    fn write_params(&self, plane: u32, offs: [u32; 4]) -> Result<()> {
+        let sh = *self.layer.shape();
         let params = Params {
-            plane: if dev.planes {
-                index(dev.y, "the plane stride")?
-            } else {
-                0
-            },
+            plane,
             qkv_off: offs[0],
             alpha_off: offs[1],
             beta_off: offs[2],
@@ -520,9 +528,91 @@ impl WgpuPool {
             silu: (self.layer.config.gate == Gate::Silu) as u32,
             eps: self.layer.config.eps,
         };
-        gpu.queue
+        self.gpu
+            .queue
             .write_buffer(&self.params, 0, bytemuck::bytes_of(&params));
-        Ok((live, pipeline, dev))
+        Ok(())
+    }
+
+    /// (Re)builds the bind group where a buffer changed (`grown`) or none is bound yet.
+    fn bind(&mut self, grown: bool) -> Result<()> {
+        if !grown && self.bind_group.is_some() {
+            return Ok(());
+        }
+        let gpu = self.gpu.clone();
+        let pend = self.pend.as_ref().unwrap_or(&self.pend_none);
+        let entries = [
+            self.state.as_entire_binding(),
+            self.hist.as_entire_binding(),
+            self.inputs.get()?.as_entire_binding(),
+            self.weights.as_entire_binding(),
+            self.out.get()?.as_entire_binding(),
+            self.jobs.get()?.as_entire_binding(),
+            self.params.as_entire_binding(),
+            pend.as_entire_binding(),
+        ];
+        let entries: Vec<wgpu::BindGroupEntry> = entries
+            .into_iter()
+            .enumerate()
+            .map(|(i, resource)| wgpu::BindGroupEntry {
+                binding: i as u32,
+                resource,
+            })
+            .collect();
+        let bg = gpu.scoped("binding the step's buffers", || {
+            gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some("gdn step"),
+                layout: &gpu.bind_layout,
+                entries: &entries,
+            })
+        })?;
+        self.bind_group = Some(bg);
+        Ok(())
+    }
+
+    /// Bytes of one slot's held-window region; its element count over the pool within the kernel's indices.
+    fn slot_pend_bytes(&self) -> Result<u64> {
+        let sh = *self.layer.shape();
+        let what = "the held windows' region";
+        let per = pending_len(sh.d, sh.h_k, sh.h_v)
+            .ok_or_else(|| Error::Backend(format!("{what} overflows")))?;
+        index(mul(per, self.slots, what)?, what)?;
+        Ok(per as u64 * 4)
+    }
+
+    /// Allocates the held windows' region on the first speculative step.
+    fn ensure_pend(&mut self) -> Result<()> {
+        if self.pend.is_some() {
+            return Ok(());
+        }
+        // below 2^32 floats (checked): no u64 overflow
+        let bytes = self.slot_pend_bytes()? * self.slots as u64;
+        check_size(&self.gpu, "the held windows' region", bytes)?;
+        let gpu = self.gpu.clone();
+        let buf = gpu.scoped("allocating the held windows' region", || {
+            gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("gdn held windows"),
+                size: bytes.max(16),
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_DST
+                    | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            })
+        })?;
+        self.pend = Some(buf);
+        self.bind_group = None;
+        Ok(())
+    }
+
+    /// A plain step (or timing) naming a slot that holds a window is an error.
+    fn check_not_held(&self, step: &Step<'_>) -> Result<()> {
+        for s in step.seqs.iter().filter(|s| s.slot >= 0) {
+            let h = self.held[s.slot as usize];
+            if h > 0 {
+                return Err(gdn::spec::held_error(s.slot as usize, h));
+            }
+        }
+        Ok(())
     }
 
     fn record_dispatch(
@@ -536,9 +626,32 @@ impl WgpuPool {
         pass.dispatch_workgroups(self.layer.shape().h_v as u32, live, 1);
     }
 
-    fn step_inner(&mut self, step: &Step<'_>, mut out: TensorMut<'_>) -> Result<()> {
+    /// A step, plain (`accept` None) or speculative (the accepted prefix of each sequence's held window).
+    fn step_inner(
+        &mut self,
+        step: &Step<'_>,
+        mut out: TensorMut<'_>,
+        accept: Option<&[usize]>,
+    ) -> Result<()> {
         let checked = step.validate(&self.layer, self.slots, out.len())?;
-        let (live, pipeline, dev) = self.prepare(step, &checked, out.dtype())?;
+        match accept {
+            None => self.check_not_held(step)?,
+            Some(accept) => {
+                gdn::spec::check_accept(step, accept, |s| self.held[s])?;
+                for (s, &at) in step.seqs.iter().zip(&checked.commit_at) {
+                    if s.slot >= 0 && at == 0 && s.len > HOLD {
+                        return Err(Error::Unsupported(format!(
+                            "a held window of {} tokens (the wgpu backend holds at most {HOLD})",
+                            s.len
+                        )));
+                    }
+                }
+                if step.seqs.iter().any(|s| s.slot >= 0) {
+                    self.ensure_pend()?;
+                }
+            }
+        }
+        let (live, pipeline, dev) = self.prepare(step, &checked, out.dtype(), accept)?;
         if live == 0 {
             return Ok(());
         }
@@ -574,6 +687,48 @@ impl WgpuPool {
                 sh.h_v,
             );
         })?;
+        gpu.take_errors()?;
+        if accept.is_some() {
+            // the accepted prefixes are committed now; a verify window is held in their place
+            for (s, &at) in step.seqs.iter().zip(&checked.commit_at) {
+                if s.slot >= 0 {
+                    let slot = s.slot as usize;
+                    self.held[slot] = if at == 0 { s.len } else { 0 };
+                    if at == 0 {
+                        self.half[slot] ^= 1;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Commits the first `accept` tokens of `slot`'s held window on the device (a job without a window: the
+    /// kernel applies them to the state and history and stores both).
+    fn commit_pending(&mut self, slot: usize, accept: usize) -> Result<()> {
+        let gpu = self.gpu.clone();
+        let pipeline = gpu.pipeline(self.key)?;
+        let keep = self.keep;
+        let mut grown = self.inputs.reserve(&gpu, 16, keep)?;
+        grown |= self.out.reserve(&gpu, 16, keep)?;
+        grown |= self.jobs.reserve(&gpu, 32, keep)?;
+        self.bind(grown)?;
+        // slot < slots and accept <= HOLD: both fit u32
+        let job = [slot as u32, 0, 0, 0, accept as u32, 0, self.half[slot], 0];
+        gpu.queue
+            .write_buffer(self.jobs.get()?, 0, bytemuck::cast_slice(&job));
+        self.write_params(0, [0; 4])?;
+        let mut enc = gpu
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("gdn commit held"),
+                timestamp_writes: None,
+            });
+            self.record_dispatch(&mut pass, &pipeline, 1);
+        }
+        gpu.queue.submit([enc.finish()]);
         gpu.take_errors()
     }
 }
@@ -656,6 +811,8 @@ impl LayerPool for WgpuPool {
             .write_buffer(&self.hist, slot as u64 * hb, bytemuck::cast_slice(&own));
         self.scratch = own;
         gpu.queue.submit([]);
+        // a held window is dropped with the state it was verified from
+        self.held[slot] = 0;
         gpu.take_errors()
     }
 
@@ -708,6 +865,7 @@ impl LayerPool for WgpuPool {
         enc.clear_buffer(&self.state, slot as u64 * sb, Some(sb));
         enc.clear_buffer(&self.hist, slot as u64 * hb, Some(hb));
         gpu.queue.submit([enc.finish()]);
+        self.held[slot] = 0;
         gpu.take_errors()
     }
 
@@ -721,6 +879,13 @@ impl LayerPool for WgpuPool {
             return Ok(());
         }
         let (sb, hb) = self.slot_bytes();
+        // a held window travels with its slot (a fork): its region too (allocated, since a window is held)
+        let held = self.held[from];
+        let pending = match &self.pend {
+            Some(p) if held > 0 => Some((p, self.slot_pend_bytes()?)),
+            _ => None,
+        };
+        let pbytes = pending.map_or(0, |p| p.1);
         let gpu = &self.gpu;
         let mut enc = gpu
             .device
@@ -729,7 +894,7 @@ impl LayerPool for WgpuPool {
         let staging = gpu.scoped("staging a slot copy", || {
             gpu.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("gdn slot copy"),
-                size: sb + hb,
+                size: sb + hb + pbytes,
                 usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             })
@@ -738,14 +903,51 @@ impl LayerPool for WgpuPool {
         enc.copy_buffer_to_buffer(&self.hist, from as u64 * hb, &staging, sb, hb);
         enc.copy_buffer_to_buffer(&staging, 0, &self.state, to as u64 * sb, sb);
         enc.copy_buffer_to_buffer(&staging, sb, &self.hist, to as u64 * hb, hb);
+        if let Some((p, pb)) = pending {
+            enc.copy_buffer_to_buffer(p, from as u64 * pb, &staging, sb + hb, pb);
+            enc.copy_buffer_to_buffer(&staging, sb + hb, p, to as u64 * pb, pb);
+        }
         gpu.queue.submit([enc.finish()]);
+        self.held[to] = held;
+        self.half[to] = self.half[from];
         gpu.take_errors()
     }
 
     fn step_varlen(&mut self, step: &Step<'_>, out: TensorMut<'_>) -> Result<()> {
-        let r = self.step_inner(step, out);
+        let r = self.step_inner(step, out, None);
         self.trim();
         r
+    }
+
+    /// One state pass: the kernel applies each sequence's accepted prefix as it first loads the state (the
+    /// held tokens' keys, deltas and gates, kept on the device by the window that held them), then runs the
+    /// new window, keeping what a verify window's commit would apply.
+    fn step_spec(&mut self, step: &Step<'_>, accept: &[usize], out: TensorMut<'_>) -> Result<()> {
+        let r = self.step_inner(step, out, Some(accept));
+        self.trim();
+        r
+    }
+
+    fn held(&self, slot: usize) -> usize {
+        self.held.get(slot).copied().unwrap_or(0)
+    }
+
+    fn commit_held(&mut self, slot: usize, accept: usize) -> Result<()> {
+        gdn::spec::slot_in_range(slot, self.slots)?;
+        let h = self.held[slot];
+        if accept > h {
+            return Err(Error::Param {
+                name: "accept",
+                why: format!("{accept} tokens of slot {slot}'s held window of {h}"),
+            });
+        }
+        if accept > 0 {
+            let r = self.commit_pending(slot, accept);
+            self.trim();
+            r?;
+        }
+        self.held[slot] = 0;
+        Ok(())
     }
 
     /// Inputs uploaded once; then rounds of back-to-back dispatches in one compute pass, timed with GPU
@@ -760,7 +962,8 @@ impl LayerPool for WgpuPool {
         let sh = *self.layer.shape();
         let len = step.layout(&sh)?.len();
         let checked = step.validate(&self.layer, self.slots, len)?;
-        let (live, pipeline, _) = self.prepare(step, &checked, out_dtype)?;
+        self.check_not_held(step)?;
+        let (live, pipeline, _) = self.prepare(step, &checked, out_dtype, None)?;
         let gpu = self.gpu.clone();
         let iters = iters.max(1);
         let this = &*self;

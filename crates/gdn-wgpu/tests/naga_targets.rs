@@ -59,8 +59,9 @@ enum Bind {
     Uniform,
 }
 
-/// The step kernel's bind group layout (`Gpu::open`): state, history, inputs, weights, output, jobs, params.
-const STEP_LAYOUT: [Bind; 7] = [
+/// The step kernel's bind group layout (`Gpu::open`): state, history, inputs, weights, output, jobs, params,
+/// held windows.
+const STEP_LAYOUT: [Bind; 8] = [
     Bind::Storage { read_only: false },
     Bind::Storage { read_only: false },
     Bind::Storage { read_only: true },
@@ -68,6 +69,7 @@ const STEP_LAYOUT: [Bind; 7] = [
     Bind::Storage { read_only: false },
     Bind::Storage { read_only: true },
     Bind::Uniform,
+    Bind::Storage { read_only: false },
 ];
 
 /// The copy kernel's (derived by wgpu from the shader): source, destination.
