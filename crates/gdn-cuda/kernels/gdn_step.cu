@@ -597,28 +597,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 
 #if GDN_SPEC
     if (acc > 0) {
-        // the accepted prefix of the held window, token by token, with the token update's operations (its
-        // st = fmaf(gt, st, k4 * delta) below, on the same gate, key and delta bits the held window computed)
-        for (int u = 0; u < acc; ++u) {
-            const float gu = pold[PG_OFF + h * MAXH + u];
-            const float du = pold[PD_OFF + ((size_t)h * MAXH + u) * D + j];
-            const float* ku = pold + PK_OFF + ((size_t)g * MAXH + u) * D;
-#pragma unroll
-            for (int r = 0; r < RPT; r += 4) {
-                // keys KEY(rg, r) .. + 3 are contiguous (both layouts), the rows kn[rg * KPAD + r ..] holds
-                const float4 k4 = *reinterpret_cast<const float4*>(ku + KEY(rg, r));
-                st[r + 0] = fmaf(gu, st[r + 0], k4.x * du);
-                st[r + 1] = fmaf(gu, st[r + 1], k4.y * du);
-                st[r + 2] = fmaf(gu, st[r + 2], k4.z * du);
-                st[r + 3] = fmaf(gu, st[r + 3], k4.w * du);
-            }
-        }
-#if GDN_STATE_DT == 1
-        // the k-token commit stores the state rounded once, and the next window loads that
-#pragma unroll
-        for (int r = 0; r < RPT; ++r) st[r] = ES::ld(ES::st(st[r]));
-#endif
-        // the history after the accepted rows: only the last three of them can remain
+        // the history after the accepted rows of the held window: only the last three of them can remain
         for (int u = acc > 3 ? acc - 3 : 0; u < acc; ++u) {
             const float* raw = pold + PR_OFF + (size_t)u * C_ALL;
 #pragma unroll
@@ -631,8 +610,58 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
             }
         }
         if (held) {
-            // the window runs held: the accepted state and history are the committed ones now (a committing
-            // window writes both at its commit instead)
+            // the window runs held: the accepted history is the committed one now (a committing window writes
+            // it at its commit instead)
+#if GDN_NCB > 1
+            cluster_sync_all();  // every block of the cluster has read the q / k history it shares
+#endif
+#pragma unroll
+            for (int m = 0; m < NCH; ++m) {
+                const int e = tid + m * NT;
+                const bool mine = e < 2 * D ? (e / QK_PER_RANK) == rank : chan[m] >= 0;
+                if (mine) {
+                    const int o = hist_off(e, rank);
+                    hist_head[o] = hst[m][0];
+                    hist_head[o + 1] = hst[m][1];
+                    hist_head[o + 2] = hst[m][2];
+                }
+            }
+        }
+    }
+#endif
+
+#if GDN_SPEC
+    // applies the accepted prefix of the held window to the state: as it is first used (token 0, its loads had
+    // the prologue to land), or after the loop for a sequence with no window
+    auto apply_accepted = [&]() {
+        if (acc == 0) return;
+
+        // the accepted prefix of the held window applied to the state as it is first used (its loads had
+        // the prologue to land), token by token with the update's own operations (step 3's
+        // st = fmaf(gt, st, k4 * delta)) on the gate, key and delta bits the held window computed
+        for (int u = 0; u < acc; ++u) {
+            const float gu = pold[PG_OFF + h * MAXH + u];
+            const float du = pold[PD_OFF + ((size_t)h * MAXH + u) * D + j];
+            const float* ku = pold + PK_OFF + ((size_t)g * MAXH + u) * D;
+#pragma unroll
+            for (int r = 0; r < RPT; r += 4) {
+                // keys KEY(rg, r) .. + 3 are contiguous in both layouts: the rows kn[rg * KPAD + r ..] holds
+                const float4 k4 = *reinterpret_cast<const float4*>(ku + KEY(rg, r));
+                st[r + 0] = fmaf(gu, st[r + 0], k4.x * du);
+                st[r + 1] = fmaf(gu, st[r + 1], k4.y * du);
+                st[r + 2] = fmaf(gu, st[r + 2], k4.z * du);
+                st[r + 3] = fmaf(gu, st[r + 3], k4.w * du);
+                if ((r & 7) == 4) __syncwarp();  // keeps ptxas from loading all of k ahead (registers)
+            }
+        }
+#if GDN_STATE_DT == 1
+        // the k-token commit stores the state rounded once, and the next window loads that
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) st[r] = ES::ld(ES::st(st[r]));
+#endif
+        if (held) {
+            // the window runs held: the accepted state is the committed one now (a committing window
+            // writes it at its commit instead)
 #if VEC_STATE && GDN_STATE_DT == 0
 #pragma unroll
             for (int r = 0; r < RPT; r += 4)
@@ -650,22 +679,8 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #pragma unroll
             for (int r = 0; r < RPT; ++r) st_base[SOFF(r)] = ES::st(st[r]);
 #endif
-#if GDN_NCB > 1
-            cluster_sync_all();  // every block of the cluster has read the q / k history it shares
-#endif
-#pragma unroll
-            for (int m = 0; m < NCH; ++m) {
-                const int e = tid + m * NT;
-                const bool mine = e < 2 * D ? (e / QK_PER_RANK) == rank : chan[m] >= 0;
-                if (mine) {
-                    const int o = hist_off(e, rank);
-                    hist_head[o] = hst[m][0];
-                    hist_head[o + 1] = hst[m][1];
-                    hist_head[o + 2] = hst[m][2];
-                }
-            }
         }
-    }
+    };
 #endif
 
 #if GDN_EXT && GDN_COMMIT
@@ -754,6 +769,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #endif
         __syncthreads();
 
+#if GDN_SPEC
+        if (t == 0) apply_accepted();
+#endif
         // 3. kv_j, the delta rule and the readout: column sums over the RG lanes of the column
         // two partial sums (rows 4q.. and 4q+2..) halve the dependent chain; combined in a fixed order
         float kv0 = 0.0f, kv1 = 0.0f;
@@ -961,6 +979,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         }
 #endif
     }
+#if GDN_SPEC
+    if (T == 0) apply_accepted();
+#endif
 #if GDN_NCB > 1
     // no block leaves while another may still read its shared memory
     cluster_sync_all();
