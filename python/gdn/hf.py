@@ -117,15 +117,16 @@ def _states(module, cache_params, bsz, device, dtype):
             cl.lazy_initialization(
                 recurrent_states=torch.zeros(state_shape, dtype=torch.float32, device=device)
             )
-        cl.conv_states[0].zero_()
-        cl.recurrent_states[0].zero_()
-        cl.has_previous_state[0] = True
     conv, state = cl.conv_states[0], cl.recurrent_states[0]
     if tuple(conv.shape) != conv_shape or tuple(state.shape) != state_shape:
         raise ValueError(
             f"gdn.hf: the cache holds conv {tuple(conv.shape)} and state {tuple(state.shape)}, "
             f"this window needs {conv_shape} and {state_shape} (batch changed without a new cache?)"
         )
+    if not cache_params.has_previous_state(module.layer_idx, state_idx=0):
+        conv.zero_()
+        state.zero_()
+        cl.has_previous_state[0] = True
     return state, conv, True
 
 
@@ -149,6 +150,15 @@ def _indices(module, bsz, t, dev, commits):
 
 def _forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
     from transformers.models.qwen3_5.modeling_qwen3_5 import apply_mask_to_padding_states
+
+    if kwargs.get("cu_seq_lens_q") is not None:
+        raise NotImplementedError(
+            "gdn.hf: packed (padding-free) batches with cu_seq_lens_q are not supported by the patched layers"
+        )
+    if str(self.activation).lower() not in ("silu", "swish"):
+        raise NotImplementedError(
+            f"gdn.hf: the conv activation is {self.activation!r}; gdn's conv is followed by SiLU"
+        )
 
     hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)
     bsz, t, _ = hidden_states.shape

@@ -25,7 +25,7 @@ def gdn_attention_core(
     ssm_state,
     state_indices,
     query_start_loc,
-    num_accepted_tokens=None,
+    commit=None,
     validate=False,
 ):
     """One varlen GDN step on vLLM's tensors; returns ``core_attn_out``.
@@ -46,26 +46,28 @@ def gdn_attention_core(
     - ``state_indices``: int32 ``[num_seqs]``, ``non_spec_state_indices_tensor``: each sequence's
       slot; ``-1`` (vLLM's padding, ``PAD_SLOT_ID``) skips the sequence.
     - ``query_start_loc``: int32 ``[num_seqs + 1]``, ``non_spec_query_start_loc`` (cu_seqlens).
-    - ``num_accepted_tokens``: int32 ``[num_seqs]`` or None. None commits every sequence's whole
-      window (prefill, decode). Given, sequence s keeps the state after its first
-      ``num_accepted_tokens[s]`` tokens (0: verify only, nothing written). vLLM's own speculative
-      path instead writes every drafted token's state to ``spec_state_indices_tensor`` and picks one
-      on the next step; with gdn a verify window commits 0 and the accepted prefix is committed
-      with this argument (one state pass per speculative step is the next step of gdn).
+    - ``commit``: int32 ``[num_seqs]`` or None (not vLLM's ``num_accepted_tokens``, which counts the
+      *previous* step's accepted tokens and picks a start state among per-token ones). None commits
+      every sequence's whole window (prefill, decode). Given, sequence s keeps the state after its
+      first ``commit[s]`` tokens of this window (0: verify only, nothing written). vLLM's speculative
+      path maps to a verify (0) and, once the acceptance is known, a call committing the accepted
+      prefix; gdn's Rust API folds the two into one state pass (``LayerPool::step_spec``), not yet
+      exposed here.
     - ``validate``: check slot and ``query_start_loc`` values on the host first (synchronises).
     """
-    out = core_attn_out.reshape(core_attn_out.shape[0], -1)
+    # a view (an error where none exists), so that the step writes core_attn_out itself
+    out = core_attn_out.view(core_attn_out.shape[0], -1)
     gdn.step(
         layer,
         mixed_qkv,
         a,
         b,
-        z.reshape(z.shape[0], -1),
+        z.view(z.shape[0], -1),
         ssm_state,
         conv_state,
         state_indices,
         cu_seqlens=query_start_loc,
-        commit=num_accepted_tokens,
+        commit=commit,
         out=out,
         state_layout="value_major",
         validate=validate,

@@ -58,6 +58,12 @@ pub struct Args {
     /// prefix) on the same backend. With --rotate-mib the calls rotate among slot sets as above.
     #[arg(long, value_delimiter = ',')]
     spec: Option<Vec<usize>>,
+    /// Time the layer's out_proj over quantized weights (n -> this hidden size) instead, at each batch size (one
+    /// token per sequence): the product that reads the step's planes and group sums beside the same product
+    /// from y with shifts and its own group-sum pass, for every packing, against the weight bytes over the copy
+    /// ceiling (CPU only).
+    #[arg(long)]
+    out_proj: Option<usize>,
 }
 
 /// `B:T` for `--mixed`.
@@ -204,6 +210,10 @@ pub fn run(args: Args) -> Result<()> {
             name: "batch",
             why: format!("a batch size must be at least 1, got {b}"),
         });
+    }
+    if let Some(hidden) = args.out_proj {
+        progress.finish_and_clear();
+        return run_out_proj(backend.as_ref(), &layer, hidden, &batches, args.round_ms);
     }
     if let Some(windows) = &args.spec {
         progress.finish_and_clear();
@@ -375,6 +385,81 @@ fn time_mixed(
             .as_secs_f64();
     }
     Ok(out)
+}
+
+/// `gdn bench --out-proj`: the quantized out_proj, planes path and shift path, per packing and batch.
+fn run_out_proj(
+    backend: &dyn gdn::Backend,
+    layer: &gdn::Layer,
+    hidden: usize,
+    batches: &[usize],
+    round_ms: u64,
+) -> Result<()> {
+    use gdn::quant::{Packing, QuantWeights};
+    let sh = *layer.shape();
+    let n = sh.n();
+    let mut rng = Synth::new(5);
+    let w = rng.uniform(hidden * n, -0.02, 0.02);
+    println!(
+        "out_proj {n} -> {hidden} over quantized weights on {} (affine groups of 16; one token per sequence); us per call",
+        backend.name()
+    );
+    println!();
+    println!("| packing | B | weight MB | planes us | shift us | planes / shift | floor us (weights / copy ceiling) | planes / floor |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for p in Packing::ALL {
+        let q = QuantWeights::quantize(&w, hidden, n, p)?;
+        for &b in batches {
+            // a step's output with planes, for b rows
+            let mut pool = backend.create_pool(layer, b)?;
+            let data = random_rows(&mut rng, layer, b, DType::F32);
+            let seq = seqs(&(0..b as i32).collect::<Vec<_>>(), 1);
+            let lay = gdn::OutputLayout::for_rows(&sh, b, Some(b * n))?;
+            let mut buf = vec![0.0f32; lay.len()];
+            pool.step_varlen(
+                &Step {
+                    rows: data.view(),
+                    seqs: &seq,
+                    plane_stride: Some(b * n),
+                },
+                gdn::TensorMut::F32(&mut buf),
+            )?;
+            let mut out = vec![0.0f32; b * hidden];
+            let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+                f()?;
+                let mut best = Vec::new();
+                for _ in 0..5 {
+                    let t0 = std::time::Instant::now();
+                    let mut k = 0;
+                    while k < 3 || t0.elapsed() < Duration::from_millis(round_ms) {
+                        f()?;
+                        k += 1;
+                    }
+                    best.push(t0.elapsed().as_secs_f64() / k as f64);
+                }
+                best.sort_by(f64::total_cmp);
+                Ok(best[best.len() / 2])
+            };
+            let planes = time(&mut || q.product_planes(&buf, &lay, &mut out))?;
+            let y = buf[..b * n].to_vec();
+            let shift = time(&mut || q.product_shift(&y, b, &mut out))?;
+            let bytes = q.bytes();
+            let floor = bytes as f64 / backend.copy_ceiling(bytes)?;
+            println!(
+                "| {} | {b} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.2} |",
+                p.name(),
+                bytes as f64 / 1e6,
+                planes * 1e6,
+                shift * 1e6,
+                planes / shift,
+                floor * 1e6,
+                planes / floor
+            );
+        }
+    }
+    println!();
+    println!("floor: the weights' bytes (fields, scales and zero terms) over the copy ceiling measured in this run (one in-place read-modify-write pass, counting read + write bytes), so a product that only reads them could at best reach it");
+    Ok(())
 }
 
 /// `gdn bench --spec`: seconds per speculative step, the one-pass step (None where the backend has none) and the

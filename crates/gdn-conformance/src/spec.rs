@@ -362,6 +362,12 @@ pub fn bad_speculative_input_is_rejected(backend: &dyn Backend) {
         "a rejected call changed a slot"
     );
     assert_eq!(pool.held(1), 4, "a rejected call dropped the held window");
+    pool.copy_slot(1, 1).unwrap();
+    assert_eq!(
+        pool.held(1),
+        4,
+        "copying a slot onto itself dropped its held window"
+    );
     pool.commit_held(1, 2).unwrap();
     assert_eq!(pool.held(1), 0);
     pool.step_varlen(&step, gdn::TensorMut::F32(&mut y))

@@ -205,7 +205,8 @@ pub trait LayerPool {
         0
     }
     /// Keeps the first `accept` tokens of the window held on `slot` and drops the rest (a request's end, or
-    /// before the slot is read, copied elsewhere or stepped plainly). Nothing held: `accept` must be 0.
+    /// before a plain `step_varlen` on the slot; `read_slot` returns the committed state without the held window,
+    /// `copy_slot` carries it). Nothing held: `accept` must be 0.
     fn commit_held(&mut self, slot: usize, accept: usize) -> Result<()> {
         crate::spec::slot_in_range(slot, self.slots())?;
         if accept > 0 {

@@ -5,6 +5,7 @@
 //! - [`batch`]: uniform windows of inputs, the output layout, the checks every backend runs first.
 //! - [`backend`]: the [`Backend`] and [`LayerPool`] traits every backend implements.
 //! - [`oracle`]: the float64 reference, SPEC.md as plain code.
+//! - [`quant`]: the planes' consumer, out_proj over quantized weights.
 //! - [`shard`]: tensor-parallel shards of a layer over its heads.
 //! - [`spec`]: speculative steps (a held verify window, a prefix of it kept by the next step).
 //! - [`cpu`]: the fast f32 CPU backend.
@@ -42,6 +43,7 @@ pub mod config;
 pub mod cpu;
 pub mod error;
 pub mod oracle;
+pub mod quant;
 pub mod shard;
 pub mod spec;
 pub mod step;

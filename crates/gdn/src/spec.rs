@@ -219,8 +219,25 @@ impl<P: LayerPool> LayerPool for TwoPass<P> {
             .filter(|(s, _)| s.slot >= 0)
             .map(|(s, &a)| (s.slot as usize, a))
             .collect();
+        // the inner pool's own checks of the new window run in its step, after the prefixes are committed: keep
+        // what the accepting slots hold now, and put it back if that step fails, so an error changes nothing
+        let sh_len = (sh.state_len(), sh.hist_len());
+        let mut saved = Vec::new();
+        for &(slot, a) in &live {
+            if a > 0 {
+                let (mut st, mut hi) = (vec![0.0; sh_len.0], vec![0.0; sh_len.1]);
+                self.pool.read_slot(slot, &mut st, &mut hi)?;
+                saved.push((slot, st, hi, self.held[slot].clone()));
+            }
+        }
         self.commit_prefixes(&live)?;
-        self.pool.step_varlen(step, out)?;
+        if let Err(e) = self.pool.step_varlen(step, out) {
+            for (slot, st, hi, held) in saved {
+                self.pool.write_slot(slot, &st, &hi)?;
+                self.held[slot] = held;
+            }
+            return Err(e);
+        }
         for (s, &at) in step.seqs.iter().zip(&checked.commit_at) {
             if s.slot < 0 || at > 0 {
                 continue;

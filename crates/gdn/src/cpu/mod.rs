@@ -868,10 +868,14 @@ impl LayerPool for CpuPool {
         let sh = *self.layer.shape();
         let (mut st, mut hi) = (vec![0.0; sh.state_len()], vec![0.0; sh.hist_len()]);
         check_slot_io(&self.layer, self.slots, to, st.len(), hi.len())?;
+        check_slot_io(&self.layer, self.slots, from, st.len(), hi.len())?;
+        if from == to {
+            return Ok(());
+        }
         self.read_slot(from, &mut st, &mut hi)?;
         self.write_slot(to, &st, &hi)?;
         // a fork keeps the held window (the stored S of a slot holding one owes nothing)
-        if from != to && self.held[from] > 0 {
+        if self.held[from] > 0 {
             self.pending[to] = self.pending[from].clone();
             self.held[to] = self.held[from];
             self.held_rows[to] = self.held_rows[from].clone();

@@ -1,0 +1,591 @@
+//! The planes' consumer: the layer's out_proj (n -> hidden) over quantized weights, reading the step's prepared
+//! planes and group sums (SPEC.md, "Prepared activations" and "The quantized out_proj").
+//!
+//! Weights are affine per group of 16 input columns: `w = scale (q - zero)`. A packed word holds several fields;
+//! the product masks a field in place (no shift) and multiplies it by the plane whose scale undoes the field's bit
+//! position, so `float(word & mask_e) * plane[m] = q_m y_m` exactly; the zero point's share is `scale * zero`
+//! times the group's sum of y, read from the step's group sums. [`QuantWeights::product_planes`] is that path;
+//! [`QuantWeights::product_shift`] computes the same product from y alone (a shift per field and its own pass
+//! for the group sums), for comparison.
+
+use multiversion::multiversion;
+use rayon::prelude::*;
+
+use crate::batch::OutputLayout;
+use crate::{Error, Result};
+
+/// How weights are packed: field width, fields per word, and which plane serves them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Packing {
+    /// 2-bit fields, eight to a 16-bit word (plane 1: `y 4^-(m mod 8)`).
+    Q2U16,
+    /// 8-bit fields, four to a 32-bit word (plane 2: `y 256^-(m mod 4)`).
+    Q8U32,
+    /// 8-bit fields, two to a 16-bit word (plane 3: `y`, or `y / 256` for odd m).
+    Q8U16,
+}
+
+impl Packing {
+    pub const ALL: [Packing; 3] = [Packing::Q2U16, Packing::Q8U32, Packing::Q8U16];
+    pub fn bits(self) -> u32 {
+        match self {
+            Packing::Q2U16 => 2,
+            _ => 8,
+        }
+    }
+    /// Fields per word.
+    pub fn fields(self) -> usize {
+        match self {
+            Packing::Q2U16 => 8,
+            Packing::Q8U32 => 4,
+            Packing::Q8U16 => 2,
+        }
+    }
+    /// Bytes per word.
+    pub fn word_bytes(self) -> usize {
+        match self {
+            Packing::Q8U32 => 4,
+            _ => 2,
+        }
+    }
+    /// The plane (1, 2 or 3) of the step's output that serves this packing.
+    pub fn plane(self) -> usize {
+        match self {
+            Packing::Q2U16 => 1,
+            Packing::Q8U32 => 2,
+            Packing::Q8U16 => 3,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Packing::Q2U16 => "2-bit, 8 per u16",
+            Packing::Q8U32 => "8-bit, 4 per u32",
+            Packing::Q8U16 => "8-bit, 2 per u16",
+        }
+    }
+}
+
+/// Packed words as the packing stores them.
+#[derive(Clone, Debug)]
+enum Words {
+    U16(Vec<u16>),
+    U32(Vec<u32>),
+}
+
+impl Words {
+    fn get(&self, i: usize) -> u32 {
+        match self {
+            Words::U16(w) => w[i] as u32,
+            Words::U32(w) => w[i],
+        }
+    }
+}
+
+/// out_proj weights `[rows][cols]` (rows = hidden, cols = n), quantized per group of 16 columns.
+#[derive(Clone, Debug)]
+pub struct QuantWeights {
+    pub packing: Packing,
+    pub rows: usize,
+    pub cols: usize,
+    /// Packed fields, row-major, in the packing's word type.
+    words: Words,
+    /// `[rows][cols / 16]` scale, and scale times zero point.
+    scale: Vec<f32>,
+    zs: Vec<f32>,
+}
+
+impl QuantWeights {
+    /// Quantizes `w` (`[rows][cols]`, cols a multiple of 16): per group, the range `[min, max]` onto the field's
+    /// `0 ..= 2^bits - 1`, nearest.
+    pub fn quantize(w: &[f32], rows: usize, cols: usize, packing: Packing) -> Result<QuantWeights> {
+        if cols == 0 || !cols.is_multiple_of(16) {
+            return Err(Error::Param {
+                name: "cols",
+                why: format!("{cols} must be a positive multiple of 16"),
+            });
+        }
+        let len = rows.checked_mul(cols).ok_or_else(|| Error::Param {
+            name: "rows",
+            why: "rows x cols overflows".into(),
+        })?;
+        if w.len() != len {
+            return Err(Error::Length {
+                name: "weights",
+                expected: len,
+                got: w.len(),
+            });
+        }
+        if let Some(i) = w.iter().position(|x| !x.is_finite()) {
+            return Err(Error::Param {
+                name: "weights",
+                why: format!("element {i} is {}", w[i]),
+            });
+        }
+        let (b, f) = (packing.bits(), packing.fields());
+        let top = ((1u32 << b) - 1) as f32;
+        let groups = cols / 16;
+        let mut words = vec![0u32; rows * cols / f];
+        let (mut scale, mut zs) = (vec![0.0f32; rows * groups], vec![0.0f32; rows * groups]);
+        for r in 0..rows {
+            for g in 0..groups {
+                let x = &w[r * cols + 16 * g..r * cols + 16 * g + 16];
+                let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
+                let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let s = if hi > lo { (hi - lo) / top } else { 1.0 };
+                let zero = -lo / s;
+                scale[r * groups + g] = s;
+                zs[r * groups + g] = s * zero;
+                for (e, &v) in x.iter().enumerate() {
+                    let q = ((v - lo) / s).round().clamp(0.0, top) as u32;
+                    let m = 16 * g + e;
+                    words[(r * cols + m) / f] |= q << (b * (m % f) as u32);
+                }
+            }
+        }
+        let words = if packing.word_bytes() == 2 {
+            Words::U16(words.iter().map(|&w| w as u16).collect())
+        } else {
+            Words::U32(words)
+        };
+        Ok(QuantWeights {
+            packing,
+            rows,
+            cols,
+            words,
+            scale,
+            zs,
+        })
+    }
+
+    /// The weights these fields stand for, `scale q - scale zero` per element (for references).
+    pub fn dequantized(&self) -> Vec<f64> {
+        let (b, f) = (self.packing.bits(), self.packing.fields());
+        let groups = self.cols / 16;
+        let mut out = vec![0.0f64; self.rows * self.cols];
+        for r in 0..self.rows {
+            for m in 0..self.cols {
+                let q = (self.words.get((r * self.cols + m) / f) >> (b * (m % f) as u32))
+                    & ((1 << b) - 1);
+                let gi = r * groups + m / 16;
+                out[r * self.cols + m] = self.scale[gi] as f64 * q as f64 - self.zs[gi] as f64;
+            }
+        }
+        out
+    }
+
+    /// Bytes of the packed fields plus the per-group scale and zero terms: what a product must read.
+    pub fn bytes(&self) -> usize {
+        self.rows * self.cols / self.packing.fields() * self.packing.word_bytes()
+            + 8 * self.scale.len()
+    }
+
+    fn check_out(&self, rows: usize, out: &[f32]) -> Result<()> {
+        let want = rows.checked_mul(self.rows).ok_or_else(|| Error::Param {
+            name: "out",
+            why: "rows x hidden overflows".into(),
+        })?;
+        if out.len() != want {
+            return Err(Error::Length {
+                name: "out",
+                expected: want,
+                got: out.len(),
+            });
+        }
+        Ok(())
+    }
+
+    /// `out [R][rows] = y W^T` from the step's output buffer `step_out` (f32, laid out as `layout`, which must
+    /// have planes): the packing's plane, masked fields, and the group sums for the zero points.
+    pub fn product_planes(
+        &self,
+        step_out: &[f32],
+        layout: &OutputLayout,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let p = layout.plane_stride.ok_or_else(|| Error::Param {
+            name: "layout",
+            why: "the step's output has no planes (plane_stride None)".into(),
+        })?;
+        if layout.n != self.cols {
+            return Err(Error::Param {
+                name: "layout",
+                why: format!(
+                    "the step's n = {} is not the weights' {} columns",
+                    layout.n, self.cols
+                ),
+            });
+        }
+        if step_out.len() != layout.len() {
+            return Err(Error::Length {
+                name: "step_out",
+                expected: layout.len(),
+                got: step_out.len(),
+            });
+        }
+        let r_n = layout.rows;
+        self.check_out(r_n, out)?;
+        let n = self.cols;
+        let plane = &step_out[self.packing.plane() * p..self.packing.plane() * p + r_n * n];
+        let gsum = &step_out[4 * p..4 * p + r_n * (n / 16)];
+        self.product(plane, gsum, r_n, out, false);
+        Ok(())
+    }
+
+    /// The same product from y `[R][cols]` alone: each field shifted down before it is used, and the group sums
+    /// computed in a pass of their own (what a consumer without the planes does).
+    pub fn product_shift(&self, y: &[f32], rows: usize, out: &mut [f32]) -> Result<()> {
+        let n = self.cols;
+        let want = rows.checked_mul(n).ok_or_else(|| Error::Param {
+            name: "y",
+            why: "rows x cols overflows".into(),
+        })?;
+        if y.len() != want {
+            return Err(Error::Length {
+                name: "y",
+                expected: want,
+                got: y.len(),
+            });
+        }
+        self.check_out(rows, out)?;
+        let gsum: Vec<f32> = y
+            .chunks_exact(16)
+            .map(|g| {
+                let (mut even, mut odd) = (0.0f32, 0.0f32);
+                for e in (0..16).step_by(2) {
+                    even += g[e];
+                    odd += g[e + 1];
+                }
+                even + odd
+            })
+            .collect();
+        self.product(y, &gsum, rows, out, true);
+        Ok(())
+    }
+
+    fn product(&self, x: &[f32], gsum: &[f32], r_n: usize, out: &mut [f32], shift: bool) {
+        let (n, hidden) = (self.cols, self.rows);
+        let groups = n / 16;
+        let wpr = n / self.packing.fields();
+        // output rows in chunks over the threads; every token of the batch per weight row, so each word is read
+        // once per call
+        const CHUNK: usize = 64;
+        let mut tmp = vec![0.0f32; hidden * r_n];
+        tmp.par_chunks_mut(CHUNK * r_n)
+            .enumerate()
+            .for_each(|(c, block)| {
+                let o0 = c * CHUNK;
+                for (i, acc_row) in block.chunks_exact_mut(r_n).enumerate() {
+                    let o = o0 + i;
+                    let scale = &self.scale[o * groups..(o + 1) * groups];
+                    let zs = &self.zs[o * groups..(o + 1) * groups];
+                    let w = match &self.words {
+                        Words::U16(w) => Row::U16(&w[o * wpr..(o + 1) * wpr]),
+                        Words::U32(w) => Row::U32(&w[o * wpr..(o + 1) * wpr]),
+                    };
+                    #[cfg(target_arch = "x86_64")]
+                    if !shift && std::arch::is_x86_feature_detected!("avx512f") {
+                        let bytes: &[u8] = match w {
+                            Row::U16(w) => bytemuck::cast_slice(w),
+                            Row::U32(w) => bytemuck::cast_slice(w),
+                        };
+                        // SAFETY: the CPU has AVX-512F (checked above); the kernel reads `bytes` (the row's
+                        // groups x group bytes), `scale`, `zs` (groups each), `x` (tokens x n) and `gsum` (tokens
+                        // x groups) within their lengths, which `product_planes` checked against the layout.
+                        unsafe {
+                            avx512::planes_row(self.packing, bytes, scale, zs, x, gsum, acc_row)
+                        };
+                        continue;
+                    }
+                    row_dots(self.packing, shift, w, scale, zs, x, gsum, acc_row);
+                }
+            });
+        for o in 0..hidden {
+            for r in 0..r_n {
+                out[r * hidden + o] = tmp[o * r_n + r];
+            }
+        }
+    }
+}
+
+/// One weight row's packed words.
+#[derive(Clone, Copy)]
+enum Row<'a> {
+    U16(&'a [u16]),
+    U32(&'a [u32]),
+}
+
+/// One weight row against every token: `acc[r]` = the sum over groups of `scale (sum_e field_e x_e) - scale
+/// zero gsum`. Specialised per packing and path (the fields per word a constant, so a group's 16 lanes are
+/// built with shuffles), compiled per instruction set.
+#[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+#[allow(clippy::too_many_arguments)]
+fn row_dots<'a>(
+    packing: Packing,
+    shift: bool,
+    w: Row<'a>,
+    scale: &[f32],
+    zs: &[f32],
+    x: &[f32],
+    gsum: &[f32],
+    acc: &mut [f32],
+) {
+    match (packing, shift, w) {
+        (Packing::Q2U16, false, Row::U16(w)) => {
+            dots::<u16, 8, 2, false>(w, scale, zs, x, gsum, acc)
+        }
+        (Packing::Q2U16, true, Row::U16(w)) => dots::<u16, 8, 2, true>(w, scale, zs, x, gsum, acc),
+        (Packing::Q8U16, false, Row::U16(w)) => {
+            dots::<u16, 2, 8, false>(w, scale, zs, x, gsum, acc)
+        }
+        (Packing::Q8U16, true, Row::U16(w)) => dots::<u16, 2, 8, true>(w, scale, zs, x, gsum, acc),
+        (Packing::Q8U32, false, Row::U32(w)) => {
+            dots::<u32, 4, 8, false>(w, scale, zs, x, gsum, acc)
+        }
+        (Packing::Q8U32, true, Row::U32(w)) => dots::<u32, 4, 8, true>(w, scale, zs, x, gsum, acc),
+        _ => unreachable!("the word type follows the packing"),
+    }
+}
+
+#[inline(always)]
+fn dots<W: Copy + Into<u32>, const F: usize, const B: u32, const SHIFT: bool>(
+    w: &[W],
+    scale: &[f32],
+    zs: &[f32],
+    x: &[f32],
+    gsum: &[f32],
+    acc: &mut [f32],
+) {
+    let n = scale.len() * 16;
+    let groups = scale.len();
+    let field = (1u32 << B) - 1;
+    let mask: [u32; 16] = std::array::from_fn(|e| field << (B * (e % F) as u32));
+    let sh: [u32; 16] = std::array::from_fn(|e| B * (e % F) as u32);
+    for (r, a) in acc.iter_mut().enumerate() {
+        let xr = &x[r * n..(r + 1) * n];
+        let gr = &gsum[r * groups..(r + 1) * groups];
+        let mut total = [0.0f32; 16];
+        let mut zero_part = 0.0f32;
+        for (g, (xg, wg)) in xr.chunks_exact(16).zip(w.chunks_exact(16 / F)).enumerate() {
+            let s = scale[g];
+            let v: [f32; 16] = if SHIFT {
+                std::array::from_fn(|e| ((wg[e / F].into() >> sh[e]) & field) as f32)
+            } else {
+                std::array::from_fn(|e| (wg[e / F].into() & mask[e]) as f32)
+            };
+            for e in 0..16 {
+                total[e] = (s * v[e]).mul_add(xg[e], total[e]);
+            }
+            zero_part = zs[g].mul_add(gr[g], zero_part);
+        }
+        *a = total.iter().sum::<f32>() - zero_part;
+    }
+}
+
+/// The planes path in AVX-512: per group one load (or broadcast), a permute, a mask, a conversion, a multiply
+/// by the group's scale and one FMA per token; up to 8 tokens at a time share a group's decoded fields.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::Packing;
+    use std::arch::x86_64::*;
+
+    /// Per lane e of a group (column 16 g + e): which u32 of the group's bytes holds its field, the mask that
+    /// keeps the field in place, and the power of two that takes a field from the upper half of a u32 back to
+    /// its u16's place value (the plane's scale covers the place within the u16).
+    fn lanes(p: Packing) -> ([i32; 16], [u32; 16], [f32; 16]) {
+        let h = 1.0 / 65536.0;
+        match p {
+            Packing::Q8U32 => (
+                std::array::from_fn(|e| (e / 4) as i32),
+                std::array::from_fn(|e| 0xffu32 << (8 * (e % 4))),
+                [1.0; 16],
+            ),
+            Packing::Q8U16 => (
+                std::array::from_fn(|e| (e / 4) as i32),
+                std::array::from_fn(|e| 0xffu32 << (8 * (e % 4))),
+                std::array::from_fn(|e| if e % 4 >= 2 { h } else { 1.0 }),
+            ),
+            Packing::Q2U16 => (
+                [0; 16],
+                std::array::from_fn(|e| 3u32 << (16 * (e / 8) + 2 * (e % 8))),
+                std::array::from_fn(|e| if e >= 8 { h } else { 1.0 }),
+            ),
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F; `w` holds `scale.len()` groups of the packing's bytes, `x` `acc.len()` rows of
+    /// `16 scale.len()` values, `gsum` `acc.len()` rows of `scale.len()`, `zs` as many as `scale`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn planes_row(
+        p: Packing,
+        w: &[u8],
+        scale: &[f32],
+        zs: &[f32],
+        x: &[f32],
+        gsum: &[f32],
+        acc: &mut [f32],
+    ) {
+        let r_n = acc.len();
+        let mut rb = 0;
+        while rb < r_n {
+            let nb = (r_n - rb).min(8);
+            // SAFETY: forwarded (the block's rows are within `acc`, `x` and `gsum`)
+            unsafe {
+                match nb {
+                    8 => block::<8>(p, w, scale, zs, x, gsum, acc, rb),
+                    4..=7 => {
+                        block::<4>(p, w, scale, zs, x, gsum, acc, rb);
+                        rb += 4;
+                        continue;
+                    }
+                    2 | 3 => {
+                        block::<2>(p, w, scale, zs, x, gsum, acc, rb);
+                        rb += 2;
+                        continue;
+                    }
+                    _ => block::<1>(p, w, scale, zs, x, gsum, acc, rb),
+                }
+            }
+            rb += nb;
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn block<const NB: usize>(
+        p: Packing,
+        w: &[u8],
+        scale: &[f32],
+        zs: &[f32],
+        x: &[f32],
+        gsum: &[f32],
+        acc: &mut [f32],
+        rb: usize,
+    ) {
+        let groups = scale.len();
+        let n = 16 * groups;
+        let gb = if p == Packing::Q2U16 { 4 } else { 16 };
+        assert!(
+            w.len() >= groups * gb && x.len() >= (rb + NB) * n && gsum.len() >= (rb + NB) * groups
+        );
+        let (idx, mask, lmul) = lanes(p);
+        // SAFETY: the loads below read 16-byte groups within `w` (length checked above) and 64-byte rows within
+        // `x`; every intrinsic needs AVX-512F only, which the caller guarantees.
+        unsafe {
+            let idx = _mm512_loadu_si512(idx.as_ptr().cast());
+            let mask = _mm512_loadu_si512(mask.as_ptr().cast());
+            let lmul = _mm512_loadu_ps(lmul.as_ptr());
+            let mut a = [_mm512_setzero_ps(); NB];
+            for g in 0..groups {
+                let src = w.as_ptr().add(g * gb);
+                let raw = if gb == 4 {
+                    _mm512_set1_epi32(std::ptr::read_unaligned(src.cast::<i32>()))
+                } else {
+                    _mm512_permutexvar_epi32(
+                        idx,
+                        _mm512_castsi128_si512(_mm_loadu_si128(src.cast())),
+                    )
+                };
+                let f = _mm512_cvtepu32_ps(_mm512_and_si512(raw, mask));
+                let v = _mm512_mul_ps(
+                    f,
+                    _mm512_mul_ps(_mm512_set1_ps(*scale.get_unchecked(g)), lmul),
+                );
+                for (t, at) in a.iter_mut().enumerate() {
+                    let xv = _mm512_loadu_ps(x.as_ptr().add((rb + t) * n + 16 * g));
+                    *at = _mm512_fmadd_ps(v, xv, *at);
+                }
+            }
+            for (t, at) in a.iter().enumerate() {
+                let gr = &gsum[(rb + t) * groups..(rb + t + 1) * groups];
+                let z: f32 = zs.iter().zip(gr).map(|(a, b)| a * b).sum();
+                acc[rb + t] = _mm512_reduce_add_ps(*at) - z;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::Synth;
+    use crate::{plane_scale, Shape};
+
+    fn planes_of(y: &[f32], rows: usize, n: usize) -> (Vec<f32>, OutputLayout) {
+        let sh = Shape::new(n / 16, 1, 16).unwrap();
+        let lay = OutputLayout::for_rows(&sh, rows, Some(rows * n)).unwrap();
+        let p = rows * n;
+        let mut out = vec![0.0f32; lay.len()];
+        for r in 0..rows {
+            for m in 0..n {
+                let v = y[r * n + m];
+                out[r * n + m] = v;
+                for k in 1..4 {
+                    out[k * p + r * n + m] = v * plane_scale(k, m);
+                }
+            }
+            for g in 0..n / 16 {
+                let s = &y[r * n + 16 * g..r * n + 16 * g + 16];
+                let even: f32 = (0..16).step_by(2).map(|e| s[e]).sum();
+                let odd: f32 = (1..16).step_by(2).map(|e| s[e]).sum();
+                out[4 * p + r * (n / 16) + g] = even + odd;
+            }
+        }
+        (out, lay)
+    }
+
+    #[test]
+    fn planes_product_matches_the_dequantized_product_and_the_shift_path() {
+        let (hidden, n, rows) = (96, 256, 15); // 15 tokens: blocks of 8, 4, 2 and 1
+        let mut rng = Synth::new(4);
+        let w = rng.uniform(hidden * n, -0.05, 0.05);
+        let y = rng.uniform(rows * n, -2.0, 2.0);
+        let (buf, lay) = planes_of(&y, rows, n);
+        for p in Packing::ALL {
+            let q = QuantWeights::quantize(&w, hidden, n, p).unwrap();
+            let dq = q.dequantized();
+            let want: Vec<f64> = (0..rows)
+                .flat_map(|r| {
+                    let (y, dq) = (&y, &dq);
+                    (0..hidden).map(move |o| {
+                        (0..n)
+                            .map(|m| dq[o * n + m] * y[r * n + m] as f64)
+                            .sum::<f64>()
+                    })
+                })
+                .collect();
+            let mut a = vec![0.0f32; rows * hidden];
+            let mut b = vec![0.0f32; rows * hidden];
+            q.product_planes(&buf, &lay, &mut a).unwrap();
+            q.product_shift(&y, rows, &mut b).unwrap();
+            let ea = crate::relative_error(&a, &want);
+            let eb = crate::relative_error(&b, &want);
+            assert!(
+                ea < 1e-5 && eb < 1e-5,
+                "{p:?}: planes {ea:.2e}, shift {eb:.2e}"
+            );
+            // the masked field times its plane is the field times y exactly: the two paths agree to rounding
+            let ab: Vec<f64> = b.iter().map(|&v| v as f64).collect();
+            assert!(crate::relative_error(&a, &ab) < 1e-6, "{p:?}");
+            // and the quantization itself is close to the weights
+            let e_w = crate::relative_error(
+                &dq.iter().map(|&v| v as f32).collect::<Vec<_>>(),
+                &w.iter().map(|&v| v as f64).collect::<Vec<_>>(),
+            );
+            assert!(e_w < if p.bits() == 2 { 0.3 } else { 0.01 }, "{p:?}: {e_w}");
+        }
+    }
+
+    #[test]
+    fn bad_input_is_an_error() {
+        assert!(QuantWeights::quantize(&[0.0; 15], 1, 15, Packing::Q8U32).is_err());
+        assert!(QuantWeights::quantize(&[0.0; 16], 2, 16, Packing::Q8U32).is_err());
+        assert!(QuantWeights::quantize(&[f32::NAN; 16], 1, 16, Packing::Q8U32).is_err());
+        let q = QuantWeights::quantize(&[0.5; 32], 2, 16, Packing::Q2U16).unwrap();
+        let mut out = vec![0.0; 2];
+        assert!(q.product_shift(&[1.0; 15], 1, &mut out).is_err());
+        let sh = Shape::new(16, 1, 1).unwrap();
+        let lay = OutputLayout::for_rows(&sh, 1, None).unwrap();
+        assert!(q.product_planes(&[0.0; 16], &lay, &mut out).is_err());
+    }
+}
