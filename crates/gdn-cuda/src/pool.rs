@@ -412,6 +412,17 @@ impl CudaPool {
         step: &DeviceStep<'_>,
         out: &mut DeviceTensorMut<'_, '_>,
     ) -> Result<()> {
+        self.step_device_with(step, out, None)
+    }
+
+    /// `step_device`, or with `accept` (a device array of `accepted | buffer << 8` per sequence, see the
+    /// kernel's SPECULATIVE) the speculative kernel.
+    fn step_device_with(
+        &mut self,
+        step: &DeviceStep<'_>,
+        out: &mut DeviceTensorMut<'_, '_>,
+        accept: Option<sys::CUdeviceptr>,
+    ) -> Result<()> {
         let sh = *self.layer.shape();
         let rows = step.rows;
         for (name, width, got) in [
@@ -479,7 +490,7 @@ impl CudaPool {
             start: ptr(step.start, &self.cuda),
             len: ptr(step.len, &self.cuda),
             commit_at: ptr(step.commit_at, &self.cuda),
-            accept: None,
+            accept,
         };
         self.launch(&kind, n, rows, step.plane_stride, ops)
     }
@@ -1006,6 +1017,19 @@ impl LayerPool for CudaPool {
         out_dtype: DType,
         iters: usize,
     ) -> Result<StepTiming> {
+        self.time_inner(step, out_dtype, iters, None)
+    }
+}
+
+impl CudaPool {
+    /// `time_varlen`'s graph replays, of the speculative kernel where `accept` is given (see `time_spec`).
+    fn time_inner(
+        &mut self,
+        step: &Step<'_>,
+        out_dtype: DType,
+        iters: usize,
+        accept: Option<&[usize]>,
+    ) -> Result<StepTiming> {
         let sh = *self.layer.shape();
         let layout = step.layout(&sh)?;
         let rows = layout.rows;
@@ -1035,6 +1059,14 @@ impl LayerPool for CudaPool {
         let start = col(&|i| int(step.seqs[i].start, "start"))?;
         let len = col(&|i| int(step.seqs[i].len, "len"))?;
         let commit_at = col(&|i| int(checked.commit_at[i], "commit"))?;
+        let acc = match accept {
+            Some(a) => Some(col(&|i| {
+                let buf = self.held_buf[step.seqs[i].slot as usize] as usize;
+                int(a[i] | buf << 8, "accept")
+            })?),
+            None => None,
+        };
+        let acc_ptr = acc.as_ref().map(|a| ptr(a, &self.cuda));
         let n = live.len();
         let first = live.first().map_or(1, |&i| step.seqs[i].len);
         let uniform = live.iter().all(|&i| step.seqs[i].len == first);
@@ -1061,7 +1093,8 @@ impl LayerPool for CudaPool {
             plane_stride: step.plane_stride,
         };
         let out_len = layout.len();
-        let mut one = |pool: &mut CudaPool| -> Result<()> { out.step(pool, &ds, out_len) };
+        let mut one =
+            |pool: &mut CudaPool| -> Result<()> { out.step_with(pool, &ds, out_len, acc_ptr) };
         // warm-up (compiles and loads the kernel)
         for _ in 0..3 {
             one(self)?;
@@ -1118,6 +1151,37 @@ impl LayerPool for CudaPool {
                 "CUDA graph of {per_graph} steps replayed {replays}x, events, median of 7"
             ),
         })
+    }
+
+    /// Device time of one speculative step (`step_spec`'s kernel: each sequence first applies `accept[i]` tokens
+    /// of its slot's held window), as `time_varlen` times a plain step: a CUDA graph of steps replayed, events,
+    /// median. A benchmark: the replays apply the same accepted prefix again and again, so the named slots'
+    /// states, histories and held windows are unspecified afterwards (their held windows are dropped).
+    pub fn time_spec(
+        &mut self,
+        step: &Step<'_>,
+        accept: &[usize],
+        out_dtype: DType,
+        iters: usize,
+    ) -> Result<StepTiming> {
+        let layout = step.layout(self.layer.shape())?;
+        let checked = step.validate(&self.layer, self.slots, layout.len())?;
+        gdn::spec::check_accept(step, accept, |slot| self.held[slot])?;
+        for (s, &at) in step.seqs.iter().zip(&checked.commit_at) {
+            if s.slot >= 0 && at == 0 && s.len > MAX_HELD {
+                return Err(Error::Unsupported(format!(
+                    "a held window of {} tokens (the CUDA pool holds at most {MAX_HELD})",
+                    s.len
+                )));
+            }
+        }
+        self.take_fault()?;
+        self.pending()?;
+        let t = self.time_inner(step, out_dtype, iters, Some(accept));
+        for s in step.seqs.iter().filter(|s| s.slot >= 0) {
+            self.held[s.slot as usize] = 0;
+        }
+        t
     }
 }
 
@@ -1180,16 +1244,32 @@ impl Owned {
     }
     /// Runs `step` with the first `len` elements of this buffer as its output.
     pub fn step(&mut self, pool: &mut CudaPool, step: &DeviceStep<'_>, len: usize) -> Result<()> {
+        self.step_with(pool, step, len, None)
+    }
+
+    fn step_with(
+        &mut self,
+        pool: &mut CudaPool,
+        step: &DeviceStep<'_>,
+        len: usize,
+        accept: Option<sys::CUdeviceptr>,
+    ) -> Result<()> {
         match self {
-            Owned::F32(x) => {
-                pool.step_device(step, &mut DeviceTensorMut::F32(&mut x.slice_mut(0..len)))
-            }
-            Owned::Bf16(x) => {
-                pool.step_device(step, &mut DeviceTensorMut::Bf16(&mut x.slice_mut(0..len)))
-            }
-            Owned::F16(x) => {
-                pool.step_device(step, &mut DeviceTensorMut::F16(&mut x.slice_mut(0..len)))
-            }
+            Owned::F32(x) => pool.step_device_with(
+                step,
+                &mut DeviceTensorMut::F32(&mut x.slice_mut(0..len)),
+                accept,
+            ),
+            Owned::Bf16(x) => pool.step_device_with(
+                step,
+                &mut DeviceTensorMut::Bf16(&mut x.slice_mut(0..len)),
+                accept,
+            ),
+            Owned::F16(x) => pool.step_device_with(
+                step,
+                &mut DeviceTensorMut::F16(&mut x.slice_mut(0..len)),
+                accept,
+            ),
         }
     }
 }
