@@ -232,9 +232,9 @@ pub fn staging_keep(have: usize) -> bool {
 /// One layer's parameters and state pool on a CUDA device. `step_spec` runs natively (one state read and one
 /// write per speculative step; the kernel's `GDN_SPEC`): a held window's per-token gates, keys, deltas and raw
 /// rows are kept on the device per slot (two buffers, see `pend`), windows of at most [`MAX_HELD`] tokens. S
-/// is kept in the pool's layout (key-major [slot][d][h_v][d] or value-major [slot][h_v][d][d]) and element type; the conv history (f32) as
-/// [slot][h_v][3 (q, k, v)][d][3]: every value head has a private copy of the q/k history it reads, so the
-/// kernel commits it in place with no cross-head dependency.
+/// is kept in the pool's layout (key-major [slot][d][h_v][d] or value-major [slot][h_v][d][d]) and element
+/// type; the conv history (f32) as [slot][h_v][3 (q, k, v)][d][3]: every value head has a private copy of the
+/// q/k history it reads, so the kernel commits it in place with no cross-head dependency.
 pub struct CudaPool {
     cuda: Cuda,
     layer: Layer,
