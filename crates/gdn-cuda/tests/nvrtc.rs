@@ -335,7 +335,7 @@ fn every_speculative_specialisation_compiles() {
 
 /// The speculative macro is added only to its own specialisations: a plain one's source has no `GDN_SPEC` line,
 /// so its machine code is what it was before the speculative step existed (checked byte for byte against the
-/// previous kernel source at `202a20b` when it was added: 40 specialisations, see NOTES.md).
+/// previous kernel source at `202a20b` when it was added: 40 pool and 40 external specialisations, see NOTES.md).
 #[test]
 fn plain_specialisations_have_no_speculative_macro() {
     let cfg = Config::new(Shape::SEED);
