@@ -294,8 +294,13 @@ fn every_speculative_specialisation_compiles() {
             specs.push(Spec::new((9, 0), &c, None, true, false, plan).with_speculative());
         }
     }
-    for (d, h_k, h_v) in [(32, 2, 4), (256, 4, 8)] {
-        let c = Config::new(Shape::new(d, h_k, h_v).unwrap());
+    // the shapes of the GPU tests (d 64 with a tiled map and the sigmoid gate among them)
+    for (d, h_k, h_v) in [(32, 2, 4), (64, 3, 12), (256, 4, 8)] {
+        let mut c = Config::new(Shape::new(d, h_k, h_v).unwrap());
+        if d == 64 {
+            c.gate = Gate::Sigmoid;
+            c.head_map = HeadMap::Tiled;
+        }
         for ncb in CLUSTER_SIZES {
             if let Some(p) = Plan::for_ncb(d, ncb) {
                 for t in [Some(4), None] {
