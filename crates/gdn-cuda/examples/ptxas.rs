@@ -35,6 +35,25 @@ fn main() {
         }
     }
     eprintln!("{:.1} s", t0.elapsed().as_secs_f64());
+    // the speculative step beside the plain commit kernel of the same window
+    for state in [DType::F32, DType::Bf16] {
+        for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+            for t in [Some(4), Some(8), None] {
+                let s = Spec::new((9, 0), &cfg, t, true, false, p)
+                    .with_pool(PoolOptions { state, layout });
+                for (what, s) in [("plain", s), ("speculative", s.with_speculative())] {
+                    if let Ok(c) = compiled(&s) {
+                        println!(
+                            "{what} state {} {} T {t:?}: {}",
+                            state.name(),
+                            layout.name(),
+                            resource_line(&c.log)
+                        );
+                    }
+                }
+            }
+        }
+    }
     for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
         for (rg, minb) in [(2, 1), (2, 2), (2, 3), (2, 4), (4, 2)] {
             for t in [Some(1), None] {

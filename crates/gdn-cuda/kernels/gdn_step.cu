@@ -25,6 +25,7 @@
 //                           stride, the engine's conv state [slot][C][w] with free strides, cu_seqlens or
 //                           start / len, commit_at optional
 //   GDN_CONV_DT             (GDN_EXT) element type of the engine's conv state: 0 f32, 1 bf16, 2 f16
+//   GDN_SPEC                1: the speculative step on the pool (see SPECULATIVE below; needs GDN_COMMIT 1)
 //
 // Sequences. Sequence s of the call has pool slot seq_slot[s], rows seq_start[s] .. + seq_len[s] of the packed
 // inputs and of the output, and commit point seq_commit[s]. A sequence whose slot is outside the pool, whose
@@ -62,6 +63,19 @@
 // (acquire). Verify sequences neither count nor write. Sequences: seq_start and seq_len (start / len), or
 // seq_start = cu_seqlens [S + 1] and seq_len = null; seq_commit null: every sequence commits its whole window.
 //
+// SPECULATIVE (GDN_SPEC 1). A sequence whose commit point is 0 is *held*: besides its verify outputs it keeps,
+// per token t (< MAXH) of its window, what a commit of that token would apply: the gate g_t (per value head),
+// the normalized key k_t (per key head, written by the first value head of the key head), the delta vector
+// (per value head and column) and the raw (widened) qkv row (q / k by that first value head, v by each head's
+// column owners). Per slot two buffers of that pending region: seq_acc[s] = acc | (buf << 8) names the buffer
+// holding the slot's held window and how many of its tokens are accepted; a window held now is written to the
+// other buffer, so no block ever writes what any block of the launch reads. After its state load the block
+// applies the first acc updates in order with the token update's own operations (st = fmaf(g, st, k * delta)),
+// rounds a bf16 state once (as the k-token commit stores it and the next window loads it), shifts the last
+// accepted rows into the history, and runs its window from there; if that window is held too, the accepted
+// state and history are written back first (a committing window writes them at its commit). A sequence of
+// length 0 only accepts (commit_held). One state read and one write per speculative step.
+//
 // Launch: with programmatic dependent launch the kernel loads a few of the layer's weights, then waits for
 // the previous kernel in the stream (griddepcontrol.wait) before it reads anything a previous kernel may write.
 
@@ -95,6 +109,9 @@
 #ifndef GDN_CONV_DT
 #define GDN_CONV_DT 0
 #endif
+#ifndef GDN_SPEC
+#define GDN_SPEC 0
+#endif
 
 #define D GDN_D
 #define HK GDN_HK
@@ -121,6 +138,18 @@ static_assert(D % RG == 0 && RPT % 4 == 0, "rows per thread must be a multiple o
 static_assert(NT % 32 == 0 && NT <= 1024, "threads per block");
 static_assert(HV % HK == 0, "h_v must be a multiple of h_k");
 static_assert(GDN_STATE_DT == 0 || GDN_STATE_DT == 1, "the state is f32 or bf16");
+static_assert(!GDN_SPEC || (GDN_COMMIT && !GDN_EXT), "the speculative step is the pool's, with commits");
+
+#if GDN_SPEC
+// the pending region of one (slot, buffer), floats: gates [HV][MAXH], keys [HK][MAXH][D], deltas [HV][MAXH][D],
+// raw rows [MAXH][C_ALL] (every part a multiple of 16 bytes, so the key rows take float4 loads)
+#define MAXH 16
+#define PG_OFF 0
+#define PK_OFF (HV * MAXH)
+#define PD_OFF (PK_OFF + HK * MAXH * D)
+#define PR_OFF (PD_OFF + HV * MAXH * D)
+#define PEND_PB (PR_OFF + MAXH * C_ALL)
+#endif
 
 // Element types, by code: storage type, exact widening to f32, rounding from f32 to nearest even. The
 // conversions are PTX instructions (no CUDA header needed): bf16 widening is a shift, bf16 rounding
@@ -197,7 +226,7 @@ struct GdnExt {
 #ifndef GDN_STAGE
 #define GDN_STAGE 0
 #endif
-#define STAGE (GDN_STAGE && GDN_STATE_DT == 1 && GDN_T == 1 && GDN_NCB == 1 && D <= 128 && RPT % 8 == 0)
+#define STAGE (GDN_STAGE && !GDN_SPEC && GDN_STATE_DT == 1 && GDN_T == 1 && GDN_NCB == 1 && D <= 128 && RPT % 8 == 0)
 #define SPITCH (2 * D + 16)  // bytes of one staged row (16-byte aligned; the skew spreads a warp's loads)
 // Which keys a thread holds. Key-major: row group g holds the keys g * RPT .. + RPT (a warp's load of one
 // register row reads CPW consecutive columns of RG rows). Value-major (a column's keys contiguous): the keys
@@ -289,6 +318,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
          int n_slots, int n_rows, long long plane, float eps, unsigned* __restrict__ fault
 #if GDN_EXT
          , const GdnExt ext
+#endif
+#if GDN_SPEC
+         , float* __restrict__ pend, const int* __restrict__ seq_acc
 #endif
          ) {
 #if GDN_EXT
@@ -404,6 +436,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #if GDN_COMMIT
     const int commit_in = seq_commit[sq_i];
 #endif
+#if GDN_SPEC
+    const int acc_raw = seq_acc[sq_i];
+#endif
 #endif
     // a negative slot skips its sequence; an entry out of range is skipped too (fail-closed: nothing outside
     // the pool, the rows or the window is touched) and reported in the pool's fault word, which the next host
@@ -425,7 +460,12 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #else
     const int T = len;
 #endif
+#if GDN_SPEC
+    // a speculative call may name a sequence with no window (length 0: it only accepts a held prefix)
+    if (T < 0 || start < 0 || start > n_rows - T) {
+#else
     if (T < 1 || start < 0 || start > n_rows - T) {
+#endif
         if (report) atomicOr(fault, 4u);
         return;
     }
@@ -436,6 +476,25 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     const bool commit_ok = commit_in >= 0 && commit_in <= T;
     if (!commit_ok && report) atomicOr(fault, 8u);
     const int commit_at = commit_ok ? commit_in : 0;
+#endif
+#if GDN_SPEC
+    // the held window's buffer and accepted count (bit 16 of the fault word: a count above MAXH, none applied)
+    const bool acc_ok = acc_raw >= 0 && (acc_raw & 0xff) <= MAXH && (acc_raw >> 9) == 0;
+    if (!acc_ok && report) atomicOr(fault, 16u);
+    const int acc = acc_ok ? acc_raw & 0xff : 0;
+    const int rbuf = (acc_raw >> 8) & 1;
+    const float* pold = pend + ((size_t)slot * 2 + rbuf) * PEND_PB;
+    float* pnew = pend + ((size_t)slot * 2 + (rbuf ^ 1)) * PEND_PB;
+    const bool held = commit_at == 0;
+    // the first value head of a key head (its rank 0) keeps the key head's normalized keys and raw q / k rows
+#if GDN_GROUPED
+    const bool qkw = h % (HV / HK) == 0 && rank == 0;
+#else
+    const bool qkw = h < HK && rank == 0;
+#endif
+    const bool rows_in = T > 0;
+#else
+    constexpr bool rows_in = true;
 #endif
 
 #if STAGE
@@ -465,13 +524,13 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     // completes in the background (16-bit activations cost 18% at T 8 that way)
     EQ::T in[NCH];
 #pragma unroll
-    for (int m = 0; m < NCH; ++m) in[m] = chan[m] >= 0 ? qkv_b[chan[m]] : (EQ::T)0;
+    for (int m = 0; m < NCH; ++m) in[m] = chan[m] >= 0 && rows_in ? qkv_b[chan[m]] : (EQ::T)0;
     const size_t row0 = (size_t)start;
-    EZ::T zz = rg == 0 ? z[row0 * Z_RS + h * D + j] : (EZ::T)0;
+    EZ::T zz = rg == 0 && rows_in ? z[row0 * Z_RS + h * D + j] : (EZ::T)0;
     EA::T a_in = 0;
     EB::T b_in = 0;
-    if (tid == NT - 1) a_in = alpha[row0 * A_RS + h];
-    else if (tid == NT - 2) b_in = beta[row0 * B_RS + h];
+    if (tid == NT - 1 && rows_in) a_in = alpha[row0 * A_RS + h];
+    else if (tid == NT - 2 && rows_in) b_in = beta[row0 * B_RS + h];
 
 #if GDN_EXT
     // column w - 3 of channel 0 of this slot; a channel's three columns are conv_ls apart
@@ -536,6 +595,94 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #endif
 #endif  // !STAGE
 
+#if GDN_SPEC
+    if (acc > 0) {
+        // the history after the accepted rows of the held window: only the last three of them can remain
+        for (int u = acc > 3 ? acc - 3 : 0; u < acc; ++u) {
+            const float* raw = pold + PR_OFF + (size_t)u * C_ALL;
+#pragma unroll
+            for (int m = 0; m < NCH; ++m) {
+                if (chan[m] >= 0) {
+                    hst[m][0] = hst[m][1];
+                    hst[m][1] = hst[m][2];
+                    hst[m][2] = raw[chan[m]];
+                }
+            }
+        }
+        if (held) {
+            // the window runs held: the accepted history is the committed one now (a committing window writes
+            // it at its commit instead)
+#if GDN_NCB > 1
+            cluster_sync_all();  // every block of the cluster has read the q / k history it shares
+#endif
+#pragma unroll
+            for (int m = 0; m < NCH; ++m) {
+                const int e = tid + m * NT;
+                const bool mine = e < 2 * D ? (e / QK_PER_RANK) == rank : chan[m] >= 0;
+                if (mine) {
+                    const int o = hist_off(e, rank);
+                    hist_head[o] = hst[m][0];
+                    hist_head[o + 1] = hst[m][1];
+                    hist_head[o + 2] = hst[m][2];
+                }
+            }
+        }
+    }
+#endif
+
+#if GDN_SPEC
+    // applies the accepted prefix of the held window to the state: as it is first used (token 0, its loads had
+    // the prologue to land), or after the loop for a sequence with no window
+    auto apply_accepted = [&]() {
+        if (acc == 0) return;
+
+        // the accepted prefix of the held window applied to the state as it is first used (its loads had
+        // the prologue to land), token by token with the update's own operations (step 3's
+        // st = fmaf(gt, st, k4 * delta)) on the gate, key and delta bits the held window computed
+        for (int u = 0; u < acc; ++u) {
+            const float gu = pold[PG_OFF + h * MAXH + u];
+            const float du = pold[PD_OFF + ((size_t)h * MAXH + u) * D + j];
+            const float* ku = pold + PK_OFF + ((size_t)g * MAXH + u) * D;
+#pragma unroll
+            for (int r = 0; r < RPT; r += 4) {
+                // keys KEY(rg, r) .. + 3 are contiguous in both layouts: the rows kn[rg * KPAD + r ..] holds
+                const float4 k4 = *reinterpret_cast<const float4*>(ku + KEY(rg, r));
+                st[r + 0] = fmaf(gu, st[r + 0], k4.x * du);
+                st[r + 1] = fmaf(gu, st[r + 1], k4.y * du);
+                st[r + 2] = fmaf(gu, st[r + 2], k4.z * du);
+                st[r + 3] = fmaf(gu, st[r + 3], k4.w * du);
+                if ((r & 7) == 4) __syncwarp();  // keeps ptxas from loading all of k ahead (registers)
+            }
+        }
+#if GDN_STATE_DT == 1
+        // the k-token commit stores the state rounded once, and the next window loads that
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) st[r] = ES::ld(ES::st(st[r]));
+#endif
+        if (held) {
+            // the window runs held: the accepted state is the committed one now (a committing window
+            // writes it at its commit instead)
+#if VEC_STATE && GDN_STATE_DT == 0
+#pragma unroll
+            for (int r = 0; r < RPT; r += 4)
+                *reinterpret_cast<float4*>(st_base + SOFF(r)) = make_float4(st[r], st[r + 1], st[r + 2], st[r + 3]);
+#elif VEC_STATE
+#pragma unroll
+            for (int r = 0; r < RPT; r += 8) {
+                unsigned uu[4];
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    uu[c] = (unsigned)ES::st(st[r + 2 * c]) | ((unsigned)ES::st(st[r + 2 * c + 1]) << 16);
+                *reinterpret_cast<uint4*>(st_base + SOFF(r)) = make_uint4(uu[0], uu[1], uu[2], uu[3]);
+            }
+#else
+#pragma unroll
+            for (int r = 0; r < RPT; ++r) st_base[SOFF(r)] = ES::st(st[r]);
+#endif
+        }
+    };
+#endif
+
 #if GDN_EXT && GDN_COMMIT
     // the last-reader count of this sequence's q / k history (see EXTERNAL above): thread 0 counts the block
     // at token 0 once the conv has consumed every thread's history (after the token's first barrier) and
@@ -561,6 +708,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                 s = fmaf(hst[m][1], w.y, s);
                 s = fmaf(hst[m][2], w.z, s);
                 const float x = EQ::ld(in[m]);
+#if GDN_SPEC
+                if (held && t < MAXH && (e >= 2 * D || qkw)) pnew[PR_OFF + (size_t)t * C_ALL + chan[m]] = x;
+#endif
                 s = fmaf(x, w.w, s);
                 cv = s / (1.0f + expf(-s));
                 hst[m][0] = hst[m][1];
@@ -580,6 +730,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         // gate and write strength, and the next token's alpha / beta
         if (tid == NT - 1) {
             gb[0] = softplus_decay(EA::ld(a_in) + dth, ah);
+#if GDN_SPEC
+            if (held && t < MAXH && rank == 0) pnew[PG_OFF + h * MAXH + t] = gb[0];
+#endif
             a_in = more ? alpha[(row + 1) * A_RS + h] : (EA::T)0;
         } else if (tid == NT - 2) {
             gb[1] = sigmoid_f(EB::ld(b_in));
@@ -606,6 +759,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                 const float x = (r * cvs[m]) * inv_sqrt_d;
                 if (e < D) qn[kidx(e)] = x;
                 else kn[kidx(e - D)] = x;
+#if GDN_SPEC
+                if (e >= D && held && t < MAXH && qkw) pnew[PK_OFF + ((size_t)g * MAXH + t) * D + (e - D)] = x;
+#endif
             }
         }
 #if STAGE
@@ -613,6 +769,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #endif
         __syncthreads();
 
+#if GDN_SPEC
+        if (t == 0) apply_accepted();
+#endif
         // 3. kv_j, the delta rule and the readout: column sums over the RG lanes of the column
         // two partial sums (rows 4q.. and 4q+2..) halve the dependent chain; combined in a fixed order
         float kv0 = 0.0f, kv1 = 0.0f;
@@ -646,6 +805,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         __syncwarp();
         const float gt = gb[0], bt = gb[1];
         const float delta = (vs[col] - gt * kv) * bt;
+#if GDN_SPEC
+        if (held && t < MAXH && rg == 0) pnew[PD_OFF + ((size_t)h * MAXH + t) * D + j] = delta;
+#endif
         float o0 = 0.0f, o1 = 0.0f;
 #if STAGE
         // the same operations in the same order as the register path below; the committed value is rounded
@@ -817,6 +979,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         }
 #endif
     }
+#if GDN_SPEC
+    if (T == 0) apply_accepted();
+#endif
 #if GDN_NCB > 1
     // no block leaves while another may still read its shared memory
     cluster_sync_all();

@@ -9,6 +9,11 @@
 //! state, strided rows, cu_seqlens) on the engine's stream; see [`external`] for the design and how the
 //! shared q/k history stays race-free.
 //!
+//! The pool runs the speculative step natively ([`gdn::LayerPool::step_spec`], `held`, `commit_held`: a held
+//! window's per-token updates kept on the device, the accepted prefix applied as the next window first reads
+//! the state; one state read and one write per step, bitwise the two-pass flow); [`CudaPool::time_spec`] times
+//! its kernel. Held windows of at most [`pool::MAX_HELD`] tokens.
+//!
 //! With no driver, no GPU or no libnvrtc, [`Cuda::new`] returns [`gdn::Error::Unavailable`]. The library
 //! reads no environment variables.
 //!

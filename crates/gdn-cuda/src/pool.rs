@@ -137,6 +137,23 @@ struct Operands {
     start: sys::CUdeviceptr,
     len: sys::CUdeviceptr,
     commit_at: sys::CUdeviceptr,
+    /// The speculative step's per-sequence `accepted | buffer << 8` (None: a plain step).
+    accept: Option<sys::CUdeviceptr>,
+}
+
+/// Longest window a slot holds for a speculative step (the kernel's `MAXH`).
+pub const MAX_HELD: usize = 16;
+
+/// Floats of one (slot, buffer) of the pending region (the kernel's `PEND_PB`): per token of a held window the
+/// gate of each value head, the normalized key of each key head, the delta vector of each value head and the raw
+/// qkv row.
+fn pending_len(sh: &gdn::Shape) -> Option<usize> {
+    let per_token = sh
+        .h_v
+        .checked_add(sh.h_k.checked_mul(sh.d)?)?
+        .checked_add(sh.h_v.checked_mul(sh.d)?)?
+        .checked_add(sh.channels())?;
+    per_token.checked_mul(MAX_HELD)
 }
 
 /// The pool's S, in its element type.
@@ -212,10 +229,12 @@ pub fn staging_keep(have: usize) -> bool {
     have <= STAGING_KEEP
 }
 
-/// One layer's parameters and state pool on a CUDA device. S is kept in the pool's layout (key-major
-/// [slot][d][h_v][d] or value-major [slot][h_v][d][d]) and element type; the conv history (f32) as
-/// [slot][h_v][3 (q, k, v)][d][3]: every value head has a private copy of the q/k history it reads, so the
-/// kernel commits it in place with no cross-head dependency.
+/// One layer's parameters and state pool on a CUDA device. `step_spec` runs natively (one state read and one
+/// write per speculative step; the kernel's `GDN_SPEC`): a held window's per-token gates, keys, deltas and raw
+/// rows are kept on the device per slot (two buffers, see `pend`), windows of at most [`MAX_HELD`] tokens. S
+/// is kept in the pool's layout (key-major [slot][d][h_v][d] or value-major [slot][h_v][d][d]) and element
+/// type; the conv history (f32) as [slot][h_v][3 (q, k, v)][d][3]: every value head has a private copy of the
+/// q/k history it reads, so the kernel commits it in place with no cross-head dependency.
 pub struct CudaPool {
     cuda: Cuda,
     layer: Layer,
@@ -230,6 +249,13 @@ pub struct CudaPool {
     staging: Option<CudaSlice<u8>>,
     /// Bits the kernel sets where a device-native step named a sequence out of range (see `take_fault`).
     fault: CudaSlice<u32>,
+    /// The speculative step's pending region, [slot][2 buffers][`pending_len`] (allocated by the first
+    /// `step_spec`): what each held window's tokens would commit. Two buffers a slot, so a step writes the
+    /// window it holds into the one its kernel does not read.
+    pend: Option<CudaSlice<f32>>,
+    /// Per slot, the length of the window it holds (0: none) and the buffer holding it.
+    held: Vec<usize>,
+    held_buf: Vec<u8>,
 }
 
 fn ptr<T, S: DevicePtr<T>>(s: &S, cuda: &Cuda) -> sys::CUdeviceptr {
@@ -296,6 +322,9 @@ impl CudaPool {
             options,
             staging: None,
             fault,
+            pend: None,
+            held: vec![0; slots],
+            held_buf: vec![0; slots],
         };
         pool.cuda.stream.synchronize().map_err(drv)?;
         Ok(pool)
@@ -374,11 +403,25 @@ impl CudaPool {
     /// [`gdn::OutputLayout`] over `step.rows`; rows of skipped sequences and rows no sequence covers are not
     /// written. Sequences the device finds out of range (slot outside the pool, length not positive or not
     /// `uniform_len`, rows outside `rows`) are skipped; a commit point outside 0..=len commits nothing; both are
-    /// reported by [`CudaPool::take_fault`], which the pool's next host call runs first.
+    /// reported by [`CudaPool::take_fault`], which the pool's next host call runs first. The slots live on the
+    /// device, so a slot holding a speculative window is not checked here (as `step_varlen` does): accept or
+    /// drop the window first (`commit_held`), or the next `step_spec` applies it to a state it no longer
+    /// belongs to.
     pub fn step_device(
         &mut self,
         step: &DeviceStep<'_>,
         out: &mut DeviceTensorMut<'_, '_>,
+    ) -> Result<()> {
+        self.step_device_with(step, out, None)
+    }
+
+    /// `step_device`, or with `accept` (a device array of `accepted | buffer << 8` per sequence, see the
+    /// kernel's SPECULATIVE) the speculative kernel.
+    fn step_device_with(
+        &mut self,
+        step: &DeviceStep<'_>,
+        out: &mut DeviceTensorMut<'_, '_>,
+        accept: Option<sys::CUdeviceptr>,
     ) -> Result<()> {
         let sh = *self.layer.shape();
         let rows = step.rows;
@@ -447,6 +490,7 @@ impl CudaPool {
             start: ptr(step.start, &self.cuda),
             len: ptr(step.len, &self.cuda),
             commit_at: ptr(step.commit_at, &self.cuda),
+            accept,
         };
         self.launch(&kind, n, rows, step.plane_stride, ops)
     }
@@ -463,8 +507,17 @@ impl CudaPool {
             return Ok(());
         }
         let sh = *self.layer.shape();
-        let spec = self.spec(kind)?;
+        let mut spec = self.spec(kind)?;
+        if ops.accept.is_some() {
+            spec = spec.with_speculative();
+        }
         let f = self.function(&spec)?;
+        let mut p_pend = match (&mut self.pend, ops.accept) {
+            (Some(p), Some(_)) => ptr_mut(p, &self.cuda),
+            (None, Some(_)) => return Err(Error::Backend("pending region missing".into())),
+            _ => 0,
+        };
+        let mut p_acc = ops.accept.unwrap_or(0);
         let grid_y = u32::try_from(n_seqs)
             .ok()
             .filter(|&y| y <= 65535)
@@ -498,7 +551,7 @@ impl CudaPool {
         })?;
         let mut eps = self.layer.config.eps;
         let mut p_fault = ptr_mut(&mut self.fault, &self.cuda);
-        let mut params: [*mut c_void; 21] = [
+        let mut params: Vec<*mut c_void> = vec![
             &mut p_state as *mut _ as *mut c_void,
             &mut p_hist as *mut _ as *mut c_void,
             &mut p_qkv as *mut _ as *mut c_void,
@@ -519,12 +572,18 @@ impl CudaPool {
             &mut plane as *mut _ as *mut c_void,
             &mut eps as *mut _ as *mut c_void,
             &mut p_fault as *mut _ as *mut c_void,
-            std::ptr::null_mut(),
         ];
+        if ops.accept.is_some() {
+            params.push(&mut p_pend as *mut _ as *mut c_void);
+            params.push(&mut p_acc as *mut _ as *mut c_void);
+        }
         let grid = ((sh.h_v * spec.plan.ncb) as u32, grid_y, 1);
         // SAFETY: the 20 parameters match the kernel's signature in order and type (six device pointers of
         // the pool and the layer, four of the rows, the output, four per-sequence int arrays, int n_slots, int
-        // n_rows, long long plane, float eps, the pool's one-word fault buffer); each points to a local that
+        // n_rows, long long plane, float eps, the pool's one-word fault buffer; a speculative step, compiled
+        // with GDN_SPEC, two more: the pending region of `slots` x 2 x `pending_len` floats and a fifth
+        // per-sequence int array of `n_seqs` entries, whose accepted counts the kernel bounds by MAX_HELD and
+        // whose buffer it takes as one bit); each points to a local that
         // lives across the call (the driver copies them at launch). The element types the kernel was compiled
         // for are those of the buffers (the spec is built from the same dtypes). The buffers have the lengths
         // the kernel indexes: the pool's by construction, the rows' and the output's checked by the callers
@@ -541,6 +600,120 @@ impl CudaPool {
                 self.cuda.stream.cu_stream(),
             )
         }
+    }
+
+    /// The host-slice step on the device: stages the rows, the per-sequence arrays (with `accept`, the speculative
+    /// step's fifth: accepted count and buffer) and the output, launches once, brings the output back.
+    fn run_host(
+        &mut self,
+        step: &Step<'_>,
+        checked: &gdn::Checked,
+        mut out: TensorMut<'_>,
+        accept: Option<&[usize]>,
+    ) -> Result<()> {
+        let rows = checked.rows;
+        int(rows, "rows")?;
+        // only the sequences that run go to the device, as four int arrays (five for a speculative step)
+        let live = live_longest_first(step.seqs);
+        if live.is_empty() {
+            return Ok(());
+        }
+        let n = live.len();
+        let cols = if accept.is_some() { 5 } else { 4 };
+        let mut ints = vec![0i32; cols * n];
+        for (k, &i) in live.iter().enumerate() {
+            let s = &step.seqs[i];
+            ints[k] = s.slot;
+            ints[n + k] = int(s.start, "start")?;
+            ints[2 * n + k] = int(s.len, "len")?;
+            ints[3 * n + k] = int(checked.commit_at[i], "commit")?;
+            if let Some(a) = accept {
+                let slot = s.slot as usize;
+                ints[4 * n + k] = int(a[i] | (self.held_buf[slot] as usize) << 8, "accept")?;
+            }
+        }
+        let first = step.seqs[live[0]].len;
+        let uniform = live.iter().all(|&i| step.seqs[i].len == first);
+        let kind = StepKind {
+            uniform_len: (uniform && first <= MAX_CONST_T).then_some(first),
+            commits: live.iter().any(|&i| checked.commit_at[i] > 0),
+            planes: step.plane_stride.is_some(),
+            io: Io::new(step.rows.dtypes(), out.dtype()),
+            seqs: n,
+        };
+        let r = &step.rows;
+        let parts = [
+            tensor_bytes(&r.qkv),
+            tensor_bytes(&r.alpha),
+            tensor_bytes(&r.beta),
+            tensor_bytes(&r.z),
+            bytes_of(&ints),
+        ];
+        let out_bytes = bytes_of_mut_tensor(&mut out);
+        let mut sizes: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+        sizes.push(out_bytes.len());
+        let (offs, need) = staging_layout(&sizes).ok_or_else(|| too_large("step"))?;
+        self.staging(need)?;
+        let s = self.cuda.stream.clone();
+        let result = (|| {
+            let st = self
+                .staging
+                .as_mut()
+                .ok_or_else(|| Error::Backend("staging buffer missing".into()))?;
+            for (p, &at) in parts.iter().zip(&offs) {
+                put(&s, st, at, p)?;
+            }
+            // the caller's output goes up too: rows the step does not write must come back unchanged
+            put(&s, st, offs[5], out_bytes)?;
+            let base = ptr(st, &self.cuda);
+            let at = |k: usize| base + offs[k] as u64;
+            let ints_at = |k: usize| at(4) + (4 * k * n) as u64;
+            let ops = Operands {
+                qkv: at(0),
+                alpha: at(1),
+                beta: at(2),
+                z: at(3),
+                slot: ints_at(0),
+                start: ints_at(1),
+                len: ints_at(2),
+                commit_at: ints_at(3),
+                accept: accept.map(|_| ints_at(4)),
+                out: at(5),
+            };
+            self.launch(&kind, n, rows, step.plane_stride, ops)?;
+            let st = self
+                .staging
+                .as_ref()
+                .ok_or_else(|| Error::Backend("staging buffer missing".into()))?;
+            if !out_bytes.is_empty() {
+                s.memcpy_dtoh(&st.slice(offs[5]..offs[5] + out_bytes.len()), out_bytes)
+                    .map_err(drv)?;
+            }
+            s.synchronize().map_err(drv)
+        })();
+        if !staging_keep(self.staging_bytes()) {
+            self.staging = None;
+        }
+        result
+    }
+
+    /// The pending region, allocated on first use (zeros: no slot holds a window yet).
+    fn pending(&mut self) -> Result<()> {
+        if self.pend.is_none() {
+            let pl = pending_len(self.layer.shape()).ok_or_else(|| too_large("slots"))?;
+            let len = self
+                .slots
+                .checked_mul(2)
+                .and_then(|x| x.checked_mul(pl))
+                .ok_or_else(|| too_large("slots"))?;
+            self.pend = Some(
+                self.cuda
+                    .stream
+                    .alloc_zeros::<f32>(len.max(1))
+                    .map_err(drv)?,
+            );
+        }
+        Ok(())
     }
 
     /// The staging buffer, at least `need` bytes (see [`staging_alloc`]).
@@ -565,6 +738,7 @@ pub(crate) fn fault_error(word: u32) -> Error {
         (2, "a length other than the compiled window length"),
         (4, "rows outside the step's"),
         (8, "a commit point outside 0..=length"),
+        (16, "an accepted count above what a slot holds"),
     ]
     .into_iter()
     .filter(|(bit, _)| word & bit != 0)
@@ -677,7 +851,10 @@ impl LayerPool for CudaPool {
             &mut self.hist.slice_mut(slot * hl..(slot + 1) * hl),
         )
         .map_err(drv)?;
-        s.synchronize().map_err(drv)
+        s.synchronize().map_err(drv)?;
+        // a write replaces what the slot held
+        self.held[slot] = 0;
+        Ok(())
     }
 
     fn read_slot(&mut self, slot: usize, state: &mut [f32], hist: &mut [f32]) -> Result<()> {
@@ -706,87 +883,132 @@ impl LayerPool for CudaPool {
         Ok(())
     }
 
-    fn step_varlen(&mut self, step: &Step<'_>, mut out: TensorMut<'_>) -> Result<()> {
+    fn step_varlen(&mut self, step: &Step<'_>, out: TensorMut<'_>) -> Result<()> {
         let checked = step.validate(&self.layer, self.slots, out.len())?;
+        for s in step.seqs.iter().filter(|s| s.slot >= 0) {
+            let h = self.held[s.slot as usize];
+            if h > 0 {
+                return Err(gdn::spec::held_error(s.slot as usize, h));
+            }
+        }
         self.take_fault()?;
-        let rows = checked.rows;
-        int(rows, "rows")?;
-        // only the sequences that run go to the device, as four int arrays
-        let live = live_longest_first(step.seqs);
-        if live.is_empty() {
-            return Ok(());
+        self.run_host(step, &checked, out, None)
+    }
+
+    fn step_spec(&mut self, step: &Step<'_>, accept: &[usize], out: TensorMut<'_>) -> Result<()> {
+        let checked = step.validate(&self.layer, self.slots, out.len())?;
+        gdn::spec::check_accept(step, accept, |slot| self.held[slot])?;
+        for (s, &at) in step.seqs.iter().zip(&checked.commit_at) {
+            if s.slot >= 0 && at == 0 && s.len > MAX_HELD {
+                return Err(Error::Unsupported(format!(
+                    "a held window of {} tokens (the CUDA pool holds at most {MAX_HELD})",
+                    s.len
+                )));
+            }
         }
-        let n = live.len();
-        let mut ints = vec![0i32; 4 * n];
-        for (k, &i) in live.iter().enumerate() {
-            let s = &step.seqs[i];
-            ints[k] = s.slot;
-            ints[n + k] = int(s.start, "start")?;
-            ints[2 * n + k] = int(s.len, "len")?;
-            ints[3 * n + k] = int(checked.commit_at[i], "commit")?;
+        self.take_fault()?;
+        self.pending()?;
+        self.run_host(step, &checked, out, Some(accept))?;
+        // a held window went to the buffer the kernel did not read
+        for (s, &at) in step.seqs.iter().zip(&checked.commit_at) {
+            if s.slot >= 0 {
+                let slot = s.slot as usize;
+                self.held[slot] = if at == 0 { s.len } else { 0 };
+                if at == 0 {
+                    self.held_buf[slot] ^= 1;
+                }
+            }
         }
-        let first = step.seqs[live[0]].len;
-        let uniform = live.iter().all(|&i| step.seqs[i].len == first);
-        let kind = StepKind {
-            uniform_len: (uniform && first <= MAX_CONST_T).then_some(first),
-            commits: live.iter().any(|&i| checked.commit_at[i] > 0),
-            planes: step.plane_stride.is_some(),
-            io: Io::new(step.rows.dtypes(), out.dtype()),
-            seqs: n,
-        };
-        let r = &step.rows;
-        let parts = [
-            tensor_bytes(&r.qkv),
-            tensor_bytes(&r.alpha),
-            tensor_bytes(&r.beta),
-            tensor_bytes(&r.z),
-            bytes_of(&ints),
-        ];
-        let out_bytes = bytes_of_mut_tensor(&mut out);
-        let mut sizes: Vec<usize> = parts.iter().map(|p| p.len()).collect();
-        sizes.push(out_bytes.len());
-        let (offs, need) = staging_layout(&sizes).ok_or_else(|| too_large("step"))?;
-        self.staging(need)?;
-        let s = self.cuda.stream.clone();
-        let result = (|| {
+        Ok(())
+    }
+
+    fn held(&self, slot: usize) -> usize {
+        self.held.get(slot).copied().unwrap_or(0)
+    }
+
+    fn commit_held(&mut self, slot: usize, accept: usize) -> Result<()> {
+        gdn::spec::slot_in_range(slot, self.slots)?;
+        let h = self.held[slot];
+        if accept > h {
+            return Err(Error::Param {
+                name: "accept",
+                why: format!("{accept} tokens of slot {slot}'s held window of {h}"),
+            });
+        }
+        if accept > 0 {
+            self.take_fault()?;
+            // one sequence of no rows: the kernel applies the accepted prefix and writes state and history
+            let ints = [
+                int(slot, "slot")?,
+                0,
+                0,
+                0,
+                int(accept | (self.held_buf[slot] as usize) << 8, "accept")?,
+            ];
+            self.staging(std::mem::size_of_val(&ints))?;
+            let s = self.cuda.stream.clone();
             let st = self
                 .staging
                 .as_mut()
                 .ok_or_else(|| Error::Backend("staging buffer missing".into()))?;
-            for (p, &at) in parts.iter().zip(&offs) {
-                put(&s, st, at, p)?;
-            }
-            // the caller's output goes up too: rows the step does not write must come back unchanged
-            put(&s, st, offs[5], out_bytes)?;
+            put(&s, st, 0, bytes_of(&ints))?;
             let base = ptr(st, &self.cuda);
-            let at = |k: usize| base + offs[k] as u64;
-            let ints_at = |k: usize| at(4) + (4 * k * n) as u64;
             let ops = Operands {
-                qkv: at(0),
-                alpha: at(1),
-                beta: at(2),
-                z: at(3),
-                slot: ints_at(0),
-                start: ints_at(1),
-                len: ints_at(2),
-                commit_at: ints_at(3),
-                out: at(5),
+                qkv: base,
+                alpha: base,
+                beta: base,
+                z: base,
+                out: base,
+                slot: base,
+                start: base + 4,
+                len: base + 8,
+                commit_at: base + 12,
+                accept: Some(base + 16),
             };
-            self.launch(&kind, n, rows, step.plane_stride, ops)?;
-            let st = self
-                .staging
-                .as_ref()
-                .ok_or_else(|| Error::Backend("staging buffer missing".into()))?;
-            if !out_bytes.is_empty() {
-                s.memcpy_dtoh(&st.slice(offs[5]..offs[5] + out_bytes.len()), out_bytes)
-                    .map_err(drv)?;
-            }
-            s.synchronize().map_err(drv)
-        })();
-        if !staging_keep(self.staging_bytes()) {
-            self.staging = None;
+            let kind = StepKind {
+                uniform_len: None,
+                commits: true,
+                planes: false,
+                io: Io::all(DType::F32),
+                seqs: 1,
+            };
+            self.launch(&kind, 1, 0, None, ops)?;
+            s.synchronize().map_err(drv)?;
         }
-        result
+        self.held[slot] = 0;
+        Ok(())
+    }
+
+    fn copy_slot(&mut self, from: usize, to: usize) -> Result<()> {
+        let sh = *self.layer.shape();
+        let (mut st, mut hi) = (vec![0.0; sh.state_len()], vec![0.0; sh.hist_len()]);
+        check_slot_io(&self.layer, self.slots, to, st.len(), hi.len())?;
+        check_slot_io(&self.layer, self.slots, from, st.len(), hi.len())?;
+        if from == to {
+            return Ok(());
+        }
+        self.read_slot(from, &mut st, &mut hi)?;
+        self.write_slot(to, &st, &hi)?;
+        // a fork keeps the held window: its buffer goes along, to the same buffer of the other slot
+        if self.held[from] > 0 {
+            let pl = pending_len(&sh).ok_or_else(|| too_large("slots"))?;
+            let b = self.held_buf[from] as usize;
+            let s = self.cuda.stream.clone();
+            let pend = self
+                .pend
+                .as_mut()
+                .ok_or_else(|| Error::Backend("pending region missing".into()))?;
+            let mut tmp = vec![0.0f32; pl];
+            let at = |slot: usize| (slot * 2 + b) * pl;
+            s.memcpy_dtoh(&pend.slice(at(from)..at(from) + pl), &mut tmp)
+                .map_err(drv)?;
+            s.memcpy_htod(&tmp, &mut pend.slice_mut(at(to)..at(to) + pl))
+                .map_err(drv)?;
+            s.synchronize().map_err(drv)?;
+            self.held[to] = self.held[from];
+            self.held_buf[to] = self.held_buf[from];
+        }
+        Ok(())
     }
 
     fn time_varlen(
@@ -794,6 +1016,19 @@ impl LayerPool for CudaPool {
         step: &Step<'_>,
         out_dtype: DType,
         iters: usize,
+    ) -> Result<StepTiming> {
+        self.time_inner(step, out_dtype, iters, None)
+    }
+}
+
+impl CudaPool {
+    /// `time_varlen`'s graph replays, of the speculative kernel where `accept` is given (see `time_spec`).
+    fn time_inner(
+        &mut self,
+        step: &Step<'_>,
+        out_dtype: DType,
+        iters: usize,
+        accept: Option<&[usize]>,
     ) -> Result<StepTiming> {
         let sh = *self.layer.shape();
         let layout = step.layout(&sh)?;
@@ -824,6 +1059,14 @@ impl LayerPool for CudaPool {
         let start = col(&|i| int(step.seqs[i].start, "start"))?;
         let len = col(&|i| int(step.seqs[i].len, "len"))?;
         let commit_at = col(&|i| int(checked.commit_at[i], "commit"))?;
+        let acc = match accept {
+            Some(a) => Some(col(&|i| {
+                let buf = self.held_buf[step.seqs[i].slot as usize] as usize;
+                int(a[i] | buf << 8, "accept")
+            })?),
+            None => None,
+        };
+        let acc_ptr = acc.as_ref().map(|a| ptr(a, &self.cuda));
         let n = live.len();
         let first = live.first().map_or(1, |&i| step.seqs[i].len);
         let uniform = live.iter().all(|&i| step.seqs[i].len == first);
@@ -850,7 +1093,8 @@ impl LayerPool for CudaPool {
             plane_stride: step.plane_stride,
         };
         let out_len = layout.len();
-        let mut one = |pool: &mut CudaPool| -> Result<()> { out.step(pool, &ds, out_len) };
+        let mut one =
+            |pool: &mut CudaPool| -> Result<()> { out.step_with(pool, &ds, out_len, acc_ptr) };
         // warm-up (compiles and loads the kernel)
         for _ in 0..3 {
             one(self)?;
@@ -907,6 +1151,37 @@ impl LayerPool for CudaPool {
                 "CUDA graph of {per_graph} steps replayed {replays}x, events, median of 7"
             ),
         })
+    }
+
+    /// Device time of one speculative step (`step_spec`'s kernel: each sequence first applies `accept[i]` tokens
+    /// of its slot's held window), as `time_varlen` times a plain step: a CUDA graph of steps replayed, events,
+    /// median. A benchmark: the replays apply the same accepted prefix again and again, so the named slots'
+    /// states, histories and held windows are unspecified afterwards (their held windows are dropped).
+    pub fn time_spec(
+        &mut self,
+        step: &Step<'_>,
+        accept: &[usize],
+        out_dtype: DType,
+        iters: usize,
+    ) -> Result<StepTiming> {
+        let layout = step.layout(self.layer.shape())?;
+        let checked = step.validate(&self.layer, self.slots, layout.len())?;
+        gdn::spec::check_accept(step, accept, |slot| self.held[slot])?;
+        for (s, &at) in step.seqs.iter().zip(&checked.commit_at) {
+            if s.slot >= 0 && at == 0 && s.len > MAX_HELD {
+                return Err(Error::Unsupported(format!(
+                    "a held window of {} tokens (the CUDA pool holds at most {MAX_HELD})",
+                    s.len
+                )));
+            }
+        }
+        self.take_fault()?;
+        self.pending()?;
+        let t = self.time_inner(step, out_dtype, iters, Some(accept));
+        for s in step.seqs.iter().filter(|s| s.slot >= 0) {
+            self.held[s.slot as usize] = 0;
+        }
+        t
     }
 }
 
@@ -969,16 +1244,32 @@ impl Owned {
     }
     /// Runs `step` with the first `len` elements of this buffer as its output.
     pub fn step(&mut self, pool: &mut CudaPool, step: &DeviceStep<'_>, len: usize) -> Result<()> {
+        self.step_with(pool, step, len, None)
+    }
+
+    fn step_with(
+        &mut self,
+        pool: &mut CudaPool,
+        step: &DeviceStep<'_>,
+        len: usize,
+        accept: Option<sys::CUdeviceptr>,
+    ) -> Result<()> {
         match self {
-            Owned::F32(x) => {
-                pool.step_device(step, &mut DeviceTensorMut::F32(&mut x.slice_mut(0..len)))
-            }
-            Owned::Bf16(x) => {
-                pool.step_device(step, &mut DeviceTensorMut::Bf16(&mut x.slice_mut(0..len)))
-            }
-            Owned::F16(x) => {
-                pool.step_device(step, &mut DeviceTensorMut::F16(&mut x.slice_mut(0..len)))
-            }
+            Owned::F32(x) => pool.step_device_with(
+                step,
+                &mut DeviceTensorMut::F32(&mut x.slice_mut(0..len)),
+                accept,
+            ),
+            Owned::Bf16(x) => pool.step_device_with(
+                step,
+                &mut DeviceTensorMut::Bf16(&mut x.slice_mut(0..len)),
+                accept,
+            ),
+            Owned::F16(x) => pool.step_device_with(
+                step,
+                &mut DeviceTensorMut::F16(&mut x.slice_mut(0..len)),
+                accept,
+            ),
         }
     }
 }

@@ -90,6 +90,9 @@ pub struct Spec {
     /// `None`: the pool's own buffers. `Some(conv)`: a step on memory the caller owns ([`crate::CudaLayer`], the
     /// kernel's `GDN_EXT`), with the engine's conv state in element type `conv`.
     pub ext: Option<DType>,
+    /// The speculative step on the pool (the kernel's `GDN_SPEC`): verify windows are held, accepted prefixes of
+    /// held windows applied at the state load. Always with commits, never staged.
+    pub speculative: bool,
 }
 
 /// How one value head's state is split over threads and blocks.
@@ -248,6 +251,16 @@ impl Spec {
             pool: PoolOptions::default(),
             stage: true,
             ext: None,
+            speculative: false,
+        }
+    }
+
+    /// The same specialisation as the pool's speculative step (commits on, no staging).
+    pub fn with_speculative(self) -> Spec {
+        Spec {
+            speculative: true,
+            commit: true,
+            ..self
         }
     }
 
@@ -279,6 +292,7 @@ impl Spec {
     pub fn staged(&self) -> bool {
         let d = self.shape.d;
         self.stage
+            && !self.speculative
             && self.pool.state == DType::Bf16
             && self.t == 1
             && self.plan.ncb == 1
@@ -304,9 +318,13 @@ impl Spec {
     }
 
     /// The macro lines that select this specialisation, put before the kernel source. The pool's header is
-    /// exactly what it was before the external step existed (the `GDN_EXT` lines come only with `ext`).
+    /// exactly what it was before the external step existed (the `GDN_EXT` lines come only with `ext`, the
+    /// `GDN_SPEC` line only with `speculative`), so the machine code of the other specialisations is unchanged.
     pub fn header(&self) -> String {
         let mut h = self.pool_header();
+        if self.speculative {
+            h.push_str("#define GDN_SPEC 1\n");
+        }
         if let Some(conv) = self.ext {
             h.push_str(&format!(
                 "#define GDN_EXT 1\n#define GDN_CONV_DT {}\n",

@@ -445,3 +445,207 @@ fn pool_sizes_that_overflow_are_errors() {
         }
     }
 }
+
+/// The native speculative step against the two-pass flow on the same pool kind, bitwise (y with planes, every
+/// slot's state and history), beyond the suite's cases: both state dtypes and layouts, 16-bit activations, a
+/// tiled head map with the sigmoid gate, a head split over a cluster (d 256: the accepted history's
+/// cross-block barrier), windows up to the 16 a slot holds, mixed held / committing / skipped sequences,
+/// `commit_held` (the kernel's window-less sequence), forks and resets of slots holding windows.
+#[test]
+fn speculative_steps_are_bitwise_the_two_pass_flow_in_every_pool_kind() {
+    let Some(cuda) =
+        cuda_or_skip("speculative_steps_are_bitwise_the_two_pass_flow_in_every_pool_kind")
+    else {
+        return;
+    };
+    let mut cases = Vec::new();
+    for (state, layout, io) in [
+        (DType::F32, StateLayout::KeyMajor, DType::F32),
+        (DType::Bf16, StateLayout::KeyMajor, DType::Bf16),
+        (DType::F32, StateLayout::ValueMajor, DType::F16),
+        (DType::Bf16, StateLayout::ValueMajor, DType::Bf16),
+    ] {
+        cases.push((
+            Config::new(Shape::new(32, 2, 4).unwrap()),
+            state,
+            layout,
+            io,
+            60,
+        ));
+    }
+    let mut tiled = Config::new(Shape::new(64, 3, 12).unwrap());
+    tiled.gate = gdn::Gate::Sigmoid;
+    tiled.head_map = gdn::HeadMap::Tiled;
+    cases.push((tiled, DType::Bf16, StateLayout::ValueMajor, DType::F32, 30));
+    for state in [DType::F32, DType::Bf16] {
+        cases.push((
+            Config::new(Shape::new(256, 4, 8).unwrap()),
+            state,
+            StateLayout::KeyMajor,
+            DType::F32,
+            20,
+        ));
+    }
+    cases.push((
+        Config::new(Shape::SEED),
+        DType::Bf16,
+        StateLayout::ValueMajor,
+        DType::Bf16,
+        8,
+    ));
+    for (ci, (config, state, layout, io, steps)) in cases.into_iter().enumerate() {
+        let opts = PoolOptions { state, layout };
+        let what = format!("case {ci}: {:?} {opts:?} {io:?}", config.shape);
+        let mut rng = Synth::new(100 + ci as u64);
+        let layer = rng.layer(config).unwrap();
+        let sh = *layer.shape();
+        let slots = 5;
+        let mut native = cuda.create_cuda_pool(&layer, slots, opts).unwrap();
+        let mut flow = gdn::spec::TwoPass::new(cuda.create_cuda_pool(&layer, slots, opts).unwrap());
+        for i in 0..slots {
+            let (st, h) = rng.seq_state(&layer);
+            let st: Vec<f32> = st.iter().map(|&x| state.round(x)).collect();
+            native.write_slot(i, &st, &h).unwrap();
+            flow.write_slot(i, &st, &h).unwrap();
+        }
+        let mut lcg = 0x9e37_79b9_7f4a_7c15u64 ^ ci as u64;
+        let mut below = |n: usize| {
+            lcg = lcg
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((lcg >> 33) % n.max(1) as u64) as usize
+        };
+        let read = |p: &mut dyn LayerPool| {
+            let mut out = Vec::new();
+            for i in 0..slots {
+                let (mut s, mut h) = (vec![0.0; sh.state_len()], vec![0.0; sh.hist_len()]);
+                p.read_slot(i, &mut s, &mut h).unwrap();
+                out.extend(bits(&s));
+                out.extend(bits(&h));
+            }
+            out
+        };
+        for step_i in 0..steps {
+            // now and then a slot operation on both pools
+            match below(8) {
+                0 => {
+                    let (slot, held) = (below(slots), native.held(0));
+                    let slot = if held > 0 { 0 } else { slot };
+                    let k = below(native.held(slot) + 1);
+                    native.commit_held(slot, k).unwrap();
+                    flow.commit_held(slot, k).unwrap();
+                }
+                1 => {
+                    let (from, to) = (below(slots), below(slots));
+                    native.copy_slot(from, to).unwrap();
+                    flow.copy_slot(from, to).unwrap();
+                }
+                2 => {
+                    let slot = below(slots);
+                    native.reset_slot(slot).unwrap();
+                    flow.reset_slot(slot).unwrap();
+                }
+                _ => {}
+            }
+            for slot in 0..slots {
+                assert_eq!(
+                    native.held(slot),
+                    flow.held(slot),
+                    "{what} step {step_i}: held"
+                );
+            }
+            let mut seqs = Vec::new();
+            let mut accept = Vec::new();
+            let mut at = 0;
+            for slot in 0..slots {
+                let len = if below(6) == 0 {
+                    9 + below(8)
+                } else {
+                    1 + below(8)
+                };
+                let skip = below(7) == 0;
+                let commit = match below(6) {
+                    0 => Commit::All,
+                    1 => Commit::First(1 + below(len)),
+                    _ => Commit::Verify,
+                };
+                seqs.push(Seq {
+                    slot: if skip { -1 } else { slot as i32 },
+                    start: at,
+                    len,
+                    commit,
+                });
+                at += len;
+                let h = native.held(slot);
+                accept.push(match below(4) {
+                    0 => 0,
+                    1 => h,
+                    _ => below(h + 1),
+                });
+            }
+            let b = rng.batch(&layer, at, 1);
+            let rows = RowsData::from_f32(&b.qkv, &b.alpha, &b.beta, &b.z, [io; 4]);
+            let stride = at * sh.n() + 16;
+            let len = gdn::OutputLayout::for_rows(&sh, at, Some(stride))
+                .unwrap()
+                .len();
+            let step = Step {
+                rows: rows.view(),
+                seqs: &seqs,
+                plane_stride: Some(stride),
+            };
+            let mut y1 = TensorData::filled(len, 0.0, io);
+            let mut y2 = TensorData::filled(len, 0.0, io);
+            native.step_spec(&step, &accept, y1.view_mut()).unwrap();
+            flow.step_spec(&step, &accept, y2.view_mut()).unwrap();
+            assert_eq!(
+                bits(&y1.to_f32()),
+                bits(&y2.to_f32()),
+                "{what} step {step_i}: outputs"
+            );
+            if step_i % 4 == 3 {
+                assert_eq!(
+                    read(&mut native),
+                    read(&mut flow),
+                    "{what} step {step_i}: slots"
+                );
+            }
+        }
+        for slot in 0..slots {
+            let k = native.held(slot);
+            native.commit_held(slot, k).unwrap();
+            flow.commit_held(slot, k).unwrap();
+        }
+        assert_eq!(read(&mut native), read(&mut flow), "{what}: final slots");
+        // a plain step on every slot again (nothing is held now), the same on both
+        let b = rng.batch(&layer, slots * 2, 1);
+        let rows = RowsData::from_f32(&b.qkv, &b.alpha, &b.beta, &b.z, [io; 4]);
+        let seqs: Vec<Seq> = (0..slots)
+            .map(|i| Seq {
+                slot: i as i32,
+                start: 2 * i,
+                len: 2,
+                commit: Commit::All,
+            })
+            .collect();
+        let step = Step {
+            rows: rows.view(),
+            seqs: &seqs,
+            plane_stride: None,
+        };
+        let mut y1 = TensorData::filled(slots * 2 * sh.n(), 0.0, io);
+        let mut y2 = TensorData::filled(slots * 2 * sh.n(), 0.0, io);
+        native.step_varlen(&step, y1.view_mut()).unwrap();
+        flow.step_varlen(&step, y2.view_mut()).unwrap();
+        assert_eq!(
+            bits(&y1.to_f32()),
+            bits(&y2.to_f32()),
+            "{what}: plain step after"
+        );
+        assert_eq!(
+            read(&mut native),
+            read(&mut flow),
+            "{what}: slots after the plain step"
+        );
+    }
+}

@@ -258,3 +258,101 @@ fn every_external_specialisation_compiles() {
     let n = assert_all_compile(specs);
     eprintln!("compiled {n} external-memory specialisations");
 }
+
+/// The speculative step (`GDN_SPEC`): every state dtype x layout at every window (1..=8, run-time), planes on
+/// and off, 16-bit activations, both gates and head maps, and every cluster split of a small and a large head
+/// (the cross-block history barrier of the accepted prefix). Its ptxas report (registers, spills) is printed.
+#[test]
+fn every_speculative_specialisation_compiles() {
+    if !nvrtc_or_skip("every_speculative_specialisation_compiles") {
+        return;
+    }
+    let cfg = Config::new(Shape::SEED);
+    let plan = Plan::choose(128, 48, 1, 132).unwrap();
+    let mut specs = Vec::new();
+    for state in [DType::F32, DType::Bf16] {
+        for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+            let pool = PoolOptions { state, layout };
+            for t in (1..=MAX_CONST_T).map(Some).chain([None]) {
+                let s = Spec::new((9, 0), &cfg, t, true, false, plan)
+                    .with_pool(pool)
+                    .with_speculative();
+                specs.push(s);
+                if t.is_none() || t == Some(1) || t == Some(4) {
+                    specs.push(Spec { planes: true, ..s });
+                    specs.push(s.with_io(Io::all(DType::Bf16)));
+                    specs.push(s.with_io(Io::all(DType::F16)));
+                }
+            }
+        }
+    }
+    for gate in [Gate::Sigmoid, Gate::Silu] {
+        for head_map in [HeadMap::Tiled, HeadMap::Grouped] {
+            let mut c = Config::new(Shape::SEED);
+            c.gate = gate;
+            c.head_map = head_map;
+            specs.push(Spec::new((9, 0), &c, None, true, false, plan).with_speculative());
+        }
+    }
+    // the shapes of the GPU tests (d 64 with a tiled map and the sigmoid gate among them)
+    for (d, h_k, h_v) in [(32, 2, 4), (64, 3, 12), (256, 4, 8)] {
+        let mut c = Config::new(Shape::new(d, h_k, h_v).unwrap());
+        if d == 64 {
+            c.gate = Gate::Sigmoid;
+            c.head_map = HeadMap::Tiled;
+        }
+        for ncb in CLUSTER_SIZES {
+            if let Some(p) = Plan::for_ncb(d, ncb) {
+                for t in [Some(4), None] {
+                    let s = Spec::new((9, 0), &c, t, true, true, p).with_speculative();
+                    specs.push(s);
+                    specs.push(s.with_pool(PoolOptions {
+                        state: DType::Bf16,
+                        layout: StateLayout::ValueMajor,
+                    }));
+                }
+            }
+        }
+    }
+    for s in [
+        Spec::new((9, 0), &cfg, Some(4), true, false, plan).with_speculative(),
+        Spec::new((9, 0), &cfg, None, true, false, plan).with_speculative(),
+        Spec::new((9, 0), &cfg, Some(4), true, false, plan)
+            .with_pool(PoolOptions {
+                state: DType::Bf16,
+                layout: StateLayout::ValueMajor,
+            })
+            .with_speculative(),
+    ] {
+        if let Ok(c) = compiled(&s) {
+            eprintln!(
+                "speculative t {} state {:?} {:?}: {}",
+                s.t,
+                s.pool.state,
+                s.pool.layout,
+                spec::resource_line(&c.log)
+            );
+        }
+    }
+    let n = assert_all_compile(specs);
+    eprintln!("compiled {n} speculative specialisations");
+}
+
+/// The speculative macro is added only to its own specialisations: a plain one's source has no `GDN_SPEC` line,
+/// so its machine code is what it was before the speculative step existed (checked byte for byte against the
+/// previous kernel source at `202a20b` when it was added: 40 pool and 40 external specialisations, see NOTES.md).
+#[test]
+fn plain_specialisations_have_no_speculative_macro() {
+    let cfg = Config::new(Shape::SEED);
+    let plan = Plan::choose(128, 48, 1, 132).unwrap();
+    let s = Spec::new((9, 0), &cfg, Some(4), true, false, plan);
+    assert!(!s.header().contains("GDN_SPEC"));
+    assert!(s.with_speculative().header().contains("#define GDN_SPEC 1"));
+    assert!(!s
+        .with_pool(PoolOptions {
+            state: DType::Bf16,
+            layout: StateLayout::KeyMajor
+        })
+        .with_speculative()
+        .staged());
+}
