@@ -270,6 +270,58 @@ impl QuantWeights {
         // once per call
         const CHUNK: usize = 64;
         let mut tmp = vec![0.0f32; hidden * r_n];
+        #[cfg(target_arch = "x86_64")]
+        if !shift && std::arch::is_x86_feature_detected!("avx512f") {
+            // columns in blocks of 64 groups, so that a block of every token's activations (8 tokens x 1024
+            // values: 32 KiB) stays in L1 while a chunk of weight rows streams past it
+            // (one or two tokens: no blocking, each weight row streams in one piece)
+            let colb = if r_n <= 2 { groups } else { 64 };
+            tmp.par_chunks_mut(CHUNK * r_n)
+                .enumerate()
+                .for_each(|(c, block)| {
+                    let o0 = c * CHUNK;
+                    let bytes_of = |o: usize| -> &[u8] {
+                        match &self.words {
+                            Words::U16(w) => bytemuck::cast_slice(&w[o * wpr..(o + 1) * wpr]),
+                            Words::U32(w) => bytemuck::cast_slice(&w[o * wpr..(o + 1) * wpr]),
+                        }
+                    };
+                    for g0 in (0..groups).step_by(colb) {
+                        let g1 = (g0 + colb).min(groups);
+                        for (i, acc_row) in block.chunks_exact_mut(r_n).enumerate() {
+                            let o = o0 + i;
+                            let scale = &self.scale[o * groups..(o + 1) * groups];
+                            // SAFETY: the CPU has AVX-512F (checked above); the kernel reads the row's groups
+                            // g0..g1 of `bytes_of(o)` and `scale`, and those groups' columns of every token's row
+                            // of `x` (tokens x n), within the lengths `product_planes` checked.
+                            unsafe {
+                                avx512::planes_part(
+                                    self.packing,
+                                    bytes_of(o),
+                                    scale,
+                                    x,
+                                    acc_row,
+                                    g0..g1,
+                                )
+                            };
+                        }
+                    }
+                    for (i, acc_row) in block.chunks_exact_mut(r_n).enumerate() {
+                        let o = o0 + i;
+                        let zs = &self.zs[o * groups..(o + 1) * groups];
+                        for (r, a) in acc_row.iter_mut().enumerate() {
+                            // SAFETY: as above; both slices have `groups` values
+                            *a -= unsafe { avx512::dot(zs, &gsum[r * groups..(r + 1) * groups]) };
+                        }
+                    }
+                });
+            for o in 0..hidden {
+                for r in 0..r_n {
+                    out[r * hidden + o] = tmp[o * r_n + r];
+                }
+            }
+            return;
+        }
         tmp.par_chunks_mut(CHUNK * r_n)
             .enumerate()
             .for_each(|(c, block)| {
@@ -282,20 +334,6 @@ impl QuantWeights {
                         Words::U16(w) => Row::U16(&w[o * wpr..(o + 1) * wpr]),
                         Words::U32(w) => Row::U32(&w[o * wpr..(o + 1) * wpr]),
                     };
-                    #[cfg(target_arch = "x86_64")]
-                    if !shift && std::arch::is_x86_feature_detected!("avx512f") {
-                        let bytes: &[u8] = match w {
-                            Row::U16(w) => bytemuck::cast_slice(w),
-                            Row::U32(w) => bytemuck::cast_slice(w),
-                        };
-                        // SAFETY: the CPU has AVX-512F (checked above); the kernel reads `bytes` (the row's
-                        // groups x group bytes), `scale`, `zs` (groups each), `x` (tokens x n) and `gsum` (tokens
-                        // x groups) within their lengths, which `product_planes` checked against the layout.
-                        unsafe {
-                            avx512::planes_row(self.packing, bytes, scale, zs, x, gsum, acc_row)
-                        };
-                        continue;
-                    }
                     row_dots(self.packing, shift, w, scale, zs, x, gsum, acc_row);
                 }
             });
@@ -412,71 +450,95 @@ mod avx512 {
         }
     }
 
+    /// Adds, for every token, the planes-path dot product of the row's groups `gr` (without the zero-point
+    /// term) to `acc`.
+    ///
     /// # Safety
     /// The CPU has AVX-512F; `w` holds `scale.len()` groups of the packing's bytes, `x` `acc.len()` rows of
-    /// `16 scale.len()` values, `gsum` `acc.len()` rows of `scale.len()`, `zs` as many as `scale`.
+    /// `16 scale.len()` values.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn planes_row(
+    pub unsafe fn planes_part(
         p: Packing,
         w: &[u8],
         scale: &[f32],
-        zs: &[f32],
         x: &[f32],
-        gsum: &[f32],
         acc: &mut [f32],
+        gr: std::ops::Range<usize>,
     ) {
         let r_n = acc.len();
         let mut rb = 0;
         while rb < r_n {
-            let nb = (r_n - rb).min(8);
-            // SAFETY: forwarded (the block's rows are within `acc`, `x` and `gsum`)
-            unsafe {
-                match nb {
-                    8 => block::<8>(p, w, scale, zs, x, gsum, acc, rb),
-                    4..=7 => {
-                        block::<4>(p, w, scale, zs, x, gsum, acc, rb);
-                        rb += 4;
-                        continue;
-                    }
-                    2 | 3 => {
-                        block::<2>(p, w, scale, zs, x, gsum, acc, rb);
-                        rb += 2;
-                        continue;
-                    }
-                    _ => block::<1>(p, w, scale, zs, x, gsum, acc, rb),
+            let left = r_n - rb;
+            // SAFETY: forwarded (the block's rows are within `acc` and `x`)
+            let nb = unsafe {
+                match left {
+                    8.. => block::<8>(p, w, scale, x, acc, rb, gr.clone()),
+                    4..=7 => block::<4>(p, w, scale, x, acc, rb, gr.clone()),
+                    2 | 3 => block::<2>(p, w, scale, x, acc, rb, gr.clone()),
+                    _ => block::<1>(p, w, scale, x, acc, rb, gr.clone()),
                 }
-            }
+            };
             rb += nb;
         }
     }
 
+    /// `sum a[i] b[i]` in 16 lanes (then the lanes, then the tail).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
     #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let full = n / 16 * 16;
+        // SAFETY: the loads read a[i..i + 16] and b[i..i + 16] with i + 16 <= full <= both lengths
+        let mut v = _mm512_setzero_ps();
+        let mut i = 0;
+        while i < full {
+            unsafe {
+                v = _mm512_fmadd_ps(
+                    _mm512_loadu_ps(a.as_ptr().add(i)),
+                    _mm512_loadu_ps(b.as_ptr().add(i)),
+                    v,
+                );
+            }
+            i += 16;
+        }
+        let mut t = _mm512_reduce_add_ps(v);
+        for k in full..n {
+            t = a[k].mul_add(b[k], t);
+        }
+        t
+    }
+
+    /// `NB` tokens from `rb` over the groups `gr`; returns `NB`.
+    #[target_feature(enable = "avx512f")]
     unsafe fn block<const NB: usize>(
         p: Packing,
         w: &[u8],
         scale: &[f32],
-        zs: &[f32],
         x: &[f32],
-        gsum: &[f32],
         acc: &mut [f32],
         rb: usize,
-    ) {
+        gr: std::ops::Range<usize>,
+    ) -> usize {
         let groups = scale.len();
         let n = 16 * groups;
         let gb = if p == Packing::Q2U16 { 4 } else { 16 };
         assert!(
-            w.len() >= groups * gb && x.len() >= (rb + NB) * n && gsum.len() >= (rb + NB) * groups
+            gr.end <= groups
+                && w.len() >= groups * gb
+                && x.len() >= (rb + NB) * n
+                && acc.len() >= rb + NB
         );
         let (idx, mask, lmul) = lanes(p);
-        // SAFETY: the loads below read 16-byte groups within `w` (length checked above) and 64-byte rows within
+        // SAFETY: the loads below read groups within `w` (length checked above) and 64-byte pieces of rows within
         // `x`; every intrinsic needs AVX-512F only, which the caller guarantees.
         unsafe {
             let idx = _mm512_loadu_si512(idx.as_ptr().cast());
             let mask = _mm512_loadu_si512(mask.as_ptr().cast());
             let lmul = _mm512_loadu_ps(lmul.as_ptr());
             let mut a = [_mm512_setzero_ps(); NB];
-            for g in 0..groups {
+            for g in gr {
                 let src = w.as_ptr().add(g * gb);
                 let raw = if gb == 4 {
                     _mm512_set1_epi32(std::ptr::read_unaligned(src.cast::<i32>()))
@@ -497,11 +559,10 @@ mod avx512 {
                 }
             }
             for (t, at) in a.iter().enumerate() {
-                let gr = &gsum[(rb + t) * groups..(rb + t + 1) * groups];
-                let z: f32 = zs.iter().zip(gr).map(|(a, b)| a * b).sum();
-                acc[rb + t] = _mm512_reduce_add_ps(*at) - z;
+                acc[rb + t] += _mm512_reduce_add_ps(*at);
             }
         }
+        NB
     }
 }
 
