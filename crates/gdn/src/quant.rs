@@ -276,6 +276,16 @@ impl QuantWeights {
             // values: 32 KiB) stays in L1 while a chunk of weight rows streams past it
             // (one or two tokens: no blocking, each weight row streams in one piece)
             let colb = if r_n <= 2 { groups } else { 64 };
+            // a 16-bit packing's fields in the upper half of a u32 carry an extra 2^16: the activations take the
+            // 2^-16 once here (exact: a power of two), not every group of every weight row
+            let folded: Vec<f32>;
+            let x = match avx512::lane_scale(self.packing) {
+                Some(l) => {
+                    folded = x.iter().enumerate().map(|(i, &v)| v * l[i % 16]).collect();
+                    &folded[..]
+                }
+                None => x,
+            };
             tmp.par_chunks_mut(CHUNK * r_n)
                 .enumerate()
                 .for_each(|(c, block)| {
@@ -453,6 +463,12 @@ mod avx512 {
     /// Adds, for every token, the planes-path dot product of the row's groups `gr` (without the zero-point
     /// term) to `acc`.
     ///
+    /// The per-lane powers of two the activations take for this packing (None: all 1), see `lanes`.
+    pub fn lane_scale(p: Packing) -> Option<[f32; 16]> {
+        let (_, _, l) = lanes(p);
+        l.iter().any(|&v| v != 1.0).then_some(l)
+    }
+
     /// # Safety
     /// The CPU has AVX-512F; `w` holds `scale.len()` groups of the packing's bytes, `x` `acc.len()` rows of
     /// `16 scale.len()` values.
@@ -530,13 +546,12 @@ mod avx512 {
                 && x.len() >= (rb + NB) * n
                 && acc.len() >= rb + NB
         );
-        let (idx, mask, lmul) = lanes(p);
+        let (idx, mask, _) = lanes(p);
         // SAFETY: the loads below read groups within `w` (length checked above) and 64-byte pieces of rows within
         // `x`; every intrinsic needs AVX-512F only, which the caller guarantees.
         unsafe {
             let idx = _mm512_loadu_si512(idx.as_ptr().cast());
             let mask = _mm512_loadu_si512(mask.as_ptr().cast());
-            let lmul = _mm512_loadu_ps(lmul.as_ptr());
             let mut a = [_mm512_setzero_ps(); NB];
             for g in gr {
                 let src = w.as_ptr().add(g * gb);
@@ -549,10 +564,7 @@ mod avx512 {
                     )
                 };
                 let f = _mm512_cvtepu32_ps(_mm512_and_si512(raw, mask));
-                let v = _mm512_mul_ps(
-                    f,
-                    _mm512_mul_ps(_mm512_set1_ps(*scale.get_unchecked(g)), lmul),
-                );
+                let v = _mm512_mul_ps(f, _mm512_set1_ps(*scale.get_unchecked(g)));
                 for (t, at) in a.iter_mut().enumerate() {
                     let xv = _mm512_loadu_ps(x.as_ptr().add((rb + t) * n + 16 * g));
                     *at = _mm512_fmadd_ps(v, xv, *at);
