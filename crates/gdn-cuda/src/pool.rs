@@ -897,15 +897,15 @@ impl LayerPool for CudaPool {
 
     fn step_spec(&mut self, step: &Step<'_>, accept: &[usize], out: TensorMut<'_>) -> Result<()> {
         let checked = step.validate(&self.layer, self.slots, out.len())?;
-        gdn::spec::check_accept(step, accept, |slot| self.held[slot])?;
-        for (s, &at) in step.seqs.iter().zip(&checked.commit_at) {
-            if s.slot >= 0 && at == 0 && s.len > MAX_HELD {
-                return Err(Error::Unsupported(format!(
-                    "a held window of {} tokens (the CUDA pool holds at most {MAX_HELD})",
-                    s.len
-                )));
-            }
-        }
+        let held = |slot| self.held[slot];
+        gdn::spec::check_spec(
+            step,
+            &checked.commit_at,
+            accept,
+            held,
+            MAX_HELD,
+            "the CUDA pool",
+        )?;
         self.take_fault()?;
         self.pending()?;
         self.run_host(step, &checked, out, Some(accept))?;
@@ -927,14 +927,7 @@ impl LayerPool for CudaPool {
     }
 
     fn commit_held(&mut self, slot: usize, accept: usize) -> Result<()> {
-        gdn::spec::slot_in_range(slot, self.slots)?;
-        let h = self.held[slot];
-        if accept > h {
-            return Err(Error::Param {
-                name: "accept",
-                why: format!("{accept} tokens of slot {slot}'s held window of {h}"),
-            });
-        }
+        gdn::spec::check_commit_held(slot, self.slots, accept, self.held(slot))?;
         if accept > 0 {
             self.take_fault()?;
             // one sequence of no rows: the kernel applies the accepted prefix and writes state and history
@@ -1166,15 +1159,15 @@ impl CudaPool {
     ) -> Result<StepTiming> {
         let layout = step.layout(self.layer.shape())?;
         let checked = step.validate(&self.layer, self.slots, layout.len())?;
-        gdn::spec::check_accept(step, accept, |slot| self.held[slot])?;
-        for (s, &at) in step.seqs.iter().zip(&checked.commit_at) {
-            if s.slot >= 0 && at == 0 && s.len > MAX_HELD {
-                return Err(Error::Unsupported(format!(
-                    "a held window of {} tokens (the CUDA pool holds at most {MAX_HELD})",
-                    s.len
-                )));
-            }
-        }
+        let held = |slot| self.held[slot];
+        gdn::spec::check_spec(
+            step,
+            &checked.commit_at,
+            accept,
+            held,
+            MAX_HELD,
+            "the CUDA pool",
+        )?;
         self.take_fault()?;
         self.pending()?;
         let t = self.time_inner(step, out_dtype, iters, Some(accept));

@@ -637,15 +637,15 @@ impl WgpuPool {
         match accept {
             None => self.check_not_held(step)?,
             Some(accept) => {
-                gdn::spec::check_accept(step, accept, |s| self.held[s])?;
-                for (s, &at) in step.seqs.iter().zip(&checked.commit_at) {
-                    if s.slot >= 0 && at == 0 && s.len > HOLD {
-                        return Err(Error::Unsupported(format!(
-                            "a held window of {} tokens (the wgpu backend holds at most {HOLD})",
-                            s.len
-                        )));
-                    }
-                }
+                let held = |s| self.held[s];
+                gdn::spec::check_spec(
+                    step,
+                    &checked.commit_at,
+                    accept,
+                    held,
+                    HOLD,
+                    "the wgpu backend",
+                )?;
                 if step.seqs.iter().any(|s| s.slot >= 0) {
                     self.ensure_pend()?;
                 }
@@ -933,14 +933,7 @@ impl LayerPool for WgpuPool {
     }
 
     fn commit_held(&mut self, slot: usize, accept: usize) -> Result<()> {
-        gdn::spec::slot_in_range(slot, self.slots)?;
-        let h = self.held[slot];
-        if accept > h {
-            return Err(Error::Param {
-                name: "accept",
-                why: format!("{accept} tokens of slot {slot}'s held window of {h}"),
-            });
-        }
+        gdn::spec::check_commit_held(slot, self.slots, accept, self.held(slot))?;
         if accept > 0 {
             let r = self.commit_pending(slot, accept);
             self.trim();

@@ -48,6 +48,40 @@ pub fn check_accept(
     Ok(())
 }
 
+/// [`check_accept`], then that every window the step would hold (commit point 0, from [`Step::validate`]'s
+/// `commit_at`) fits the `max_held` tokens the backend (`who`) keeps.
+pub fn check_spec(
+    step: &Step<'_>,
+    commit_at: &[usize],
+    accept: &[usize],
+    held: impl Fn(usize) -> usize,
+    max_held: usize,
+    who: &str,
+) -> Result<()> {
+    check_accept(step, accept, held)?;
+    for (s, &at) in step.seqs.iter().zip(commit_at) {
+        if s.slot >= 0 && at == 0 && s.len > max_held {
+            return Err(Error::Unsupported(format!(
+                "a held window of {} tokens ({who} holds at most {max_held})",
+                s.len
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The checks of `commit_held(slot, accept)` on a pool of `slots` whose `slot` holds `held` tokens.
+pub fn check_commit_held(slot: usize, slots: usize, accept: usize, held: usize) -> Result<()> {
+    slot_in_range(slot, slots)?;
+    if accept > held {
+        return Err(Error::Param {
+            name: "accept",
+            why: format!("{accept} tokens of slot {slot}'s held window of {held}"),
+        });
+    }
+    Ok(())
+}
+
 /// The error of a plain step (or slot write) that names a slot holding a window.
 pub fn held_error(slot: usize, held: usize) -> Error {
     Error::Param {
@@ -207,14 +241,7 @@ impl<P: LayerPool> LayerPool for TwoPass<P> {
         self.held_len(slot)
     }
     fn commit_held(&mut self, slot: usize, accept: usize) -> Result<()> {
-        slot_in_range(slot, self.pool.slots())?;
-        let h = self.held_len(slot);
-        if accept > h {
-            return Err(Error::Param {
-                name: "accept",
-                why: format!("{accept} tokens of slot {slot}'s held window of {h}"),
-            });
-        }
+        check_commit_held(slot, self.pool.slots(), accept, self.held_len(slot))?;
         self.commit_prefixes(&[(slot, accept)])
     }
     fn step_spec(&mut self, step: &Step<'_>, accept: &[usize], out: TensorMut<'_>) -> Result<()> {

@@ -816,16 +816,15 @@ impl LayerPool for CpuPool {
 
     fn step_spec(&mut self, step: &Step<'_>, accept: &[usize], out: TensorMut<'_>) -> Result<()> {
         let checked = step.validate(&self.layer, self.slots, out.len())?;
-        crate::spec::check_accept(step, accept, |slot| self.held[slot])?;
-        for (s, &at) in step.seqs.iter().zip(&checked.commit_at) {
-            if s.slot >= 0 && at == 0 && s.len > kernels::MAX_HELD {
-                return Err(Error::Unsupported(format!(
-                    "a held window of {} tokens (the CPU holds at most {})",
-                    s.len,
-                    kernels::MAX_HELD
-                )));
-            }
-        }
+        let held = |slot| self.held[slot];
+        crate::spec::check_spec(
+            step,
+            &checked.commit_at,
+            accept,
+            held,
+            kernels::MAX_HELD,
+            "the CPU",
+        )?;
         // every check passed: accept the held prefixes (owed by the stored S from now on, applied by the
         // window's first read), then make room for the windows to be held
         for (s, &a) in step.seqs.iter().zip(accept) {
@@ -847,14 +846,7 @@ impl LayerPool for CpuPool {
     }
 
     fn commit_held(&mut self, slot: usize, accept: usize) -> Result<()> {
-        crate::spec::slot_in_range(slot, self.slots)?;
-        let h = self.held[slot];
-        if accept > h {
-            return Err(Error::Param {
-                name: "accept",
-                why: format!("{accept} tokens of slot {slot}'s held window of {h}"),
-            });
-        }
+        crate::spec::check_commit_held(slot, self.slots, accept, self.held(slot))?;
         self.accept_held(slot, accept);
         Ok(())
     }
