@@ -67,6 +67,7 @@
 
 pub mod external;
 pub mod pool;
+pub mod quant;
 
 /// The cudarc this crate is built on (an engine on cudarc passes its streams and device addresses).
 pub use cudarc;
@@ -80,6 +81,7 @@ use gdn::{Backend, Error, Layer, LayerPool, Result};
 
 pub use external::{CudaLayer, ExternalKind, RawConv, RawState, RawStep, RawTensor, SeqRows};
 pub use pool::{CudaPool, DeviceStep, DeviceTensor, DeviceTensorMut, StepKind};
+pub use quant::{CudaBf16OutProj, CudaOutProj};
 pub use spec::{Io, Plan, Spec};
 
 pub(crate) fn drv(e: DriverError) -> Error {

@@ -179,19 +179,50 @@ impl QuantWeights {
             + 8 * self.scale.len()
     }
 
-    fn check_out(&self, rows: usize, out: &[f32]) -> Result<()> {
-        let want = rows.checked_mul(self.rows).ok_or_else(|| Error::Param {
-            name: "out",
-            why: "rows x hidden overflows".into(),
-        })?;
-        if out.len() != want {
-            return Err(Error::Length {
-                name: "out",
-                expected: want,
-                got: out.len(),
-            });
+    /// Where a planes product reads in the step's output buffer of `step_len` elements laid out as `layout`
+    /// (which must have planes and the weights' n): the offsets of the packing's plane and of the group sums,
+    /// after checking `out_len` (= rows x hidden). Every backend's product checks its arguments with this.
+    pub fn check_planes(
+        &self,
+        step_len: usize,
+        layout: &OutputLayout,
+        out_len: usize,
+    ) -> Result<(usize, usize)> {
+        check_planes(self.shape(), step_len, layout, out_len)
+    }
+
+    /// Checks a shift-path call: y `[rows][cols]` of `y_len` elements, `out_len` = rows x hidden.
+    pub fn check_shift(&self, y_len: usize, rows: usize, out_len: usize) -> Result<()> {
+        check_shift(self.shape(), y_len, rows, out_len)
+    }
+
+    /// The packing, hidden size (rows) and n (columns).
+    pub fn shape(&self) -> (Packing, usize, usize) {
+        (self.packing, self.rows, self.cols)
+    }
+
+    /// The packed fields as little-endian bytes, row-major (`rows x cols / fields` words of `word_bytes`): what
+    /// a device backend uploads.
+    pub fn word_bytes_le(&self) -> Vec<u8> {
+        match &self.words {
+            Words::U16(w) => w.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Words::U32(w) => w.iter().flat_map(|v| v.to_le_bytes()).collect(),
         }
-        Ok(())
+    }
+
+    /// The per-group scales `[rows][cols / 16]`.
+    pub fn scales(&self) -> &[f32] {
+        &self.scale
+    }
+
+    /// The per-group zero terms (scale times zero point) `[rows][cols / 16]`.
+    pub fn zero_terms(&self) -> &[f32] {
+        &self.zs
+    }
+
+    /// Bytes of the packed fields alone (without scales and zero terms).
+    pub fn field_bytes(&self) -> usize {
+        self.rows * self.cols / self.packing.fields() * self.packing.word_bytes()
     }
 
     /// `out [R][rows] = y W^T` from the step's output buffer `step_out` (f32, laid out as `layout`, which must
@@ -202,31 +233,10 @@ impl QuantWeights {
         layout: &OutputLayout,
         out: &mut [f32],
     ) -> Result<()> {
-        let p = layout.plane_stride.ok_or_else(|| Error::Param {
-            name: "layout",
-            why: "the step's output has no planes (plane_stride None)".into(),
-        })?;
-        if layout.n != self.cols {
-            return Err(Error::Param {
-                name: "layout",
-                why: format!(
-                    "the step's n = {} is not the weights' {} columns",
-                    layout.n, self.cols
-                ),
-            });
-        }
-        if step_out.len() != layout.len() {
-            return Err(Error::Length {
-                name: "step_out",
-                expected: layout.len(),
-                got: step_out.len(),
-            });
-        }
-        let r_n = layout.rows;
-        self.check_out(r_n, out)?;
-        let n = self.cols;
-        let plane = &step_out[self.packing.plane() * p..self.packing.plane() * p + r_n * n];
-        let gsum = &step_out[4 * p..4 * p + r_n * (n / 16)];
+        let (at_plane, at_gsum) = self.check_planes(step_out.len(), layout, out.len())?;
+        let (r_n, n) = (layout.rows, self.cols);
+        let plane = &step_out[at_plane..at_plane + r_n * n];
+        let gsum = &step_out[at_gsum..at_gsum + r_n * (n / 16)];
         self.product(plane, gsum, r_n, out, false);
         Ok(())
     }
@@ -234,30 +244,8 @@ impl QuantWeights {
     /// The same product from y `[R][cols]` alone: each field shifted down before it is used, and the group sums
     /// computed in a pass of their own (what a consumer without the planes does).
     pub fn product_shift(&self, y: &[f32], rows: usize, out: &mut [f32]) -> Result<()> {
-        let n = self.cols;
-        let want = rows.checked_mul(n).ok_or_else(|| Error::Param {
-            name: "y",
-            why: "rows x cols overflows".into(),
-        })?;
-        if y.len() != want {
-            return Err(Error::Length {
-                name: "y",
-                expected: want,
-                got: y.len(),
-            });
-        }
-        self.check_out(rows, out)?;
-        let gsum: Vec<f32> = y
-            .chunks_exact(16)
-            .map(|g| {
-                let (mut even, mut odd) = (0.0f32, 0.0f32);
-                for e in (0..16).step_by(2) {
-                    even += g[e];
-                    odd += g[e + 1];
-                }
-                even + odd
-            })
-            .collect();
+        self.check_shift(y.len(), rows, out.len())?;
+        let gsum = group_sums(y);
         self.product(y, &gsum, rows, out, true);
         Ok(())
     }
@@ -352,6 +340,233 @@ impl QuantWeights {
                 out[r * hidden + o] = tmp[o * r_n + r];
             }
         }
+    }
+}
+
+fn check_out(hidden: usize, rows: usize, out_len: usize) -> Result<()> {
+    let want = rows.checked_mul(hidden).ok_or_else(|| Error::Param {
+        name: "out",
+        why: "rows x hidden overflows".into(),
+    })?;
+    if out_len != want {
+        return Err(Error::Length {
+            name: "out",
+            expected: want,
+            got: out_len,
+        });
+    }
+    Ok(())
+}
+
+/// [`QuantWeights::check_planes`] for weights of this `(packing, hidden, n)` (a device backend keeps no host
+/// copy of the weights): the offsets of the packing's plane and of the group sums in the step's output.
+pub fn check_planes(
+    (packing, hidden, n): (Packing, usize, usize),
+    step_len: usize,
+    layout: &OutputLayout,
+    out_len: usize,
+) -> Result<(usize, usize)> {
+    let p = layout.plane_stride.ok_or_else(|| Error::Param {
+        name: "layout",
+        why: "the step's output has no planes (plane_stride None)".into(),
+    })?;
+    if layout.n != n {
+        return Err(Error::Param {
+            name: "layout",
+            why: format!(
+                "the step's n = {} is not the weights' {n} columns",
+                layout.n
+            ),
+        });
+    }
+    if step_len != layout.len() {
+        return Err(Error::Length {
+            name: "step_out",
+            expected: layout.len(),
+            got: step_len,
+        });
+    }
+    check_out(hidden, layout.rows, out_len)?;
+    // OutputLayout::for_rows checked that 4P + rows n / 16 fits
+    Ok((packing.plane() * p, 4 * p))
+}
+
+/// [`QuantWeights::check_shift`] for weights of this `(packing, hidden, n)`.
+pub fn check_shift(
+    (_, hidden, n): (Packing, usize, usize),
+    y_len: usize,
+    rows: usize,
+    out_len: usize,
+) -> Result<()> {
+    let want = rows.checked_mul(n).ok_or_else(|| Error::Param {
+        name: "y",
+        why: "rows x cols overflows".into(),
+    })?;
+    if y_len != want {
+        return Err(Error::Length {
+            name: "y",
+            expected: want,
+            got: y_len,
+        });
+    }
+    check_out(hidden, rows, out_len)
+}
+
+/// The group sums of y `[R][n]` as the step writes them (per 16 columns: the even columns' sum plus the odd
+/// columns', each in increasing column order): the shift path's own pass.
+pub fn group_sums(y: &[f32]) -> Vec<f32> {
+    y.chunks_exact(16)
+        .map(|g| {
+            let (mut even, mut odd) = (0.0f32, 0.0f32);
+            for e in (0..16).step_by(2) {
+                even += g[e];
+                odd += g[e + 1];
+            }
+            even + odd
+        })
+        .collect()
+}
+
+/// The quantized out_proj on one backend, its weights already where the backend computes (uploaded once by
+/// [`QuantBackend::load_out_proj`]). Host slices in and out; device backends also have entries on their own
+/// buffers.
+pub trait OutProj {
+    /// The weights' packing, hidden size (output rows) and n (input columns).
+    fn shape(&self) -> (Packing, usize, usize);
+    /// As [`QuantWeights::product_planes`]: `out [R][hidden]` from the step's output (y, planes, group sums).
+    fn product_planes(
+        &mut self,
+        step_out: &[f32],
+        layout: &OutputLayout,
+        out: &mut [f32],
+    ) -> Result<()>;
+    /// As [`QuantWeights::product_shift`]: the same product from y `[rows][n]` alone.
+    fn product_shift(&mut self, y: &[f32], rows: usize, out: &mut [f32]) -> Result<()>;
+}
+
+/// A backend that runs the quantized out_proj (every backend of the workspace: the conformance suite checks
+/// them all the same way).
+pub trait QuantBackend: crate::Backend {
+    fn load_out_proj(&self, weights: &QuantWeights) -> Result<Box<dyn OutProj>>;
+}
+
+impl OutProj for QuantWeights {
+    fn shape(&self) -> (Packing, usize, usize) {
+        QuantWeights::shape(self)
+    }
+    fn product_planes(
+        &mut self,
+        step_out: &[f32],
+        layout: &OutputLayout,
+        out: &mut [f32],
+    ) -> Result<()> {
+        QuantWeights::product_planes(self, step_out, layout, out)
+    }
+    fn product_shift(&mut self, y: &[f32], rows: usize, out: &mut [f32]) -> Result<()> {
+        QuantWeights::product_shift(self, y, rows, out)
+    }
+}
+
+/// The CPU runs the product on rayon's global pool.
+impl QuantBackend for crate::Cpu {
+    fn load_out_proj(&self, weights: &QuantWeights) -> Result<Box<dyn OutProj>> {
+        Ok(Box::new(weights.clone()))
+    }
+}
+
+/// Plain bf16 out_proj weights `[rows][cols]`, the unquantized tail the benchmark compares against.
+#[derive(Clone, Debug)]
+pub struct Bf16Weights {
+    pub rows: usize,
+    pub cols: usize,
+    pub w: Vec<half::bf16>,
+}
+
+impl Bf16Weights {
+    /// `w` rounded to bf16 (nearest even).
+    pub fn new(w: &[f32], rows: usize, cols: usize) -> Result<Bf16Weights> {
+        let len = rows.checked_mul(cols).ok_or_else(|| Error::Param {
+            name: "rows",
+            why: "rows x cols overflows".into(),
+        })?;
+        if w.len() != len {
+            return Err(Error::Length {
+                name: "weights",
+                expected: len,
+                got: w.len(),
+            });
+        }
+        Ok(Bf16Weights {
+            rows,
+            cols,
+            w: w.iter().map(|&v| half::bf16::from_f32(v)).collect(),
+        })
+    }
+
+    pub fn bytes(&self) -> usize {
+        2 * self.w.len()
+    }
+
+    /// `out [R][rows] = y W^T`, y `[R][cols]`, in f32.
+    pub fn product(&self, y: &[f32], r_n: usize, out: &mut [f32]) -> Result<()> {
+        let (n, hidden) = (self.cols, self.rows);
+        let want_y = r_n.checked_mul(n).ok_or_else(|| Error::Param {
+            name: "y",
+            why: "rows x cols overflows".into(),
+        })?;
+        let want_out = r_n.checked_mul(hidden).ok_or_else(|| Error::Param {
+            name: "out",
+            why: "rows x hidden overflows".into(),
+        })?;
+        if y.len() != want_y || out.len() != want_out {
+            return Err(Error::Length {
+                name: if y.len() != want_y { "y" } else { "out" },
+                expected: if y.len() != want_y { want_y } else { want_out },
+                got: if y.len() != want_y {
+                    y.len()
+                } else {
+                    out.len()
+                },
+            });
+        }
+        const CHUNK: usize = 64;
+        let mut tmp = vec![0.0f32; hidden * r_n];
+        let bits: &[u16] = bytemuck::cast_slice(&self.w);
+        tmp.par_chunks_mut(CHUNK * r_n)
+            .enumerate()
+            .for_each(|(c, block)| {
+                for (i, acc) in block.chunks_exact_mut(r_n).enumerate() {
+                    let o = c * CHUNK + i;
+                    bf16_row(&bits[o * n..(o + 1) * n], y, acc);
+                }
+            });
+        for o in 0..hidden {
+            for r in 0..r_n {
+                out[r * hidden + o] = tmp[o * r_n + r];
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One bf16 weight row against every token (the bf16 bits widened by a shift, 16 lanes of partial sums).
+#[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+fn bf16_row(w: &[u16], x: &[f32], acc: &mut [f32]) {
+    let n = w.len();
+    for (r, a) in acc.iter_mut().enumerate() {
+        let xr = &x[r * n..(r + 1) * n];
+        let mut total = [0.0f32; 16];
+        for (wc, xc) in w.chunks_exact(16).zip(xr.chunks_exact(16)) {
+            for e in 0..16 {
+                total[e] = f32::from_bits((wc[e] as u32) << 16).mul_add(xc[e], total[e]);
+            }
+        }
+        let mut t: f32 = total.iter().sum();
+        let full = n / 16 * 16;
+        for m in full..n {
+            t = f32::from_bits((w[m] as u32) << 16).mul_add(xr[m], t);
+        }
+        *a = t;
     }
 }
 
