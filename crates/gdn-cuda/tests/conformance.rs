@@ -1,7 +1,8 @@
 //! The whole conformance suite on the CUDA backend, and the CUDA-specific checks; without a GPU, driver or
 //! libnvrtc every test is skipped with a message on stderr.
 gdn_conformance::conformance_tests!(
-    || gdn_cuda::Cuda::new().map(|c| Box::new(c) as Box<dyn gdn::Backend>)
+    || gdn_cuda::Cuda::new().map(|c| Box::new(c) as Box<dyn gdn::Backend>),
+    quant: || gdn_cuda::Cuda::new().map(|c| Box::new(c) as Box<dyn gdn::quant::QuantBackend>)
 );
 
 use gdn::synth::Synth;

@@ -19,6 +19,7 @@
 
 mod kernel;
 mod pool;
+pub mod quant;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -28,6 +29,7 @@ use gdn::{Backend, Error, Layer, LayerPool, Result};
 
 pub use kernel::KernelKey;
 pub use pool::WgpuPool;
+pub use quant::WgpuOutProj;
 
 /// Whether the kernel uses subgroup operations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -111,6 +113,8 @@ pub(crate) struct Gpu {
     pub pipeline_layout: wgpu::PipelineLayout,
     pipelines: Mutex<HashMap<KernelKey, Arc<wgpu::ComputePipeline>>>,
     copy: OnceLock<Arc<wgpu::ComputePipeline>>,
+    /// The quantized out_proj's pipelines by (packing, shift path, group-sum pass), built on first use.
+    pub(crate) quant: quant::PipelineCache,
     /// Errors wgpu reported outside an error scope (the device's uncaptured-error handler).
     uncaptured: Arc<Mutex<Vec<String>>>,
 }
@@ -305,6 +309,7 @@ impl Gpu {
             pipeline_layout,
             pipelines: Mutex::new(HashMap::new()),
             copy: OnceLock::new(),
+            quant: Default::default(),
             uncaptured,
         };
         gpu.take_errors()?;

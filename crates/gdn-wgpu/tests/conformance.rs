@@ -5,6 +5,14 @@
 //! kernel) are read here and passed in as options: the library reads no environment.
 
 fn make(subgroups: gdn_wgpu::Subgroups) -> gdn::Result<Box<dyn gdn::Backend>> {
+    make_wgpu(subgroups).map(|b| Box::new(b) as Box<dyn gdn::Backend>)
+}
+
+fn make_quant(subgroups: gdn_wgpu::Subgroups) -> gdn::Result<Box<dyn gdn::quant::QuantBackend>> {
+    make_wgpu(subgroups).map(|b| Box::new(b) as Box<dyn gdn::quant::QuantBackend>)
+}
+
+fn make_wgpu(subgroups: gdn_wgpu::Subgroups) -> gdn::Result<gdn_wgpu::Wgpu> {
     let options = gdn_wgpu::Options {
         subgroups,
         adapter: std::env::var("GDN_WGPU_ADAPTER")
@@ -14,7 +22,7 @@ fn make(subgroups: gdn_wgpu::Subgroups) -> gdn::Result<Box<dyn gdn::Backend>> {
         ..Default::default()
     };
     match gdn_wgpu::Wgpu::with_options(options) {
-        Ok(b) => Ok(Box::new(b)),
+        Ok(b) => Ok(b),
         Err(gdn::Error::Unavailable(why))
             if std::env::var("GDN_WGPU_REQUIRE").is_ok_and(|v| v == "1") =>
         {
@@ -31,5 +39,8 @@ mod subgroups {
 }
 
 mod workgroup_memory {
-    gdn_conformance::conformance_tests!(|| super::make(gdn_wgpu::Subgroups::Off));
+    gdn_conformance::conformance_tests!(
+        || super::make(gdn_wgpu::Subgroups::Off),
+        quant: || super::make_quant(gdn_wgpu::Subgroups::Off)
+    );
 }
