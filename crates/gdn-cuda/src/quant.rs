@@ -532,7 +532,7 @@ pub struct TailTimes {
 }
 
 /// Times `what` (a closure that enqueues one call on the stream) as a CUDA graph of `per_graph` calls replayed,
-/// events; median seconds per call of 7 rounds.
+/// events; median seconds per call of 5 rounds of 3 replays.
 fn time_graph(
     cuda: &Cuda,
     per_graph: usize,
@@ -565,9 +565,9 @@ fn time_graph(
             .map_err(drv)
     };
     let (e0, e1) = (ev()?, ev()?);
-    let replays = 5;
+    let replays = 3;
     let mut times = Vec::new();
-    for _ in 0..7 {
+    for _ in 0..5 {
         e0.record(&s).map_err(drv)?;
         for _ in 0..replays {
             graph.launch().map_err(drv)?;
