@@ -167,9 +167,9 @@ fn tile(tokens: usize) -> usize {
     usize::from(tokens >= TILE_FROM)
 }
 
-/// The launch grid of a product over `tokens` rows and `hidden` outputs, `per_block` outputs a block.
-fn grid(hidden: usize, tokens: usize, per_block: usize) -> Result<LaunchConfig> {
-    let x = hidden.div_ceil(per_block);
+/// The launch grid of a product over `tokens` rows and `hidden` outputs.
+fn grid(hidden: usize, tokens: usize) -> Result<LaunchConfig> {
+    let x = hidden.div_ceil(ROWS * WARPS);
     let tt = TILES[tile(tokens)];
     let y = tokens.div_ceil(tt);
     if y > 65535 {
@@ -268,7 +268,7 @@ impl CudaOutProj {
         if tokens == 0 {
             return Ok(());
         }
-        let cfg = grid(hidden, tokens, ROWS)?;
+        let cfg = grid(hidden, tokens)?;
         let (hidden, n, tokens) = (int(hidden, "hidden")?, int(n, "n")?, int(tokens, "rows")?);
         let s = &self.cuda.stream;
         let (w, sc, z) = (
@@ -493,8 +493,7 @@ impl CudaBf16OutProj {
         if rows == 0 {
             return Ok(());
         }
-        // the bf16 kernel's warps each own ROWS rows
-        let cfg = grid(self.hidden, rows, ROWS * WARPS)?;
+        let cfg = grid(self.hidden, rows)?;
         let s = &self.cuda.stream;
         let (w, x, o) = (addr(&self.w, s), addr(y, s), addr_mut(out, s));
         let (hidden, n, tokens) = (
