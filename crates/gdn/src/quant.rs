@@ -767,26 +767,40 @@ mod avx512 {
         unsafe {
             let idx = _mm512_loadu_si512(idx.as_ptr().cast());
             let mask = _mm512_loadu_si512(mask.as_ptr().cast());
-            let mut a = [_mm512_setzero_ps(); NB];
-            for g in gr {
-                let src = w.as_ptr().add(g * gb);
-                let raw = if gb == 4 {
-                    _mm512_set1_epi32(std::ptr::read_unaligned(src.cast::<i32>()))
-                } else {
-                    _mm512_permutexvar_epi32(
-                        idx,
-                        _mm512_castsi128_si512(_mm_loadu_si128(src.cast())),
-                    )
-                };
-                let f = _mm512_cvtepu32_ps(_mm512_and_si512(raw, mask));
-                let v = _mm512_mul_ps(f, _mm512_set1_ps(*scale.get_unchecked(g)));
-                for (t, at) in a.iter_mut().enumerate() {
-                    let xv = _mm512_loadu_ps(x.as_ptr().add((rb + t) * n + 16 * g));
-                    *at = _mm512_fmadd_ps(v, xv, *at);
+            // a token's accumulator is one FMA chain over the groups: with fewer than 4 tokens the chains alone
+            // would bound the loop by the FMA's latency (4 cycles a group at B 1), so each token gets 4 / NB
+            // chains taking the groups in turn (WAYS is a constant per NB; the inner loop unrolls to fixed
+            // indices)
+            let ways = if NB >= 4 { 1 } else { 4 / NB };
+            let mut a = [[_mm512_setzero_ps(); 4]; NB];
+            let mut g0 = gr.start;
+            while g0 < gr.end {
+                for u in 0..4 {
+                    let g = g0 + u;
+                    if u >= ways || g >= gr.end {
+                        break;
+                    }
+                    let src = w.as_ptr().add(g * gb);
+                    let raw = if gb == 4 {
+                        _mm512_set1_epi32(std::ptr::read_unaligned(src.cast::<i32>()))
+                    } else {
+                        _mm512_permutexvar_epi32(
+                            idx,
+                            _mm512_castsi128_si512(_mm_loadu_si128(src.cast())),
+                        )
+                    };
+                    let f = _mm512_cvtepu32_ps(_mm512_and_si512(raw, mask));
+                    let v = _mm512_mul_ps(f, _mm512_set1_ps(*scale.get_unchecked(g)));
+                    for (t, at) in a.iter_mut().enumerate() {
+                        let xv = _mm512_loadu_ps(x.as_ptr().add((rb + t) * n + 16 * g));
+                        at[u] = _mm512_fmadd_ps(v, xv, at[u]);
+                    }
                 }
+                g0 += ways;
             }
             for (t, at) in a.iter().enumerate() {
-                acc[rb + t] += _mm512_reduce_add_ps(*at);
+                let s = _mm512_add_ps(_mm512_add_ps(at[0], at[1]), _mm512_add_ps(at[2], at[3]));
+                acc[rb + t] += _mm512_reduce_add_ps(s);
             }
         }
         NB
@@ -875,5 +889,49 @@ mod tests {
         let sh = Shape::new(16, 1, 1).unwrap();
         let lay = OutputLayout::for_rows(&sh, 1, None).unwrap();
         assert!(q.product_planes(&[0.0; 16], &lay, &mut out).is_err());
+    }
+}
+
+/// `cargo test --release -p gdn --lib quant::timing -- --ignored --nocapture`: the planes product at B 1 and 2,
+/// n 6144 -> 5120, one and two threads, the fastest of 40 calls (a minimum is what survives neighbours on a shared
+/// machine).
+#[cfg(test)]
+mod timing {
+    use super::*;
+    use crate::synth::Synth;
+
+    #[test]
+    #[ignore]
+    fn planes_product_at_b1_one_thread() {
+        let (n, hidden) = (6144, 5120);
+        let mut rng = Synth::new(5);
+        let w = rng.uniform(hidden * n, -0.02, 0.02);
+        for (threads, rows) in [(1, 1usize), (1, 2), (2, 1), (2, 2)] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let sh = crate::Shape::new(128, 16, 48).unwrap();
+            let lay = OutputLayout::for_rows(&sh, rows, Some(rows * n)).unwrap();
+            let buf = rng.uniform(lay.len(), -1.0, 1.0);
+            for p in Packing::ALL {
+                let q = QuantWeights::quantize(&w, hidden, n, p).unwrap();
+                let mut out = vec![0.0f32; rows * hidden];
+                let best = pool.install(|| {
+                    (0..40)
+                        .map(|_| {
+                            let t0 = std::time::Instant::now();
+                            q.product_planes(&buf, &lay, &mut out).unwrap();
+                            t0.elapsed().as_secs_f64()
+                        })
+                        .fold(f64::INFINITY, f64::min)
+                });
+                eprintln!(
+                    "threads {threads} rows {rows} {}: {:.0} us",
+                    p.name(),
+                    best * 1e6
+                );
+            }
+        }
     }
 }
