@@ -62,7 +62,7 @@ pub struct Args {
     /// each batch size and window length (default B 1,64 and T 1,8): the product that reads the step's planes
     /// and group sums beside the same product from y with shifts and its own group-sum pass and beside a plain
     /// bf16 out_proj, alone and after the step, for every packing; bytes moved over the copy ceiling. CPU and
-    /// CUDA (there the products rotate over weight copies spanning --rotate-mib, default 256).
+    /// CUDA; the products rotate over weight copies spanning --rotate-mib (default 256).
     #[arg(long)]
     out_proj: Option<usize>,
 }
@@ -458,9 +458,17 @@ fn cpu_tail(
     t: usize,
     rng: &mut Synth,
     round_ms: u64,
+    rotate_bytes: usize,
 ) -> Result<Tail> {
     let sh = *layer.shape();
     let (n, rows, hidden) = (sh.n(), b * t, q.rows);
+    // copies of the weights spanning `rotate_bytes`, one per call in turn: the weights come from memory, not
+    // from the L3 that kept them since the last call (32 MiB here: the 2-bit weights would fit)
+    let copies = rotate_bytes.div_ceil(q.bytes()).max(1);
+    let bf_copies = rotate_bytes.div_ceil(bf.bytes()).max(1);
+    let qs: Vec<gdn::quant::QuantWeights> = (0..copies).map(|_| q.clone()).collect();
+    let bfs: Vec<gdn::quant::Bf16Weights> = (0..bf_copies).map(|_| bf.clone()).collect();
+    let (mut qi, mut bi) = (0usize, 0usize);
     let mut pool = backend.create_pool(layer, b)?;
     for s in 0..b {
         let (st, h) = rng.seq_state(layer);
@@ -497,20 +505,28 @@ fn cpu_tail(
     let step = host_time(round_ms, &mut || {
         p.step_varlen(&plain_step, gdn::TensorMut::F32(&mut plain))
     })?;
-    let planes = host_time(round_ms, &mut || q.product_planes(&with, &lay, &mut out))?;
-    let shift = host_time(round_ms, &mut || q.product_shift(&plain, rows, &mut out))?;
-    let bf16 = host_time(round_ms, &mut || bf.product(&plain, rows, &mut out))?;
+    let mut nq = || {
+        qi += 1;
+        &qs[qi % copies]
+    };
+    let planes = host_time(round_ms, &mut || nq().product_planes(&with, &lay, &mut out))?;
+    let shift = host_time(round_ms, &mut || nq().product_shift(&plain, rows, &mut out))?;
     let tail_planes = host_time(round_ms, &mut || {
         p.step_varlen(&planes_step, gdn::TensorMut::F32(&mut with))?;
-        q.product_planes(&with, &lay, &mut out)
+        nq().product_planes(&with, &lay, &mut out)
     })?;
     let tail_shift = host_time(round_ms, &mut || {
         p.step_varlen(&plain_step, gdn::TensorMut::F32(&mut plain))?;
-        q.product_shift(&plain, rows, &mut out)
+        nq().product_shift(&plain, rows, &mut out)
     })?;
+    let mut nb = || {
+        bi += 1;
+        &bfs[bi % bf_copies]
+    };
+    let bf16 = host_time(round_ms, &mut || nb().product(&plain, rows, &mut out))?;
     let tail_bf16 = host_time(round_ms, &mut || {
         p.step_varlen(&plain_step, gdn::TensorMut::F32(&mut plain))?;
-        bf.product(&plain, rows, &mut out)
+        nb().product(&plain, rows, &mut out)
     })?;
     Ok(Tail {
         planes,
@@ -522,7 +538,7 @@ fn cpu_tail(
         step,
         step_planes,
         empty: None,
-        copies: 1,
+        copies,
         planes_vs_shift,
     })
 }
@@ -558,9 +574,10 @@ fn run_out_proj(
     let mut rng = Synth::new(5);
     let w = rng.uniform(hidden * n, -0.02, 0.02);
     let bf = Bf16Weights::new(&w, hidden, n)?;
-    // one ceiling for the run: a GPU copy of 1 GiB; on the CPU a copy of the 8-bit fields' size
-    let ceiling = backend.copy_ceiling(if device { 1 << 30 } else { hidden * n })?;
     let rotate = rotate_mib << 20;
+    // one ceiling for the run: a GPU copy of 1 GiB; on the CPU a copy of the rotation's footprint (from memory,
+    // as the rotated weights are)
+    let ceiling = backend.copy_ceiling(if device { 1 << 30 } else { rotate })?;
     println!(
         "the layer's tail on {}: step (seed shape, f32, commit all) + out_proj {n} -> {hidden} (affine groups of 16); copy ceiling {:.0} GB/s{}",
         backend.name(),
@@ -568,7 +585,7 @@ fn run_out_proj(
         if device {
             format!("; each product rotates over copies of its weights spanning {rotate_mib} MiB (weights from memory, not L2); CUDA graphs of calls, events")
         } else {
-            "; host clock, median of 5 rounds".into()
+            format!("; each product rotates over copies of its weights spanning {rotate_mib} MiB (from memory, not L3); host clock, median of 5 rounds")
         }
     );
     let mut products = Vec::new();
@@ -594,7 +611,7 @@ fn run_out_proj(
                             planes_vs_shift: x.planes_vs_shift,
                         }
                     }
-                    None => cpu_tail(backend, layer, &q, &bf, b, t, &mut rng, round_ms)?,
+                    None => cpu_tail(backend, layer, &q, &bf, b, t, &mut rng, round_ms, rotate)?,
                 };
                 let rows = b * t;
                 // bytes a product must move: weights, its activations (plane or y, group sums), its output
@@ -689,11 +706,9 @@ fn run_out_proj(
         );
     }
     println!();
-    println!("copy ceiling: {}; % copy = bytes moved / time / ceiling (bytes count each tensor read or written once)", if device { "a device copy of 1 GiB, read + write bytes" } else { "one in-place read-modify-write pass over a buffer of n x hidden bytes (the 8-bit fields' size), read + write bytes" });
+    println!("copy ceiling: {}; % copy = bytes moved / time / ceiling (bytes count each tensor read or written once)", if device { "a device copy of 1 GiB, read + write bytes" } else { "one in-place read-modify-write pass over the rotation's footprint, read + write bytes" });
     if let Some((.., copies, _)) = products.first() {
-        if device {
-            println!("weights rotated over (first packing): {copies} copies");
-        }
+        println!("weights rotated over (first packing): {copies} copies");
     }
     Ok(())
 }
