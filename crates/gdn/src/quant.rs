@@ -7,6 +7,11 @@
 //! times the group's sum of y, read from the step's group sums. [`QuantWeights::product_planes`] is that path;
 //! [`QuantWeights::product_shift`] computes the same product from y alone (a shift per field and its own pass
 //! for the group sums), for comparison.
+//!
+//! Every backend runs the product behind one trait, [`QuantBackend::load_out_proj`] -> [`OutProj`] (weights
+//! uploaded once; the CPU's is [`QuantWeights`] itself, gdn-cuda's and gdn-wgpu's upload them), so the
+//! conformance suite checks them all with the same cases; [`check_planes`] and [`check_shift`] are the argument
+//! checks they share. [`Bf16Weights`] is the plain bf16 out_proj the tail benchmark compares against.
 
 use multiversion::multiversion;
 use rayon::prelude::*;
