@@ -326,7 +326,7 @@ impl CudaLayer {
     pub fn new(cuda: &Cuda, layer: &Layer, max_seqs: usize) -> Result<CudaLayer> {
         layer.validate()?;
         let sh = *layer.shape();
-        cuda.plan_for(sh.d, sh.h_v)?;
+        cuda.plan_for(sh.d, sh.h_v, 1)?;
         if !(1..=MAX_SEQS).contains(&max_seqs) {
             return Err(param(
                 "max_seqs",
@@ -376,18 +376,25 @@ impl CudaLayer {
     pub fn spec(&self, kind: &ExternalKind) -> Result<Spec> {
         kind.state.validate()?;
         let sh = self.layer.shape();
+        let heads = kind.seqs.saturating_mul(sh.h_v);
+        let plan = self.cuda.plan_for(sh.d, sh.h_v, kind.seqs)?;
         Ok(Spec::new(
             self.cuda.arch,
             &self.layer.config,
             kind.uniform_len,
             kind.commits,
             kind.planes,
-            self.cuda.plan_for(sh.d, sh.h_v)?,
+            plan,
         )
         .with_io(kind.io)
         .with_pool(kind.state)
-        .with_stage(kind.seqs.saturating_mul(sh.h_v) >= STAGE_MIN_BLOCKS * self.cuda.sms)
-        .with_ext(kind.conv))
+        .with_stage(heads >= STAGE_MIN_BLOCKS * self.cuda.sms)
+        .with_ext(kind.conv)
+        .with_tune(
+            self.cuda.tune(),
+            heads.saturating_mul(plan.ncb),
+            self.cuda.sms,
+        ))
     }
 
     /// Compiles and loads the kernel a step of this kind needs, so that a later step (one being captured into
@@ -677,6 +684,7 @@ impl CudaLayer {
                 &f,
                 grid,
                 ck.spec.threads() as u32,
+                0,
                 &mut params,
                 stream,
             )

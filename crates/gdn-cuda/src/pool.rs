@@ -295,6 +295,7 @@ impl CudaPool {
         let sh = *layer.shape();
         // fail early on a shape the kernel cannot hold
         Plan::choose(sh.d, sh.h_v, 1, cuda.sms)?;
+        Plan::choose(sh.d, sh.h_v, usize::MAX, cuda.sms)?;
         int(slots, "slots")?;
         let state_len = slots
             .checked_mul(sh.state_len())
@@ -340,26 +341,32 @@ impl CudaPool {
         &self.cuda
     }
 
-    /// The launch plan (the same for every call: a sequence's bits do not depend on the batch).
-    pub fn plan(&self) -> Result<Plan> {
+    /// The launch plan of a call of `seqs` sequences (a head split over a cluster for small calls; a sequence's
+    /// bits do not depend on it, see [`Plan::choose`]).
+    pub fn plan(&self, seqs: usize) -> Result<Plan> {
         let sh = self.layer.shape();
-        self.cuda.plan_for(sh.d, sh.h_v)
+        self.cuda.plan_for(sh.d, sh.h_v, seqs)
     }
 
     /// The kernel specialisation a step of this kind runs.
     pub fn spec(&self, kind: &StepKind) -> Result<Spec> {
+        let heads = kind.seqs.saturating_mul(self.layer.shape().h_v);
+        let plan = self.plan(kind.seqs)?;
         Ok(Spec::new(
             self.cuda.arch,
             &self.layer.config,
             kind.uniform_len,
             kind.commits,
             kind.planes,
-            self.plan()?,
+            plan,
         )
         .with_io(kind.io)
         .with_pool(self.options)
-        .with_stage(
-            kind.seqs.saturating_mul(self.layer.shape().h_v) >= STAGE_MIN_BLOCKS * self.cuda.sms,
+        .with_stage(heads >= STAGE_MIN_BLOCKS * self.cuda.sms)
+        .with_tune(
+            self.cuda.tune(),
+            heads.saturating_mul(plan.ncb),
+            self.cuda.sms,
         ))
     }
 
@@ -577,7 +584,18 @@ impl CudaPool {
             params.push(&mut p_pend as *mut _ as *mut c_void);
             params.push(&mut p_acc as *mut _ as *mut c_void);
         }
-        let grid = ((sh.h_v * spec.plan.ncb) as u32, grid_y, 1);
+        let mut n_seqs_arg = grid_y as i32;
+        let grid = if spec.persistent() {
+            // as many blocks as the device holds at once, each looping over (sequence, head) items
+            params.push(&mut n_seqs_arg as *mut _ as *mut c_void);
+            let items = n_seqs.saturating_mul(sh.h_v);
+            let blocks = items
+                .min(spec.persist_blocks_per_sm() * self.cuda.sms)
+                .max(1);
+            (blocks as u32, 1, 1)
+        } else {
+            ((sh.h_v * spec.plan.ncb) as u32, grid_y, 1)
+        };
         // SAFETY: the 20 parameters match the kernel's signature in order and type (six device pointers of
         // the pool and the layer, four of the rows, the output, four per-sequence int arrays, int n_slots, int
         // n_rows, long long plane, float eps, the pool's one-word fault buffer; a speculative step, compiled
@@ -588,14 +606,17 @@ impl CudaPool {
         // for are those of the buffers (the spec is built from the same dtypes). The buffers have the lengths
         // the kernel indexes: the pool's by construction, the rows' and the output's checked by the callers
         // against the shape, `rows` and the output layout, the per-sequence arrays hold `n_seqs` entries (one
-        // block row each); the kernel skips a sequence whose slot or rows are out of range. The stream is the
-        // pool's own.
+        // block row each; the persistent kernel, compiled with GDN_PERSIST, takes `n_seqs` as a last int and
+        // its items are n_seqs x h_v); the kernel skips a sequence whose slot or rows are out of range. The
+        // dynamic shared memory is what the specialisation's staging buffers take (the function's limit was
+        // raised to it when it was loaded). The stream is the pool's own.
         unsafe {
             launch_kernel(
                 &self.cuda,
                 &f,
                 grid,
                 spec.threads() as u32,
+                spec.dynamic_smem() as u32,
                 &mut params,
                 self.cuda.stream.cu_stream(),
             )
@@ -753,8 +774,8 @@ pub(crate) fn fault_error(word: u32) -> Error {
     }
 }
 
-/// Launches `f` over `grid` with `threads` threads a block on `stream`, with programmatic dependent launch
-/// where `cuda` has it on.
+/// Launches `f` over `grid` with `threads` threads a block and `smem` bytes of dynamic shared memory on
+/// `stream`, with programmatic dependent launch where `cuda` has it on.
 ///
 /// # Safety
 /// `params` are the kernel's parameters in order and type, each pointing to a value that lives across the
@@ -766,6 +787,7 @@ pub(crate) unsafe fn launch_kernel(
     f: &CudaFunction,
     grid: (u32, u32, u32),
     threads: u32,
+    smem: u32,
     params: &mut [*mut c_void],
     stream: sys::CUstream,
 ) -> Result<()> {
@@ -785,7 +807,7 @@ pub(crate) unsafe fn launch_kernel(
         blockDimX: threads,
         blockDimY: 1,
         blockDimZ: 1,
-        sharedMemBytes: 0,
+        sharedMemBytes: smem,
         hStream: stream,
         attrs: attrs.as_mut_ptr(),
         numAttrs: if cuda.pdl { 1 } else { 0 },
@@ -1010,23 +1032,40 @@ impl LayerPool for CudaPool {
         out_dtype: DType,
         iters: usize,
     ) -> Result<StepTiming> {
-        self.time_inner(step, out_dtype, iters, None)
+        self.time_inner(std::slice::from_ref(step), out_dtype, iters, None)
     }
 }
 
 impl CudaPool {
-    /// `time_varlen`'s graph replays, of the speculative kernel where `accept` is given (see `time_spec`).
+    /// `time_varlen` over several steps taken in turn, one per call, as an engine that steps many layers meets
+    /// its states: every entry names its own slots (a set of slots per entry, enough sets that together they do
+    /// not fit the L2), so that each call reads its state from memory. The entries share the first one's rows
+    /// and planes. The graph holds a whole number of passes over the entries (at least `iters` calls).
+    pub fn time_varlen_rotating(
+        &mut self,
+        steps: &[Step<'_>],
+        out_dtype: DType,
+        iters: usize,
+    ) -> Result<StepTiming> {
+        self.time_inner(steps, out_dtype, iters, None)
+    }
+
+    /// `time_varlen`'s graph replays over `steps` in turn, of the speculative kernel where `accept` is given (see
+    /// `time_spec`; one step then).
     fn time_inner(
         &mut self,
-        step: &Step<'_>,
+        steps: &[Step<'_>],
         out_dtype: DType,
         iters: usize,
         accept: Option<&[usize]>,
     ) -> Result<StepTiming> {
+        let step = steps.first().ok_or_else(|| Error::Param {
+            name: "steps",
+            why: "nothing to time".into(),
+        })?;
         let sh = *self.layer.shape();
         let layout = step.layout(&sh)?;
         let rows = layout.rows;
-        let checked = step.validate(&self.layer, self.slots, layout.len())?;
         let s = self.cuda.stream.clone();
         let up = |t: &Tensor<'_>| -> Result<Owned> {
             Ok(match *t {
@@ -1041,73 +1080,107 @@ impl CudaPool {
             up(&step.rows.beta)?,
             up(&step.rows.z)?,
         );
-        let live = live_longest_first(step.seqs);
-        let col = |f: &dyn Fn(usize) -> Result<i32>| -> Result<CudaSlice<i32>> {
-            let v = live.iter().map(|&i| f(i)).collect::<Result<Vec<i32>>>()?;
-            // an empty call still needs a buffer to point at
-            s.clone_htod(if v.is_empty() { &[0][..] } else { &v })
-                .map_err(drv)
-        };
-        let slot = col(&|i| Ok(step.seqs[i].slot))?;
-        let start = col(&|i| int(step.seqs[i].start, "start"))?;
-        let len = col(&|i| int(step.seqs[i].len, "len"))?;
-        let commit_at = col(&|i| int(checked.commit_at[i], "commit"))?;
-        let acc = match accept {
-            Some(a) => Some(col(&|i| {
-                let buf = self.held_buf[step.seqs[i].slot as usize] as usize;
-                int(a[i] | buf << 8, "accept")
-            })?),
-            None => None,
-        };
-        let acc_ptr = acc.as_ref().map(|a| ptr(a, &self.cuda));
-        let n = live.len();
-        let first = live.first().map_or(1, |&i| step.seqs[i].len);
-        let uniform = live.iter().all(|&i| step.seqs[i].len == first);
+        // per entry: its four (five) per-sequence arrays and the kernel hints
+        struct Arrays {
+            cols: Vec<CudaSlice<i32>>,
+            n: usize,
+            uniform_len: Option<usize>,
+            commits: bool,
+        }
+        let mut sets = Vec::with_capacity(steps.len());
+        for st in steps {
+            if st.layout(&sh)?.len() != layout.len() {
+                return Err(Error::Param {
+                    name: "steps",
+                    why: "the entries of a rotation must have the same rows and output".into(),
+                });
+            }
+            let checked = st.validate(&self.layer, self.slots, layout.len())?;
+            let live = live_longest_first(st.seqs);
+            let col = |f: &dyn Fn(usize) -> Result<i32>| -> Result<CudaSlice<i32>> {
+                let v = live.iter().map(|&i| f(i)).collect::<Result<Vec<i32>>>()?;
+                // an empty call still needs a buffer to point at
+                s.clone_htod(if v.is_empty() { &[0][..] } else { &v })
+                    .map_err(drv)
+            };
+            let mut cols = vec![
+                col(&|i| Ok(st.seqs[i].slot))?,
+                col(&|i| int(st.seqs[i].start, "start"))?,
+                col(&|i| int(st.seqs[i].len, "len"))?,
+                col(&|i| int(checked.commit_at[i], "commit"))?,
+            ];
+            if let Some(a) = accept {
+                cols.push(col(&|i| {
+                    let buf = self.held_buf[st.seqs[i].slot as usize] as usize;
+                    int(a[i] | buf << 8, "accept")
+                })?);
+            }
+            let first = live.first().map_or(1, |&i| st.seqs[i].len);
+            let uniform = live.iter().all(|&i| st.seqs[i].len == first);
+            sets.push(Arrays {
+                cols,
+                n: live.len(),
+                uniform_len: (uniform && first <= MAX_CONST_T).then_some(first),
+                commits: live.iter().any(|&i| checked.commit_at[i] > 0),
+            });
+        }
         let mut out = Owned::zeros(&s, out_dtype, layout.len().max(1))?;
         let (qv, av, bv, zv) = (qkv.view(), alpha.view(), beta.view(), z.view());
-        let (slot_v, start_v, len_v, commit_v) = (
-            slot.slice(0..n),
-            start.slice(0..n),
-            len.slice(0..n),
-            commit_at.slice(0..n),
-        );
-        let ds = DeviceStep {
-            rows,
-            qkv: qv.tensor(),
-            alpha: av.tensor(),
-            beta: bv.tensor(),
-            z: zv.tensor(),
-            slot: &slot_v,
-            start: &start_v,
-            len: &len_v,
-            commit_at: &commit_v,
-            uniform_len: (uniform && first <= MAX_CONST_T).then_some(first),
-            commits: live.iter().any(|&i| checked.commit_at[i] > 0),
-            plane_stride: step.plane_stride,
-        };
+        let views: Vec<Vec<CudaView<'_, i32>>> = sets
+            .iter()
+            .map(|a| a.cols.iter().map(|c| c.slice(0..a.n)).collect())
+            .collect();
+        let dss: Vec<DeviceStep<'_>> = sets
+            .iter()
+            .zip(&views)
+            .map(|(a, v)| DeviceStep {
+                rows,
+                qkv: qv.tensor(),
+                alpha: av.tensor(),
+                beta: bv.tensor(),
+                z: zv.tensor(),
+                slot: &v[0],
+                start: &v[1],
+                len: &v[2],
+                commit_at: &v[3],
+                uniform_len: a.uniform_len,
+                commits: a.commits,
+                plane_stride: step.plane_stride,
+            })
+            .collect();
+        let acc_ptrs: Vec<Option<sys::CUdeviceptr>> = views
+            .iter()
+            .map(|v| v.get(4).map(|a| ptr(a, &self.cuda)))
+            .collect();
         let out_len = layout.len();
-        let mut one =
-            |pool: &mut CudaPool| -> Result<()> { out.step_with(pool, &ds, out_len, acc_ptr) };
+        let next = std::cell::Cell::new(0usize);
+        let one = |pool: &mut CudaPool, out: &mut Owned| -> Result<()> {
+            let k = next.get();
+            next.set((k + 1) % dss.len());
+            out.step_with(pool, &dss[k], out_len, acc_ptrs[k])
+        };
         // warm-up (compiles and loads the kernel)
-        for _ in 0..3 {
-            one(self)?;
+        for _ in 0..3.max(dss.len()) {
+            one(self, &mut out)?;
         }
         s.synchronize().map_err(drv)?;
         // host cost of one call: issue a run of calls without waiting
         let n_host = 50;
         let t0 = Instant::now();
         for _ in 0..n_host {
-            one(self)?;
+            one(self, &mut out)?;
         }
         let host = t0.elapsed() / n_host;
         s.synchronize().map_err(drv)?;
         // a graph of `per_graph` steps, replayed
-        let per_graph = iters.clamp(1, 100);
+        // whole passes over the entries (each graph replay starts at the first)
+        let per_graph = iters.clamp(1, 100).next_multiple_of(steps.len());
+        next.set(0);
         s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(drv)?;
         let mut captured = Ok(());
         for _ in 0..per_graph {
-            captured = one(self);
+            captured = one(self, &mut out);
             if captured.is_err() {
                 break;
             }
@@ -1170,7 +1243,7 @@ impl CudaPool {
         )?;
         self.take_fault()?;
         self.pending()?;
-        let t = self.time_inner(step, out_dtype, iters, Some(accept));
+        let t = self.time_inner(std::slice::from_ref(step), out_dtype, iters, Some(accept));
         for s in step.seqs.iter().filter(|s| s.slot >= 0) {
             self.held[s.slot as usize] = 0;
         }
@@ -1300,6 +1373,115 @@ pub(crate) fn copy_ceiling(cuda: &Cuda, bytes: usize) -> Result<f64> {
     }
     rates.sort_by(|a, b| a.total_cmp(b));
     Ok(rates[rates.len() / 2])
+}
+
+/// The copy ceiling as a rotating benchmark meets it: `parts` pairs of buffers of `bytes` bytes each (a state
+/// read and written per call), one pair copied per call, the pairs in turn, the copies captured in a CUDA graph
+/// of whole passes and replayed as `time_varlen` replays steps; bytes read plus written per second, median.
+/// With enough parts that they do not fit the L2, every copy reads from memory, and small copies pay what a
+/// small step pays for its launch.
+pub(crate) fn copy_ceiling_rotating(cuda: &Cuda, bytes: usize, parts: usize) -> Result<f64> {
+    let n = (bytes / 4).max(64);
+    let parts = parts.max(1);
+    let s = &cuda.stream;
+    let mut bufs = Vec::with_capacity(parts);
+    for _ in 0..parts {
+        bufs.push((
+            s.alloc_zeros::<f32>(n).map_err(drv)?,
+            s.alloc_zeros::<f32>(n).map_err(drv)?,
+        ));
+    }
+    let per_graph = 20usize.next_multiple_of(parts);
+    let pass = |bufs: &mut Vec<(CudaSlice<f32>, CudaSlice<f32>)>| -> Result<()> {
+        for k in 0..per_graph {
+            let (src, dst) = &mut bufs[k % parts];
+            s.memcpy_dtod(&*src, dst).map_err(drv)?;
+        }
+        Ok(())
+    };
+    pass(&mut bufs)?;
+    s.synchronize().map_err(drv)?;
+    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(drv)?;
+    let captured = pass(&mut bufs);
+    let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
+    captured?;
+    let graph = graph
+        .map_err(drv)?
+        .ok_or_else(|| Error::Backend("graph capture produced no graph".into()))?;
+    let secs = time_graph(cuda, &graph, per_graph)?;
+    Ok(2.0 * (n * 4) as f64 / secs)
+}
+
+/// Seconds per captured node of `graph` (`per_graph` nodes): replayed 10 times a round after a warm-up,
+/// events, median of 7 rounds.
+fn time_graph(cuda: &Cuda, graph: &cudarc::driver::CudaGraph, per_graph: usize) -> Result<f64> {
+    let s = &cuda.stream;
+    graph.launch().map_err(drv)?;
+    s.synchronize().map_err(drv)?;
+    let ev = || {
+        cuda.ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(drv)
+    };
+    let (e0, e1) = (ev()?, ev()?);
+    let replays = 10;
+    let mut times = Vec::new();
+    for _ in 0..7 {
+        e0.record(s).map_err(drv)?;
+        for _ in 0..replays {
+            graph.launch().map_err(drv)?;
+        }
+        e1.record(s).map_err(drv)?;
+        e1.synchronize().map_err(drv)?;
+        let ms = e0.elapsed_ms(&e1).map_err(drv)? as f64;
+        times.push(ms * 1e-3 / (replays * per_graph) as f64);
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(times[times.len() / 2])
+}
+
+/// The source of the empty kernel [`empty_kernel_time`] launches: it waits for the previous kernel (as the
+/// step does, with programmatic dependent launch) and lets the next one start, nothing else.
+const EMPTY_SRC: &str = "extern \"C\" __global__ void gdn_empty() {\n\
+#if __CUDA_ARCH__ >= 900\n\
+    asm volatile(\"griddepcontrol.wait;\" ::: \"memory\");\n\
+    asm volatile(\"griddepcontrol.launch_dependents;\");\n\
+#endif\n\
+}\n";
+
+/// Device time of one launch of an empty kernel of `blocks` blocks of `threads` threads, launched as the step is
+/// (programmatic dependent launch where `cuda` has it on) and timed as `time_varlen` times a step (a CUDA graph
+/// of 20 launches replayed, events, median): the floor under a step's graph-replay time on this machine.
+pub fn empty_kernel_time(cuda: &Cuda, blocks: u32, threads: u32) -> Result<Duration> {
+    let cubin = crate::spec::compile_source(EMPTY_SRC, "gdn_empty.cu", cuda.arch)?;
+    let module = cuda
+        .ctx
+        .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+        .map_err(drv)?;
+    let f = module.load_function("gdn_empty").map_err(drv)?;
+    let s = cuda.stream.clone();
+    let per_graph = 20;
+    let pass = || -> Result<()> {
+        for _ in 0..per_graph {
+            // SAFETY: the kernel takes no parameters and touches no memory; the stream is the backend's own.
+            unsafe { launch_kernel(cuda, &f, (blocks, 1, 1), threads, 0, &mut [], s.cu_stream())? };
+        }
+        Ok(())
+    };
+    pass()?;
+    s.synchronize().map_err(drv)?;
+    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(drv)?;
+    let captured = pass();
+    let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
+    captured?;
+    let graph = graph
+        .map_err(drv)?
+        .ok_or_else(|| Error::Backend("graph capture produced no graph".into()))?;
+    Ok(Duration::from_secs_f64(time_graph(
+        cuda, &graph, per_graph,
+    )?))
 }
 
 #[cfg(test)]

@@ -93,6 +93,51 @@ pub struct Spec {
     /// The speculative step on the pool (the kernel's `GDN_SPEC`): verify windows are held, accepted prefixes of
     /// held windows applied at the state load. Always with commits, never staged.
     pub speculative: bool,
+    /// L2 prefetch of the state `ahead` blocks later in launch order (the kernel's `GDN_AHEAD`; 0: none). A
+    /// hint: no bits change.
+    pub ahead: u32,
+    /// Prefetch the block's own state into L2 before waiting for the previous kernel (`GDN_PREWAIT`).
+    pub prewait: bool,
+    /// The persistent decode kernel with this many staging buffers (the kernel's `GDN_PERSIST`; 0: none; see
+    /// [`Spec::persistent`]). No bits change.
+    pub persist: u32,
+}
+
+/// Memory hints of a launch (no bits depend on them): how far ahead each block prefetches another block's
+/// state into L2, in half waves (0: none; a wave is every block the device holds at once), and whether a block
+/// prefetches its own state before waiting for the previous kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Tune {
+    pub ahead_half_waves: u32,
+    pub prewait: bool,
+    /// Decode calls of more than one wave run the persistent kernel with this many staging buffers (0: never).
+    pub persist: u32,
+}
+
+impl Tune {
+    /// The hints measured best on the H200 (NOTES.md): one wave ahead for calls of more than one wave, and the
+    /// own state before the wait.
+    pub const DEFAULT: Tune = Tune {
+        ahead_half_waves: 0,
+        prewait: true,
+        persist: 2,
+    };
+    /// No hints (the kernel before them).
+    pub const NONE: Tune = Tune {
+        ahead_half_waves: 0,
+        prewait: false,
+        persist: 0,
+    };
+
+    /// The distance in blocks for a call of `blocks` blocks on a device holding `resident` at once: none for a
+    /// call of one wave (nothing comes after it).
+    pub fn ahead_blocks(&self, blocks: usize, resident: usize) -> u32 {
+        if blocks <= resident || self.ahead_half_waves == 0 {
+            0
+        } else {
+            u32::try_from(resident.saturating_mul(self.ahead_half_waves as usize) / 2).unwrap_or(0)
+        }
+    }
 }
 
 /// How one value head's state is split over threads and blocks.
@@ -172,18 +217,19 @@ impl Plan {
     }
 
     /// The plan for `b` sequences of `h_v` heads on a device with `sms` multiprocessors: one block a head
-    /// (no cluster) wherever the shape allows it. Kernel v2's sweeps (NOTES.md) found no batch size where
-    /// splitting a head over a cluster paid, so the plan does not depend on `b` or `sms`, and a sequence's
-    /// bits do not depend on the batch it runs in.
+    /// (no cluster) wherever the shape allows it. Splitting a head over a cluster paid at no batch size (kernel
+    /// v2's sweeps; again on 2026-12-01 at B 1: 5.2 against 4.7 us, NOTES.md), so the plan does not depend on
+    /// `b` or `sms`. (It could: the only sum across columns, the output norm's, is a pairwise tree over the head's
+    /// warps, the same tree for every cluster size when they are a power of two, so a plan override changes no
+    /// bits there.)
     pub fn choose(d: usize, h_v: usize, b: usize, sms: usize) -> Result<Plan> {
-        let _ = (h_v, b, sms);
         let plans: Vec<Plan> = CLUSTER_SIZES
             .into_iter()
             .filter_map(|ncb| Plan::for_ncb(d, ncb))
             .collect();
         // one block a head where the state fits its registers, else a cluster where it does (d 256), else the
         // first valid split, which spills (d 208: no split of 13 groups of 16 columns fits)
-        plans
+        let base = plans
             .iter()
             .find(|p| p.fits_registers(d))
             .or(plans.first())
@@ -192,7 +238,9 @@ impl Plan {
                 Error::Unavailable(format!(
                     "the CUDA backend holds the state in registers and has no thread split for d = {d}"
                 ))
-            })
+            })?;
+        let _ = (h_v, b, sms);
+        Ok(base)
     }
 }
 
@@ -215,14 +263,21 @@ mod plan_tests {
             assert_eq!(p.fits_registers(d), any_fits, "d {d}: {p:?}");
         }
         assert_eq!(
-            Plan::choose(128, 48, 1, 132).unwrap(),
+            Plan::choose(128, 48, 256, 132).unwrap(),
             Plan {
                 ncb: 1,
                 rg: 2,
                 minb: 2
             }
         );
-        assert_eq!(Plan::choose(256, 48, 1, 132).unwrap().ncb, 2);
+        assert_eq!(Plan::choose(256, 48, 256, 132).unwrap().ncb, 2);
+        // the plan does not depend on the batch
+        for b in [1, 7, 64, 1000] {
+            assert_eq!(
+                Plan::choose(128, 48, b, 132).unwrap(),
+                Plan::choose(128, 48, 256, 132).unwrap()
+            );
+        }
     }
 }
 
@@ -252,7 +307,67 @@ impl Spec {
             stage: true,
             ext: None,
             speculative: false,
+            ahead: 0,
+            prewait: false,
+            persist: 0,
         }
+    }
+
+    /// The same specialisation with the memory hints of `tune` for a call of `blocks` blocks on `sms`
+    /// multiprocessors.
+    pub fn with_tune(self, tune: Tune, blocks: usize, sms: usize) -> Spec {
+        let resident = self.minb().saturating_mul(sms);
+        let persist = Spec {
+            persist: tune.persist,
+            ..self
+        };
+        if blocks > resident && tune.persist >= 2 && persist.persistent() {
+            // the persistent kernel stages every state itself: no other hint applies
+            return persist;
+        }
+        Spec {
+            ahead: tune.ahead_blocks(blocks, resident),
+            // before the wait a block of a call of one wave waits anyway; in a longer call it would delay the
+            // block's own loads (measured: B 256 +13%)
+            prewait: tune.prewait && blocks <= resident,
+            ..self
+        }
+    }
+
+    /// Whether this is the persistent decode kernel (the kernel's `PERSIST`): asked for, the pool's step (not
+    /// speculative, not external), T 1, one block a head, d <= 128.
+    pub fn persistent(&self) -> bool {
+        let d = self.shape.d;
+        self.persist >= 2
+            && !self.speculative
+            && self.ext.is_none()
+            && self.t == 1
+            && self.plan.ncb == 1
+            && d <= 128
+            && (d / self.plan.rg.max(1)).is_multiple_of(8)
+    }
+
+    /// Bytes of one staging buffer of the persistent kernel (the kernel's `SBUF`).
+    fn stage_buffer_bytes(&self) -> usize {
+        let d = self.shape.d;
+        let cpw = 32 / self.plan.rg.max(1);
+        d * (d * self.pool.state.size() + 16) + cpw * 4
+    }
+
+    /// Dynamic shared memory of one block of the persistent kernel, bytes (0 for the others).
+    pub fn dynamic_smem(&self) -> usize {
+        if self.persistent() {
+            self.persist as usize * self.stage_buffer_bytes()
+        } else {
+            0
+        }
+    }
+
+    /// Blocks of the persistent kernel a multiprocessor holds (its shared memory: 228 KiB on sm_90, 1 KiB of it
+    /// reserved a block, about 2 KiB of static arrays).
+    pub fn persist_blocks_per_sm(&self) -> usize {
+        let per_block = self.dynamic_smem() + 3 * 1024;
+        (233_472 / per_block.max(1)).clamp(1, (2048 / self.threads().max(1)).max(1))
     }
 
     /// The same specialisation as the pool's speculative step (commits on, no staging).
@@ -292,6 +407,7 @@ impl Spec {
     pub fn staged(&self) -> bool {
         let d = self.shape.d;
         self.stage
+            && !self.persistent()
             && !self.speculative
             && self.pool.state == DType::Bf16
             && self.t == 1
@@ -305,7 +421,9 @@ impl Spec {
     /// shared loads, so more blocks to cover them), four value-major. Only the register allocation changes
     /// with it, not the arithmetic.
     pub fn minb(&self) -> usize {
-        if self.staged() {
+        if self.persistent() {
+            self.persist_blocks_per_sm()
+        } else if self.staged() {
             let extra = if self.pool.layout == StateLayout::KeyMajor {
                 4
             } else {
@@ -324,6 +442,15 @@ impl Spec {
         let mut h = self.pool_header();
         if self.speculative {
             h.push_str("#define GDN_SPEC 1\n");
+        }
+        if self.ahead > 0 {
+            h.push_str(&format!("#define GDN_AHEAD {}\n", self.ahead));
+        }
+        if self.prewait {
+            h.push_str("#define GDN_PREWAIT 1\n");
+        }
+        if self.persistent() {
+            h.push_str(&format!("#define GDN_PERSIST {}\n", self.persist));
         }
         if let Some(conv) = self.ext {
             h.push_str(&format!(
@@ -431,10 +558,35 @@ fn log_of(prog: nvrtc_sys::nvrtcProgram) -> String {
 
 /// Compiles one specialisation to a cubin for its architecture.
 fn compile(spec: &Spec) -> std::result::Result<Compiled, String> {
-    let src = CString::new(spec.source()).map_err(|e| e.to_string())?;
-    let name = CString::new("gdn_step.cu").map_err(|e| e.to_string())?;
-    let prog = nvrtc_result::create_program(&src, Some(&name)).map_err(|e| format!("{e:?}"))?;
-    let arch = format!("--gpu-architecture=sm_{}{}", spec.arch.0, spec.arch.1);
+    compile_named(&spec.source(), "gdn_step.cu", spec.arch).map_err(|(e, log)| {
+        format!(
+            "NVRTC failed on {spec:?} ({e}):\n{log}\n(the source starts with:\n{})",
+            spec.header()
+        )
+    })
+}
+
+/// Compiles another kernel of this crate (`src`, named `name`) for `arch` with the step's options; the cubin.
+pub(crate) fn compile_source(src: &str, name: &str, arch: (i32, i32)) -> Result<Vec<u8>> {
+    if !nvrtc_present() {
+        return Err(Error::Unavailable("libnvrtc (CUDA 13) not found".into()));
+    }
+    compile_named(src, name, arch)
+        .map(|c| c.cubin)
+        .map_err(|(e, log)| Error::Backend(format!("NVRTC failed on {name} ({e}):\n{log}")))
+}
+
+/// NVRTC to a cubin for `arch`; on failure the error and the log.
+fn compile_named(
+    src: &str,
+    name: &str,
+    arch: (i32, i32),
+) -> std::result::Result<Compiled, (String, String)> {
+    let src = CString::new(src).map_err(|e| (e.to_string(), String::new()))?;
+    let name = CString::new(name).map_err(|e| (e.to_string(), String::new()))?;
+    let prog = nvrtc_result::create_program(&src, Some(&name))
+        .map_err(|e| (format!("{e:?}"), String::new()))?;
+    let arch = format!("--gpu-architecture=sm_{}{}", arch.0, arch.1);
     let opts = [
         arch.as_str(),
         "--std=c++17",
@@ -446,23 +598,20 @@ fn compile(spec: &Spec) -> std::result::Result<Compiled, String> {
     let compiled = unsafe { nvrtc_result::compile_program(prog, &opts) };
     let log = log_of(prog);
     let out = match compiled {
-        Err(e) => Err(format!(
-            "NVRTC failed on {spec:?} ({e:?}):\n{log}\n(the source starts with:\n{})",
-            spec.header()
-        )),
+        Err(e) => Err((format!("{e:?}"), log)),
         Ok(()) => {
             let mut size = 0usize;
             // SAFETY: `prog` compiled successfully; `size` is a valid out-pointer.
             let r = unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size) };
             if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
-                Err(format!("nvrtcGetCUBINSize failed: {r:?}"))
+                Err((format!("nvrtcGetCUBINSize failed: {r:?}"), log))
             } else {
                 let mut cubin = vec![0u8; size];
                 // SAFETY: `cubin` has exactly the size NVRTC reported for this program's cubin.
                 let r =
                     unsafe { nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut c_char) };
                 if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
-                    Err(format!("nvrtcGetCUBIN failed: {r:?}"))
+                    Err((format!("nvrtcGetCUBIN failed: {r:?}"), log))
                 } else {
                     Ok(Compiled { cubin, log })
                 }
