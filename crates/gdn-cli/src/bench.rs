@@ -265,20 +265,19 @@ pub fn run(args: Args) -> Result<()> {
             None
         };
         // CUDA times a rotation on the device (graph replays over the sets): its own pool type
-        let mut cuda_pool = if cuda_rotation {
-            Some(gdn_cuda::Cuda::new()?.create_cuda_pool(&layer, b * sets, options)?)
+        let mut pool = if cuda_rotation {
+            CasePool::Cuda(Box::new(gdn_cuda::Cuda::new()?.create_cuda_pool(
+                &layer,
+                b * sets,
+                options,
+            )?))
         } else {
-            None
-        };
-        let mut dyn_pool = if cuda_rotation {
-            None
-        } else {
-            Some(backend.create_pool_with(&layer, b * sets, options)?)
+            CasePool::Other(backend.create_pool_with(&layer, b * sets, options)?)
         };
         for s in 0..b {
             let (st, h) = rng.seq_state(&layer);
             for set in 0..sets {
-                pool_of(&mut cuda_pool, &mut dyn_pool).write_slot(set * b + s, &st, &h)?;
+                pool.get().write_slot(set * b + s, &st, &h)?;
             }
         }
         let slot_sets: Vec<Vec<i32>> = (0..sets)
@@ -300,8 +299,8 @@ pub fn run(args: Args) -> Result<()> {
                 Some(c) => c,
                 None => ceiling()?,
             };
-            let (timing, rotated) = match (&mut cuda_pool, rot_ceiling) {
-                (Some(p), Some(rc)) => {
+            let (timing, rotated) = match (&mut pool, rot_ceiling) {
+                (CasePool::Cuda(p), Some(rc)) => {
                     let cached = time_case(p, &steps[..1], args.io, args.round_ms)?;
                     let iters = ((args.round_ms as f64 / 1000.0)
                         / cached.per_call.as_secs_f64().max(1e-7))
@@ -309,15 +308,7 @@ pub fn run(args: Args) -> Result<()> {
                     let rot = p.time_varlen_rotating(&steps, args.io, iters)?;
                     (cached, Some((rot.per_call, rc)))
                 }
-                _ => (
-                    time_case(
-                        pool_of(&mut cuda_pool, &mut dyn_pool),
-                        &steps,
-                        args.io,
-                        args.round_ms,
-                    )?,
-                    None,
-                ),
+                (p, _) => (time_case(p.get(), &steps, args.io, args.round_ms)?, None),
             };
             rows.push(Row {
                 b,
@@ -376,15 +367,18 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// The one pool of a case, whichever kind it is.
-fn pool_of<'a>(
-    cuda: &'a mut Option<gdn_cuda::CudaPool>,
-    other: &'a mut Option<Box<dyn LayerPool>>,
-) -> &'a mut dyn LayerPool {
-    match (cuda, other) {
-        (Some(p), _) => p,
-        (None, Some(p)) => p.as_mut(),
-        (None, None) => unreachable!("one of the two pools exists"),
+/// The pool of a case: CUDA's own type where a rotation is timed on the device, else the backend's.
+enum CasePool {
+    Cuda(Box<gdn_cuda::CudaPool>),
+    Other(Box<dyn LayerPool>),
+}
+
+impl CasePool {
+    fn get(&mut self) -> &mut dyn LayerPool {
+        match self {
+            CasePool::Cuda(p) => p.as_mut(),
+            CasePool::Other(p) => p.as_mut(),
+        }
     }
 }
 
@@ -727,13 +721,14 @@ pub fn print_table(
         );
     }
     if rows.iter().any(|r| r.rotated.is_some()) {
+        // the rotated time first after B and T: a parser of the rows above then reads it from these
         println!("rotated (every call's state from memory; graph replays over the slot sets):");
         println!(
             "{:>4} {:>3} {:>11} {:>11} {:>11} {:>10} {:>7} {:>11}",
             "B",
             "T",
-            "in cache us",
             "rotated us",
+            "in cache us",
             "state GB/s",
             "copy GB/s",
             "% copy",
@@ -747,8 +742,8 @@ pub fn print_table(
                     "{:>4} {:>3} {:>11.2} {:>11.2} {:>11.1} {:>10.1} {:>6.1}% {:>11.2}",
                     r.b,
                     r.t,
-                    r.per_call.as_secs_f64() * 1e6,
                     secs * 1e6,
+                    r.per_call.as_secs_f64() * 1e6,
                     state_bw / 1e9,
                     rc / 1e9,
                     100.0 * state_bw / rc,

@@ -332,18 +332,19 @@ fn decode_variants(cuda: &Cuda, copy: f64, rows: &mut Vec<Row>) -> gdn::Result<(
         );
     }
     let one = Plan::choose(128, 48, 256, cuda.multiprocessors())?;
-    let tune = |ahead_half_waves, prewait, persist| Tune {
-        ahead_half_waves,
-        prewait,
-        persist,
+    let tune = |ahead_half_waves, prewait| {
+        Some(Tune {
+            ahead_half_waves,
+            prewait,
+        })
     };
-    let variants: Vec<(&str, Option<Plan>, Tune)> = vec![
-        ("old", Some(one), Tune::NONE),
-        ("prewait", Some(one), tune(0, true, 0)),
-        ("ahead0.5", Some(one), tune(1, false, 0)),
-        ("persist2", Some(one), tune(0, false, 2)),
-        ("persist3", Some(one), tune(0, false, 3)),
-        ("default", None, Tune::DEFAULT),
+    // (name, plan override, hints override: None the planner's)
+    let variants: Vec<(&str, Option<Plan>, Option<Tune>)> = vec![
+        ("old", Some(one), Some(Tune::NONE)),
+        ("prewait", Some(one), tune(0, true)),
+        ("ahead0.5", Some(one), tune(1, false)),
+        ("ahead1", Some(one), tune(2, false)),
+        ("default", None, None),
     ];
     let pick: Option<Vec<String>> = std::env::var("GDN_CUDA_VARIANTS")
         .ok()
@@ -379,7 +380,7 @@ fn decode_variants(cuda: &Cuda, copy: f64, rows: &mut Vec<Row>) -> gdn::Result<(
                 }
                 let mut cu = cuda.clone();
                 cu.set_plan_override(*plan);
-                cu.set_tune_override(Some(*tune));
+                cu.set_tune_override(*tune);
                 let pool = cu.create_cuda_pool(
                     &layer,
                     1,
@@ -440,8 +441,8 @@ fn decode_variants(cuda: &Cuda, copy: f64, rows: &mut Vec<Row>) -> gdn::Result<(
                     continue;
                 }
                 let lens = vec![t; b];
-                let cached = time_rot(cuda, c, &lens, *plan, Some(*tune), 1);
-                let rotated = time_rot(cuda, c, &lens, *plan, Some(*tune), sets);
+                let cached = time_rot(cuda, c, &lens, *plan, *tune, 1);
+                let rotated = time_rot(cuda, c, &lens, *plan, *tune, sets);
                 match (cached, rotated) {
                     (Ok((us, host_us)), Ok((rus, _))) => {
                         let bytes = 2.0 * state_bytes as f64;
@@ -479,7 +480,7 @@ const SIZES: [(usize, usize); 4] = [(1, 1), (32, 1), (256, 1), (1, 8)];
 /// works across waves only above it, at T 8 only the old kernel and the default.
 fn skip(name: &str, b: usize, t: usize) -> bool {
     (name == "prewait" && b > 1)
-        || ((name.starts_with("ahead") || name.starts_with("persist")) && b == 1)
+        || (name.starts_with("ahead") && b == 1)
         || (t > 1 && !matches!(name, "old" | "default"))
-        || (b == 32 && !matches!(name, "old" | "persist2" | "default"))
+        || (b == 32 && !matches!(name, "old" | "default"))
 }

@@ -5,8 +5,8 @@ use gdn_cuda::spec::{compiled, resource_line, Io, Plan, Spec, CLUSTER_SIZES};
 fn main() {
     let cfg = Config::new(Shape::SEED);
     let t0 = std::time::Instant::now();
-    // the decode kernels as the planner runs them: B 1 (head split, own state prefetched before the wait) and
-    // B 256 (one block a head, prefetch a wave ahead; a bf16 state staged)
+    // the decode kernels as the planner runs them: B 1 (own state prefetched before the wait) and B 256 (a bf16
+    // state staged, value-major with the prefetch half a wave ahead)
     for state in [DType::F32, DType::Bf16] {
         for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
             for b in [1usize, 256] {
@@ -14,7 +14,7 @@ fn main() {
                 let s = Spec::new((9, 0), &cfg, Some(1), true, false, p)
                     .with_pool(PoolOptions { state, layout })
                     .with_stage(b * 48 >= 264)
-                    .with_tune(gdn_cuda::Tune::DEFAULT, b * 48 * p.ncb, 132);
+                    .with_tune(None, b * 48 * p.ncb, 132);
                 match compiled(&s) {
                     Ok(c) => println!(
                         "decode B {b} state {} {} plan {}/{}/{} ahead {} prewait {}: {}",
@@ -25,32 +25,6 @@ fn main() {
                         s.minb(),
                         s.ahead,
                         s.prewait,
-                        resource_line(&c.log)
-                    ),
-                    Err(e) => println!("{s:?}: {e}"),
-                }
-            }
-        }
-    }
-    // the persistent decode kernel (B 256), 2 and 3 staging buffers
-    for state in [DType::F32, DType::Bf16] {
-        for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
-            for persist in [2, 3] {
-                let p = Plan::choose(128, 48, 256, 132).expect("a split for d 128");
-                let tune = gdn_cuda::Tune {
-                    persist,
-                    ..gdn_cuda::Tune::NONE
-                };
-                let s = Spec::new((9, 0), &cfg, Some(1), true, false, p)
-                    .with_pool(PoolOptions { state, layout })
-                    .with_tune(tune, 256 * 48, 132);
-                match compiled(&s) {
-                    Ok(c) => println!(
-                        "persistent {persist} state {} {}: {} blocks an SM, {} bytes dynamic smem: {}",
-                        state.name(),
-                        layout.name(),
-                        s.minb(),
-                        s.dynamic_smem(),
                         resource_line(&c.log)
                     ),
                     Err(e) => println!("{s:?}: {e}"),

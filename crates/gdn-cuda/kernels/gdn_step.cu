@@ -27,8 +27,7 @@
 //   GDN_CONV_DT             (GDN_EXT) element type of the engine's conv state: 0 f32, 1 bf16, 2 f16
 //   GDN_SPEC                1: the speculative step on the pool (see SPECULATIVE below; needs GDN_COMMIT 1)
 //   GDN_AHEAD               0, or a distance in blocks: each block prefetches into L2 the state of the block that
-//                           many blocks after it in launch order (about a wave ahead: its loads then hit L2 while
-//                           the memory is kept busy by every block's prefetches); a hint, no value changes
+//                           many blocks after it in launch order (its loads then hit L2); a hint, no value changes
 //   GDN_PREWAIT             1: before waiting for the previous kernel, prefetch the block's own state into L2
 //                           (the slot read only for that, as a relaxed load; see Launch below)
 //
@@ -241,31 +240,7 @@ struct GdnExt {
 #define GDN_STAGE 0
 #endif
 #define STAGE (GDN_STAGE && !GDN_SPEC && GDN_STATE_DT == 1 && GDN_T == 1 && GDN_NCB == 1 && D <= 128 && RPT % 8 == 0)
-// GDN_PERSIST = n >= 2 (the host sets it for decode calls of many waves, f32 or bf16 state, T 1, one block a
-// head): a persistent kernel. A grid of as many blocks as the device holds at once loops over the call's
-// (sequence, head) items, and stages each item's state through shared memory as STAGE does, in n buffers: the
-// copies of the item n - 1 items ahead are issued before the current item's prologue, so every block always
-// has a state in flight while it computes, and no block pays a launch and an exposed prologue per item.
-#ifndef GDN_PERSIST
-#define GDN_PERSIST 0
-#endif
-#define PERSIST (GDN_PERSIST >= 2)
-#if PERSIST
-static_assert(!GDN_SPEC && !GDN_EXT && GDN_T == 1 && GDN_NCB == 1 && D <= 128 && RPT % 8 == 0,
-              "the persistent kernel is the pool's decode step, one block a head");
-#endif
-#define STAGED (STAGE || PERSIST)
-// bytes of one staged row: the row (16-byte aligned) and a 16-byte skew that spreads a warp's 16-byte loads
-#define SPITCH (D * (int)sizeof(ES::T) + 16)
-// byte offset of staged row `row`. Key-major (row = key): the row groups' rows are RPT apart, which the pitch
-// maps to the same banks; the odd row groups are shifted by a warp's span of columns (CPW elements) instead
-#if GDN_VMAJOR
-#define SROW(row) ((row) * SPITCH)
-#else
-#define SROW(row) ((row) * SPITCH + (((row) / RPT) & 1) * CPW * (int)sizeof(ES::T))
-#endif
-// bytes of one staging buffer
-#define SBUF (D * SPITCH + CPW * 4)
+#define SPITCH (2 * D + 16)  // bytes of one staged row (16-byte aligned; the skew spreads a warp's loads)
 // Which keys a thread holds. Key-major: row group g holds the keys g * RPT .. + RPT (a warp's load of one
 // register row reads CPW consecutive columns of RG rows). Value-major (a column's keys contiguous): the keys
 // are dealt in chunks of VCH (16 bytes) round the RG row groups, so the RG lanes of a column read RG adjacent
@@ -359,47 +334,22 @@ __device__ __forceinline__ int kidx(int i) { return ((i / VCH) % RG) * KPAD + (i
 __device__ __forceinline__ int kidx(int i) { return (i / RPT) * KPAD + (i % RPT); }
 #endif
 
-#if STAGED
+#if STAGE
 // register rows r .. r + 7 of row group rg of column j from the staged state, widened
 __device__ __forceinline__ void staged8(const unsigned char* sst, int rg, int j, int r, float f[8]) {
-#if GDN_VMAJOR && GDN_STATE_DT == 1
-    const uint4 w = *reinterpret_cast<const uint4*>(sst + SROW(j) + KEY(rg, r) * 2);
+#if GDN_VMAJOR
+    const uint4 w = *reinterpret_cast<const uint4*>(sst + j * SPITCH + KEY(rg, r) * 2);
     const unsigned u[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
         f[2 * c] = __uint_as_float(u[c] << 16);
         f[2 * c + 1] = __uint_as_float(u[c] & 0xffff0000u);
     }
-#elif GDN_VMAJOR
-    // f32: keys KEY(rg, r) .. + 3 and KEY(rg, r + 4) .. + 3 are two chunks of four
-    const float4 a = *reinterpret_cast<const float4*>(sst + SROW(j) + KEY(rg, r) * 4);
-    const float4 b = *reinterpret_cast<const float4*>(sst + SROW(j) + KEY(rg, r + 4) * 4);
-    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
 #else
 #pragma unroll
     for (int q = 0; q < 8; ++q)
-        f[q] = ES::ld(*reinterpret_cast<const ES::T*>(sst + SROW(KEY(rg, r + q)) + j * (int)sizeof(ES::T)));
+        f[q] = ES::ld(*reinterpret_cast<const unsigned short*>(sst + KEY(rg, r + q) * SPITCH + j * 2));
 #endif
-}
-
-// cp.async copies (16 bytes each, an L2 128-byte prefetch hint) of head hh's state of the slot at `slot_base`
-// into the staging buffer `buf`, this thread's share; the caller commits the group
-__device__ __forceinline__ void stage_copy(const ES::T* slot_base, int hh, unsigned char* buf, int tid) {
-    const char* gbase = reinterpret_cast<const char*>(slot_base);
-    const unsigned sbase = (unsigned)__cvta_generic_to_shared(buf);
-    constexpr int ROW_BYTES = D * (int)sizeof(ES::T);
-    constexpr int PER_ROW = ROW_BYTES / 16;
-#pragma unroll
-    for (int c = tid; c < D * PER_ROW; c += NT) {
-        const int row = c / PER_ROW, part = c % PER_ROW;
-#if GDN_VMAJOR
-        const char* src = gbase + (size_t)(hh * D + row) * ROW_BYTES + part * 16;
-#else
-        const char* src = gbase + ((size_t)row * HV + hh) * ROW_BYTES + part * 16;
-#endif
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(sbase + SROW(row) + part * 16), "l"(src)
-                     : "memory");
-    }
 }
 #endif
 
@@ -418,9 +368,6 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #endif
 #if GDN_SPEC
          , float* __restrict__ pend, const int* __restrict__ seq_acc
-#endif
-#if PERSIST
-         , int n_seqs
 #endif
          ) {
 #if GDN_EXT
@@ -446,26 +393,15 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #endif
 #if STAGE
     // row = key i (key-major) or value column j (value-major) of this head: D bf16 and a skew
-    __shared__ __align__(16) unsigned char sst_s[SBUF];
-#endif
-#if PERSIST
-    // GDN_PERSIST staging buffers of SBUF bytes (dynamic shared memory)
-    extern __shared__ __align__(16) unsigned char dsm[];
+    __shared__ __align__(16) unsigned char sst[D * SPITCH];
 #endif
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-
-    // one (sequence, head, column block) item: the whole step of the block before the persistent kernel
-#if PERSIST
-    auto body = [&](const int sq_i, const int h, const int rank, const unsigned char* sst) {
-#else
-    auto body = [&](const int sq_i, const int h, const int rank) {
-#if STAGE
-    unsigned char* const sst = sst_s;
-#endif
-#endif
+    const int h = blockIdx.x / NCB;
+    const int rank = blockIdx.x % NCB;
+    const int sq_i = blockIdx.y;
 #if GDN_GROUPED
     const int g = h / (HV / HK);
 #else
@@ -491,7 +427,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     const float dth = dt[h];
     const float ah = ssm_a[h];
 
-#if __CUDA_ARCH__ >= 900 && !PERSIST
+#if __CUDA_ARCH__ >= 900
 #if GDN_PREWAIT
     {
         int s0;
@@ -622,8 +558,23 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #endif
 
 #if STAGE
-    stage_copy(state + SLOT_OFF(slot), h, sst, tid);
-    asm volatile("cp.async.commit_group;" ::: "memory");
+    {
+        const char* gbase = reinterpret_cast<const char*>(state + SLOT_OFF(slot));
+        const unsigned sbase = (unsigned)__cvta_generic_to_shared(sst);
+        constexpr int PER_ROW = 2 * D / 16;
+#pragma unroll
+        for (int c = tid; c < D * PER_ROW; c += NT) {
+            const int row = c / PER_ROW, part = c % PER_ROW;
+#if GDN_VMAJOR
+            const char* src = gbase + (size_t)(h * D + row) * D * 2 + part * 16;
+#else
+            const char* src = gbase + ((size_t)row * HV + h) * D * 2 + part * 16;
+#endif
+            asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(sbase + row * SPITCH + part * 16), "l"(src)
+                         : "memory");
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
 #endif
 
     // inputs of the first token
@@ -676,7 +627,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     ES::T* st_base = state + SLOT_OFF(slot) + ((size_t)KEY(rg, 0) * HV + h) * D + j;
 #define SOFF(r) ((size_t)(r) * HV * D)
 #endif
-#if !STAGED
+#if !STAGE
     float st[RPT];
 #if VEC_STATE && GDN_STATE_DT == 0
 #pragma unroll
@@ -702,7 +653,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #pragma unroll
     for (int r = 0; r < RPT; ++r) st[r] = ES::ld(st_base[SOFF(r)]);
 #endif
-#endif  // !STAGED
+#endif  // !STAGE
 #if GDN_AHEAD
     if (ahead_slot >= 0 && ahead_slot < n_slots)
         prefetch_state(state + SLOT_OFF(ahead_slot), (int)ahead_x / NCB, (int)ahead_x % NCB, tid);
@@ -888,7 +839,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         // 3. kv_j, the delta rule and the readout: column sums over the RG lanes of the column
         // two partial sums (rows 4q.. and 4q+2..) halve the dependent chain; combined in a fixed order
         float kv0 = 0.0f, kv1 = 0.0f;
-#if STAGED
+#if STAGE
 #pragma unroll
         for (int r = 0; r < RPT; r += 8) {
             float f[8];
@@ -922,7 +873,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         if (held && t < MAXH && rg == 0) pnew[PD_OFF + ((size_t)h * MAXH + t) * D + j] = delta;
 #endif
         float o0 = 0.0f, o1 = 0.0f;
-#if STAGED
+#if STAGE
         // the same operations in the same order as the register path below; the committed value is rounded
         // and stored right here (T 1: the commit, if any, is after this token)
 #if GDN_COMMIT
@@ -947,10 +898,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
             }
 #if GDN_COMMIT
             if (commit_now) {
-#if GDN_VMAJOR && GDN_STATE_DT == 0
-                *reinterpret_cast<float4*>(st_base + SOFF(r)) = make_float4(n[0], n[1], n[2], n[3]);
-                *reinterpret_cast<float4*>(st_base + SOFF(r + 4)) = make_float4(n[4], n[5], n[6], n[7]);
-#elif GDN_VMAJOR
+#if GDN_VMAJOR
                 unsigned u[4];
 #pragma unroll
                 for (int c = 0; c < 4; ++c) u[c] = (unsigned)ES::st(n[2 * c]) | ((unsigned)ES::st(n[2 * c + 1]) << 16);
@@ -1002,7 +950,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #endif
         }
 #endif
-#endif  // STAGED
+#endif  // STAGE
         // 4. the output norm: per-warp partial of sum_j o_j^2 (each column once: its rg 0 lane)
         float osq = rg == 0 ? o * o : 0.0f;
 #pragma unroll
@@ -1099,38 +1047,5 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #if GDN_NCB > 1
     // no block leaves while another may still read its shared memory
     cluster_sync_all();
-#endif
-    };
-
-#if PERSIST
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;");
-#endif
-    const int items = n_seqs * HV;
-    // the copies of item `it` (in sequence-major order) into buffer `b`, as one group (empty past the end or for
-    // a skipped slot, so that the groups count the items)
-    auto copy_item = [&](int it, int b) {
-        if (it < items) {
-            const int s = seq_slot[it / HV];
-            if (s >= 0 && s < n_slots) stage_copy(state + SLOT_OFF(s), it % HV, dsm + b * SBUF, tid);
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    };
-#pragma unroll
-    for (int k = 0; k < GDN_PERSIST - 1; ++k) copy_item(blockIdx.x + k * gridDim.x, k);
-    int k = 0;
-    for (int it = blockIdx.x; it < items; it += gridDim.x, ++k) {
-        // this item's copies have landed (this thread's; after the barrier everyone's), and every thread is done
-        // with the previous item, whose buffer the next copies fill
-        asm volatile("cp.async.wait_group %0;" ::"n"(GDN_PERSIST - 2) : "memory");
-        __syncthreads();
-        copy_item(it + (GDN_PERSIST - 1) * gridDim.x, (k + GDN_PERSIST - 1) % GDN_PERSIST);
-        body(it / HV, it % HV, 0, dsm + (k % GDN_PERSIST) * SBUF);
-    }
-    // no copy may land after the block has left
-    asm volatile("cp.async.wait_all;" ::: "memory");
-#else
-    body(blockIdx.y, blockIdx.x / NCB, blockIdx.x % NCB);
 #endif
 }

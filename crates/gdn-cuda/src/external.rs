@@ -326,7 +326,7 @@ impl CudaLayer {
     pub fn new(cuda: &Cuda, layer: &Layer, max_seqs: usize) -> Result<CudaLayer> {
         layer.validate()?;
         let sh = *layer.shape();
-        cuda.plan_for(sh.d, sh.h_v, 1)?;
+        cuda.plan_for(sh.d, sh.h_v)?;
         if !(1..=MAX_SEQS).contains(&max_seqs) {
             return Err(param(
                 "max_seqs",
@@ -377,7 +377,7 @@ impl CudaLayer {
         kind.state.validate()?;
         let sh = self.layer.shape();
         let heads = kind.seqs.saturating_mul(sh.h_v);
-        let plan = self.cuda.plan_for(sh.d, sh.h_v, kind.seqs)?;
+        let plan = self.cuda.plan_for(sh.d, sh.h_v)?;
         Ok(Spec::new(
             self.cuda.arch,
             &self.layer.config,
@@ -684,7 +684,6 @@ impl CudaLayer {
                 &f,
                 grid,
                 ck.spec.threads() as u32,
-                0,
                 &mut params,
                 stream,
             )

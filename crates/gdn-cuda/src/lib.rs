@@ -219,22 +219,21 @@ impl Cuda {
     }
 
     /// Sets (or with `None` clears) fixed memory hints (L2 prefetch distance, prefetch before the wait) for
-    /// launches from now on, instead of the planner's [`spec::Tune::DEFAULT`]. No bits depend on them.
+    /// launches from now on, instead of the planner's ([`Spec::planned_tune`]). No bits depend on them.
     pub fn set_tune_override(&mut self, tune: Option<spec::Tune>) {
         self.tune_override = tune;
     }
 
-    /// The memory hints launches use.
-    pub(crate) fn tune(&self) -> spec::Tune {
-        self.tune_override.unwrap_or(spec::Tune::DEFAULT)
+    /// The fixed memory hints, if any (None: the planner's).
+    pub(crate) fn tune(&self) -> Option<spec::Tune> {
+        self.tune_override
     }
 
-    /// The launch plan for head dim `d`, `h_v` heads and a call of `seqs` sequences: the override where it fits
-    /// `d`, else the planner's (no bits depend on it, see [`Plan::choose`]).
-    pub(crate) fn plan_for(&self, d: usize, h_v: usize, seqs: usize) -> Result<Plan> {
+    /// The launch plan for head dim `d` and `h_v` heads: the override where it fits `d`, else the planner's.
+    pub(crate) fn plan_for(&self, d: usize, h_v: usize) -> Result<Plan> {
         match self.plan_override {
             Some(p) if p.valid_for(d) => Ok(p),
-            _ => Plan::choose(d, h_v, seqs.max(1), self.sms),
+            _ => Plan::choose(d, h_v, 1, self.sms),
         }
     }
 
@@ -254,20 +253,6 @@ impl Cuda {
             .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin.clone()))
             .map_err(drv)?;
         let f = module.load_function("gdn_step").map_err(drv)?;
-        let smem = spec.dynamic_smem();
-        if smem > 0 {
-            let smem = std::ffi::c_int::try_from(smem)
-                .map_err(|_| Error::Backend("shared memory size overflows".into()))?;
-            // SAFETY: `f` is a live function of a module loaded in this context; the attribute is a plain int.
-            let r = unsafe {
-                sys::cuFuncSetAttribute(
-                    f.cu_function(),
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem,
-                )
-            };
-            r.result().map_err(drv)?;
-        }
         lock()?.insert(*spec, f.clone());
         Ok(f)
     }

@@ -295,7 +295,6 @@ impl CudaPool {
         let sh = *layer.shape();
         // fail early on a shape the kernel cannot hold
         Plan::choose(sh.d, sh.h_v, 1, cuda.sms)?;
-        Plan::choose(sh.d, sh.h_v, usize::MAX, cuda.sms)?;
         int(slots, "slots")?;
         let state_len = slots
             .checked_mul(sh.state_len())
@@ -341,17 +340,16 @@ impl CudaPool {
         &self.cuda
     }
 
-    /// The launch plan of a call of `seqs` sequences (a head split over a cluster for small calls; a sequence's
-    /// bits do not depend on it, see [`Plan::choose`]).
-    pub fn plan(&self, seqs: usize) -> Result<Plan> {
+    /// The launch plan (the same for every call: a sequence's bits do not depend on the batch).
+    pub fn plan(&self) -> Result<Plan> {
         let sh = self.layer.shape();
-        self.cuda.plan_for(sh.d, sh.h_v, seqs)
+        self.cuda.plan_for(sh.d, sh.h_v)
     }
 
     /// The kernel specialisation a step of this kind runs.
     pub fn spec(&self, kind: &StepKind) -> Result<Spec> {
         let heads = kind.seqs.saturating_mul(self.layer.shape().h_v);
-        let plan = self.plan(kind.seqs)?;
+        let plan = self.plan()?;
         Ok(Spec::new(
             self.cuda.arch,
             &self.layer.config,
@@ -584,18 +582,7 @@ impl CudaPool {
             params.push(&mut p_pend as *mut _ as *mut c_void);
             params.push(&mut p_acc as *mut _ as *mut c_void);
         }
-        let mut n_seqs_arg = grid_y as i32;
-        let grid = if spec.persistent() {
-            // as many blocks as the device holds at once, each looping over (sequence, head) items
-            params.push(&mut n_seqs_arg as *mut _ as *mut c_void);
-            let items = n_seqs.saturating_mul(sh.h_v);
-            let blocks = items
-                .min(spec.persist_blocks_per_sm() * self.cuda.sms)
-                .max(1);
-            (blocks as u32, 1, 1)
-        } else {
-            ((sh.h_v * spec.plan.ncb) as u32, grid_y, 1)
-        };
+        let grid = ((sh.h_v * spec.plan.ncb) as u32, grid_y, 1);
         // SAFETY: the 20 parameters match the kernel's signature in order and type (six device pointers of
         // the pool and the layer, four of the rows, the output, four per-sequence int arrays, int n_slots, int
         // n_rows, long long plane, float eps, the pool's one-word fault buffer; a speculative step, compiled
@@ -606,17 +593,14 @@ impl CudaPool {
         // for are those of the buffers (the spec is built from the same dtypes). The buffers have the lengths
         // the kernel indexes: the pool's by construction, the rows' and the output's checked by the callers
         // against the shape, `rows` and the output layout, the per-sequence arrays hold `n_seqs` entries (one
-        // block row each; the persistent kernel, compiled with GDN_PERSIST, takes `n_seqs` as a last int and
-        // its items are n_seqs x h_v); the kernel skips a sequence whose slot or rows are out of range. The
-        // dynamic shared memory is what the specialisation's staging buffers take (the function's limit was
-        // raised to it when it was loaded). The stream is the pool's own.
+        // block row each); the kernel skips a sequence whose slot or rows are out of range. The stream is the
+        // pool's own.
         unsafe {
             launch_kernel(
                 &self.cuda,
                 &f,
                 grid,
                 spec.threads() as u32,
-                spec.dynamic_smem() as u32,
                 &mut params,
                 self.cuda.stream.cu_stream(),
             )
@@ -774,8 +758,8 @@ pub(crate) fn fault_error(word: u32) -> Error {
     }
 }
 
-/// Launches `f` over `grid` with `threads` threads a block and `smem` bytes of dynamic shared memory on
-/// `stream`, with programmatic dependent launch where `cuda` has it on.
+/// Launches `f` over `grid` with `threads` threads a block on `stream`, with programmatic dependent launch
+/// where `cuda` has it on.
 ///
 /// # Safety
 /// `params` are the kernel's parameters in order and type, each pointing to a value that lives across the
@@ -787,7 +771,6 @@ pub(crate) unsafe fn launch_kernel(
     f: &CudaFunction,
     grid: (u32, u32, u32),
     threads: u32,
-    smem: u32,
     params: &mut [*mut c_void],
     stream: sys::CUstream,
 ) -> Result<()> {
@@ -807,7 +790,7 @@ pub(crate) unsafe fn launch_kernel(
         blockDimX: threads,
         blockDimY: 1,
         blockDimZ: 1,
-        sharedMemBytes: smem,
+        sharedMemBytes: 0,
         hStream: stream,
         attrs: attrs.as_mut_ptr(),
         numAttrs: if cuda.pdl { 1 } else { 0 },
@@ -1465,7 +1448,7 @@ pub fn empty_kernel_time(cuda: &Cuda, blocks: u32, threads: u32) -> Result<Durat
     let pass = || -> Result<()> {
         for _ in 0..per_graph {
             // SAFETY: the kernel takes no parameters and touches no memory; the stream is the backend's own.
-            unsafe { launch_kernel(cuda, &f, (blocks, 1, 1), threads, 0, &mut [], s.cu_stream())? };
+            unsafe { launch_kernel(cuda, &f, (blocks, 1, 1), threads, &mut [], s.cu_stream())? };
         }
         Ok(())
     };

@@ -98,35 +98,23 @@ pub struct Spec {
     pub ahead: u32,
     /// Prefetch the block's own state into L2 before waiting for the previous kernel (`GDN_PREWAIT`).
     pub prewait: bool,
-    /// The persistent decode kernel with this many staging buffers (the kernel's `GDN_PERSIST`; 0: none; see
-    /// [`Spec::persistent`]). No bits change.
-    pub persist: u32,
 }
 
 /// Memory hints of a launch (no bits depend on them): how far ahead each block prefetches another block's
 /// state into L2, in half waves (0: none; a wave is every block the device holds at once), and whether a block
-/// prefetches its own state before waiting for the previous kernel.
+/// prefetches its own state before waiting for the previous kernel. The planner's are [`Spec::planned_tune`];
+/// [`crate::Cuda::set_tune_override`] fixes others (benchmark sweeps).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Tune {
     pub ahead_half_waves: u32,
     pub prewait: bool,
-    /// Decode calls of more than one wave run the persistent kernel with this many staging buffers (0: never).
-    pub persist: u32,
 }
 
 impl Tune {
-    /// The hints measured best on the H200 (NOTES.md): one wave ahead for calls of more than one wave, and the
-    /// own state before the wait.
-    pub const DEFAULT: Tune = Tune {
-        ahead_half_waves: 0,
-        prewait: true,
-        persist: 2,
-    };
     /// No hints (the kernel before them).
     pub const NONE: Tune = Tune {
         ahead_half_waves: 0,
         prewait: false,
-        persist: 0,
     };
 
     /// The distance in blocks for a call of `blocks` blocks on a device holding `resident` at once: none for a
@@ -223,13 +211,14 @@ impl Plan {
     /// warps, the same tree for every cluster size when they are a power of two, so a plan override changes no
     /// bits there.)
     pub fn choose(d: usize, h_v: usize, b: usize, sms: usize) -> Result<Plan> {
+        let _ = (h_v, b, sms);
         let plans: Vec<Plan> = CLUSTER_SIZES
             .into_iter()
             .filter_map(|ncb| Plan::for_ncb(d, ncb))
             .collect();
         // one block a head where the state fits its registers, else a cluster where it does (d 256), else the
         // first valid split, which spills (d 208: no split of 13 groups of 16 columns fits)
-        let base = plans
+        plans
             .iter()
             .find(|p| p.fits_registers(d))
             .or(plans.first())
@@ -238,9 +227,7 @@ impl Plan {
                 Error::Unavailable(format!(
                     "the CUDA backend holds the state in registers and has no thread split for d = {d}"
                 ))
-            })?;
-        let _ = (h_v, b, sms);
-        Ok(base)
+            })
     }
 }
 
@@ -309,65 +296,33 @@ impl Spec {
             speculative: false,
             ahead: 0,
             prewait: false,
-            persist: 0,
         }
     }
 
-    /// The same specialisation with the memory hints of `tune` for a call of `blocks` blocks on `sms`
-    /// multiprocessors.
-    pub fn with_tune(self, tune: Tune, blocks: usize, sms: usize) -> Spec {
+    /// The planner's memory hints for a call of `blocks` blocks on `sms` multiprocessors, as measured on the
+    /// H200 (NOTES.md): the own state prefetched before the wait in a call of one wave (B 1 rotated: -6 to -8%;
+    /// in a longer call it delays every later block's loads, B 256 +13%), and a prefetch half a wave ahead only
+    /// for a staged bf16 value-major state in a call of several waves (B 256: -13%; f32 and key-major states
+    /// lose 1-7% with it).
+    pub fn planned_tune(&self, blocks: usize, sms: usize) -> Tune {
+        let one_wave = blocks <= self.minb().saturating_mul(sms);
+        let ahead = !one_wave && self.staged() && self.pool.layout == StateLayout::ValueMajor;
+        Tune {
+            ahead_half_waves: ahead as u32,
+            prewait: one_wave,
+        }
+    }
+
+    /// The same specialisation with the memory hints `tune` (None: the planner's, [`Spec::planned_tune`]) for a
+    /// call of `blocks` blocks on `sms` multiprocessors.
+    pub fn with_tune(self, tune: Option<Tune>, blocks: usize, sms: usize) -> Spec {
         let resident = self.minb().saturating_mul(sms);
-        let persist = Spec {
-            persist: tune.persist,
-            ..self
-        };
-        if blocks > resident && tune.persist >= 2 && persist.persistent() {
-            // the persistent kernel stages every state itself: no other hint applies
-            return persist;
-        }
+        let t = tune.unwrap_or_else(|| self.planned_tune(blocks, sms));
         Spec {
-            ahead: tune.ahead_blocks(blocks, resident),
-            // before the wait a block of a call of one wave waits anyway; in a longer call it would delay the
-            // block's own loads (measured: B 256 +13%)
-            prewait: tune.prewait && blocks <= resident,
+            ahead: t.ahead_blocks(blocks, resident),
+            prewait: t.prewait,
             ..self
         }
-    }
-
-    /// Whether this is the persistent decode kernel (the kernel's `PERSIST`): asked for, the pool's step (not
-    /// speculative, not external), T 1, one block a head, d <= 128.
-    pub fn persistent(&self) -> bool {
-        let d = self.shape.d;
-        self.persist >= 2
-            && !self.speculative
-            && self.ext.is_none()
-            && self.t == 1
-            && self.plan.ncb == 1
-            && d <= 128
-            && (d / self.plan.rg.max(1)).is_multiple_of(8)
-    }
-
-    /// Bytes of one staging buffer of the persistent kernel (the kernel's `SBUF`).
-    fn stage_buffer_bytes(&self) -> usize {
-        let d = self.shape.d;
-        let cpw = 32 / self.plan.rg.max(1);
-        d * (d * self.pool.state.size() + 16) + cpw * 4
-    }
-
-    /// Dynamic shared memory of one block of the persistent kernel, bytes (0 for the others).
-    pub fn dynamic_smem(&self) -> usize {
-        if self.persistent() {
-            self.persist as usize * self.stage_buffer_bytes()
-        } else {
-            0
-        }
-    }
-
-    /// Blocks of the persistent kernel a multiprocessor holds (its shared memory: 228 KiB on sm_90, 1 KiB of it
-    /// reserved a block, about 2 KiB of static arrays).
-    pub fn persist_blocks_per_sm(&self) -> usize {
-        let per_block = self.dynamic_smem() + 3 * 1024;
-        (233_472 / per_block.max(1)).clamp(1, (2048 / self.threads().max(1)).max(1))
     }
 
     /// The same specialisation as the pool's speculative step (commits on, no staging).
@@ -407,7 +362,6 @@ impl Spec {
     pub fn staged(&self) -> bool {
         let d = self.shape.d;
         self.stage
-            && !self.persistent()
             && !self.speculative
             && self.pool.state == DType::Bf16
             && self.t == 1
@@ -421,9 +375,7 @@ impl Spec {
     /// shared loads, so more blocks to cover them), four value-major. Only the register allocation changes
     /// with it, not the arithmetic.
     pub fn minb(&self) -> usize {
-        if self.persistent() {
-            self.persist_blocks_per_sm()
-        } else if self.staged() {
+        if self.staged() {
             let extra = if self.pool.layout == StateLayout::KeyMajor {
                 4
             } else {
@@ -448,9 +400,6 @@ impl Spec {
         }
         if self.prewait {
             h.push_str("#define GDN_PREWAIT 1\n");
-        }
-        if self.persistent() {
-            h.push_str(&format!("#define GDN_PERSIST {}\n", self.persist));
         }
         if let Some(conv) = self.ext {
             h.push_str(&format!(

@@ -650,51 +650,31 @@ fn speculative_steps_are_bitwise_the_two_pass_flow_in_every_pool_kind() {
     }
 }
 
-/// The memory hints (L2 prefetch a wave ahead, the own state before the wait), the persistent decode kernel
-/// (2 and 3 staging buffers) and the head split over a cluster change no bits: a call of 24 sequences (more
-/// blocks than the device holds at once, so the prefetch ahead and the persistent kernel run) under no hints and
-/// one block a head, under every hint, persistent, and split over clusters of 2 and 4 blocks, gives the same
-/// outputs, states and histories (f32 and bf16 states, both layouts, T 1, where a bf16 state is staged or
-/// persistent, and T 3), 1 sequence in 5 verify-only.
+/// The memory hints (L2 prefetch ahead, the own state before the wait) and the head split over a cluster change
+/// no bits: a call of 24 sequences (more blocks than the device holds at once, so the prefetch ahead runs) under
+/// no hints and one block a head, under both hints, under the planner's, and split over clusters of 2 and 4
+/// blocks, gives the same outputs, states and histories (f32 and bf16 states, both layouts, T 1, where a bf16
+/// state is staged, and T 3), 1 sequence in 5 verify-only.
 #[test]
 fn memory_hints_and_head_splits_change_no_bits() {
     let Some(cuda) = cuda_or_skip("memory_hints_and_head_splits_change_no_bits") else {
         return;
     };
     let one = gdn_cuda::Plan::choose(128, 48, 256, cuda.multiprocessors()).unwrap();
+    let ahead_prewait = gdn_cuda::Tune {
+        ahead_half_waves: 1,
+        prewait: true,
+    };
+    // (plan override, hints override): None is the planner's
     let variants = [
-        (Some(one), gdn_cuda::Tune::NONE),
-        (
-            Some(one),
-            gdn_cuda::Tune {
-                ahead_half_waves: 1,
-                prewait: true,
-                persist: 0,
-            },
-        ),
-        (
-            Some(gdn_cuda::Plan::with_rg(128, 2, one.rg)),
-            gdn_cuda::Tune::DEFAULT,
-        ),
+        (Some(one), Some(gdn_cuda::Tune::NONE)),
+        (Some(one), Some(ahead_prewait)),
+        (None, None),
+        (Some(gdn_cuda::Plan::with_rg(128, 2, one.rg)), None),
         (
             Some(gdn_cuda::Plan::with_rg(128, 4, one.rg)),
-            gdn_cuda::Tune::NONE,
+            Some(gdn_cuda::Tune::NONE),
         ),
-        (
-            Some(one),
-            gdn_cuda::Tune {
-                persist: 2,
-                ..gdn_cuda::Tune::NONE
-            },
-        ),
-        (
-            Some(one),
-            gdn_cuda::Tune {
-                persist: 3,
-                ..gdn_cuda::Tune::NONE
-            },
-        ),
-        (None, gdn_cuda::Tune::DEFAULT),
     ];
     for (state, layout, io) in [
         (DType::F32, StateLayout::KeyMajor, DType::F32),
@@ -722,7 +702,7 @@ fn memory_hints_and_head_splits_change_no_bits() {
             for (plan, tune) in variants {
                 let mut cu = cuda.clone();
                 cu.set_plan_override(plan);
-                cu.set_tune_override(Some(tune));
+                cu.set_tune_override(tune);
                 let mut p = pool(&cu, &s, opts);
                 let y = run(&mut p, &s.rows, &seqs, false, io);
                 let st = slot_bits(&mut p);
