@@ -65,6 +65,7 @@
 //! # }
 //! ```
 
+pub mod chunk;
 pub mod external;
 pub mod pool;
 
@@ -107,6 +108,9 @@ pub struct Cuda {
     pub(crate) plan_override: Option<Plan>,
     /// Launch with programmatic dependent launch (the default; [`Cuda::set_pdl`]).
     pub(crate) pdl: bool,
+    /// Windows of at least this many tokens take the chunked path (`None`: [`chunk::DEFAULT_CHUNK_MIN_LEN`];
+    /// [`Cuda::set_chunk_min_len`]).
+    pub(crate) chunk_min_len: Option<usize>,
 }
 
 impl Cuda {
@@ -171,6 +175,7 @@ impl Cuda {
             functions: Arc::new(Mutex::new(HashMap::new())),
             plan_override: None,
             pdl: true,
+            chunk_min_len: None,
         })
     }
 
@@ -207,6 +212,13 @@ impl Cuda {
     /// Sets (or with `None` clears) a fixed launch plan for pools created afterwards.
     pub fn set_plan_override(&mut self, plan: Option<Plan>) {
         self.plan_override = plan;
+    }
+
+    /// Sets (or with `None` restores the measured default, [`chunk::DEFAULT_CHUNK_MIN_LEN`]) the window length
+    /// from which a sequence takes the chunked path, for pools created afterwards (`usize::MAX`: never). The
+    /// choice is per sequence, from its own length only, so a sequence's bits do not depend on its batch.
+    pub fn set_chunk_min_len(&mut self, min_len: Option<usize>) {
+        self.chunk_min_len = min_len;
     }
 
     /// The CUDA context this backend runs in (the device's primary context, the one torch and most engines

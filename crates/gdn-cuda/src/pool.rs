@@ -127,18 +127,20 @@ pub const STAGE_MIN_BLOCKS: usize = 2;
 
 /// Raw device addresses of one step's operands.
 #[derive(Clone, Copy)]
-struct Operands {
-    qkv: sys::CUdeviceptr,
-    alpha: sys::CUdeviceptr,
-    beta: sys::CUdeviceptr,
-    z: sys::CUdeviceptr,
-    out: sys::CUdeviceptr,
-    slot: sys::CUdeviceptr,
-    start: sys::CUdeviceptr,
-    len: sys::CUdeviceptr,
-    commit_at: sys::CUdeviceptr,
+pub(crate) struct Operands {
+    pub(crate) qkv: sys::CUdeviceptr,
+    pub(crate) alpha: sys::CUdeviceptr,
+    pub(crate) beta: sys::CUdeviceptr,
+    pub(crate) z: sys::CUdeviceptr,
+    pub(crate) out: sys::CUdeviceptr,
+    pub(crate) slot: sys::CUdeviceptr,
+    pub(crate) start: sys::CUdeviceptr,
+    pub(crate) len: sys::CUdeviceptr,
+    pub(crate) commit_at: sys::CUdeviceptr,
     /// The speculative step's per-sequence `accepted | buffer << 8` (None: a plain step).
-    accept: Option<sys::CUdeviceptr>,
+    pub(crate) accept: Option<sys::CUdeviceptr>,
+    /// The shortest and the longest window of the call where the host knows them (picks the chunked path).
+    pub(crate) lens: Option<(usize, usize)>,
 }
 
 /// Longest window a slot holds for a speculative step (the kernel's `MAXH`).
@@ -157,7 +159,7 @@ fn pending_len(sh: &gdn::Shape) -> Option<usize> {
 }
 
 /// The pool's S, in its element type.
-enum StateBuf {
+pub(crate) enum StateBuf {
     F32(CudaSlice<f32>),
     Bf16(CudaSlice<bf16>),
 }
@@ -236,19 +238,19 @@ pub fn staging_keep(have: usize) -> bool {
 /// type; the conv history (f32) as [slot][h_v][3 (q, k, v)][d][3]: every value head has a private copy of the
 /// q/k history it reads, so the kernel commits it in place with no cross-head dependency.
 pub struct CudaPool {
-    cuda: Cuda,
-    layer: Layer,
-    slots: usize,
-    options: PoolOptions,
-    state: StateBuf,
-    hist: CudaSlice<f32>,
-    conv_w: CudaSlice<f32>,
-    dt: CudaSlice<f32>,
-    a: CudaSlice<f32>,
-    gamma: CudaSlice<f32>,
+    pub(crate) cuda: Cuda,
+    pub(crate) layer: Layer,
+    pub(crate) slots: usize,
+    pub(crate) options: PoolOptions,
+    pub(crate) state: StateBuf,
+    pub(crate) hist: CudaSlice<f32>,
+    pub(crate) conv_w: CudaSlice<f32>,
+    pub(crate) dt: CudaSlice<f32>,
+    pub(crate) a: CudaSlice<f32>,
+    pub(crate) gamma: CudaSlice<f32>,
     staging: Option<CudaSlice<u8>>,
     /// Bits the kernel sets where a device-native step named a sequence out of range (see `take_fault`).
-    fault: CudaSlice<u32>,
+    pub(crate) fault: CudaSlice<u32>,
     /// The speculative step's pending region, [slot][2 buffers][`pending_len`] (allocated by the first
     /// `step_spec`): what each held window's tokens would commit. Two buffers a slot, so a step writes the
     /// window it holds into the one its kernel does not read.
@@ -256,27 +258,29 @@ pub struct CudaPool {
     /// Per slot, the length of the window it holds (0: none) and the buffer holding it.
     held: Vec<usize>,
     held_buf: Vec<u8>,
+    /// The chunked path's scratch and kernels (`crate::chunk`).
+    pub(crate) chunk: crate::chunk::ChunkScratch,
 }
 
-fn ptr<T, S: DevicePtr<T>>(s: &S, cuda: &Cuda) -> sys::CUdeviceptr {
+pub(crate) fn ptr<T, S: DevicePtr<T>>(s: &S, cuda: &Cuda) -> sys::CUdeviceptr {
     // event tracking is off for this backend's context, so the guard records nothing
     let (p, _guard) = s.device_ptr(&cuda.stream);
     p
 }
 
-fn ptr_mut<T, S: DevicePtrMut<T>>(s: &mut S, cuda: &Cuda) -> sys::CUdeviceptr {
+pub(crate) fn ptr_mut<T, S: DevicePtrMut<T>>(s: &mut S, cuda: &Cuda) -> sys::CUdeviceptr {
     let (p, _guard) = s.device_ptr_mut(&cuda.stream);
     p
 }
 
-fn too_large(name: &'static str) -> Error {
+pub(crate) fn too_large(name: &'static str) -> Error {
     Error::Param {
         name,
         why: "the size overflows the address space".into(),
     }
 }
 
-fn int(x: usize, what: &'static str) -> Result<i32> {
+pub(crate) fn int(x: usize, what: &'static str) -> Result<i32> {
     i32::try_from(x).map_err(|_| Error::Param {
         name: what,
         why: format!("{x} does not fit the kernel's 32-bit argument"),
@@ -325,6 +329,7 @@ impl CudaPool {
             pend: None,
             held: vec![0; slots],
             held_buf: vec![0; slots],
+            chunk: Default::default(),
         };
         pool.cuda.stream.synchronize().map_err(drv)?;
         Ok(pool)
@@ -491,6 +496,7 @@ impl CudaPool {
             len: ptr(step.len, &self.cuda),
             commit_at: ptr(step.commit_at, &self.cuda),
             accept,
+            lens: step.uniform_len.map(|t| (t, t)),
         };
         self.launch(&kind, n, rows, step.plane_stride, ops)
     }
@@ -506,6 +512,15 @@ impl CudaPool {
         if n_seqs == 0 {
             return Ok(());
         }
+        // long windows take the chunked path; the token-serial kernel runs the rest (or nothing)
+        let ops = if ops.accept.is_none() {
+            match self.chunk_dispatch(kind, n_seqs, rows, plane_stride, ops)? {
+                Some(o) => o,
+                None => return Ok(()),
+            }
+        } else {
+            ops
+        };
         let sh = *self.layer.shape();
         let mut spec = self.spec(kind)?;
         if ops.accept.is_some() {
@@ -679,6 +694,7 @@ impl CudaPool {
                 commit_at: ints_at(3),
                 accept: accept.map(|_| ints_at(4)),
                 out: at(5),
+                lens: Some((step.seqs[live[n - 1]].len, first)),
             };
             self.launch(&kind, n, rows, step.plane_stride, ops)?;
             let st = self
@@ -957,6 +973,7 @@ impl LayerPool for CudaPool {
                 len: base + 8,
                 commit_at: base + 12,
                 accept: Some(base + 16),
+                lens: None,
             };
             let kind = StepKind {
                 uniform_len: None,
@@ -1081,7 +1098,8 @@ impl CudaPool {
             start: &start_v,
             len: &len_v,
             commit_at: &commit_v,
-            uniform_len: (uniform && first <= MAX_CONST_T).then_some(first),
+            // a hint above MAX_CONST_T picks the run-time-length kernel, and tells the chunked path's choice
+            uniform_len: uniform.then_some(first),
             commits: live.iter().any(|&i| checked.commit_at[i] > 0),
             plane_stride: step.plane_stride,
         };

@@ -431,10 +431,57 @@ fn log_of(prog: nvrtc_sys::nvrtcProgram) -> String {
 
 /// Compiles one specialisation to a cubin for its architecture.
 fn compile(spec: &Spec) -> std::result::Result<Compiled, String> {
-    let src = CString::new(spec.source()).map_err(|e| e.to_string())?;
-    let name = CString::new("gdn_step.cu").map_err(|e| e.to_string())?;
+    compile_source(
+        &spec.source(),
+        "gdn_step.cu",
+        spec.arch,
+        &format!("{spec:?}"),
+        &spec.header(),
+    )
+}
+
+/// Machine code of another kernel source of this crate (the chunked path's, `crate::chunk`), compiled as the
+/// step kernel is (same options) and cached for the process by its full source text.
+pub(crate) fn compiled_source(src: &str, name: &str, arch: (i32, i32)) -> Result<Arc<Compiled>> {
+    type SrcSlot = Arc<OnceLock<std::result::Result<Arc<Compiled>, String>>>;
+    type SrcCache = Mutex<HashMap<(String, (i32, i32)), SrcSlot>>;
+    static SRC_CACHE: OnceLock<SrcCache> = OnceLock::new();
+    if !nvrtc_present() {
+        return Err(Error::Unavailable(
+            "libnvrtc (CUDA 13) not found: install nvidia-cuda-nvrtc and put its lib folder on LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    let slot: SrcSlot = {
+        let mut map = SRC_CACHE
+            .get_or_init(|| Mutex::new(HashMap::new()))
+            .lock()
+            .map_err(|_| Error::Backend("kernel cache lock poisoned".into()))?;
+        map.entry((src.to_string(), arch)).or_default().clone()
+    };
+    slot.get_or_init(|| {
+        let head: String = src
+            .lines()
+            .take_while(|l| l.starts_with("#define"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        compile_source(src, name, arch, name, &head).map(Arc::new)
+    })
+    .clone()
+    .map_err(Error::Backend)
+}
+
+fn compile_source(
+    src: &str,
+    name: &str,
+    arch: (i32, i32),
+    what: &str,
+    header: &str,
+) -> std::result::Result<Compiled, String> {
+    let src = CString::new(src).map_err(|e| e.to_string())?;
+    let name = CString::new(name).map_err(|e| e.to_string())?;
     let prog = nvrtc_result::create_program(&src, Some(&name)).map_err(|e| format!("{e:?}"))?;
-    let arch = format!("--gpu-architecture=sm_{}{}", spec.arch.0, spec.arch.1);
+    let arch = format!("--gpu-architecture=sm_{}{}", arch.0, arch.1);
     let opts = [
         arch.as_str(),
         "--std=c++17",
@@ -447,8 +494,7 @@ fn compile(spec: &Spec) -> std::result::Result<Compiled, String> {
     let log = log_of(prog);
     let out = match compiled {
         Err(e) => Err(format!(
-            "NVRTC failed on {spec:?} ({e:?}):\n{log}\n(the source starts with:\n{})",
-            spec.header()
+            "NVRTC failed on {what} ({e:?}):\n{log}\n(the source starts with:\n{header})"
         )),
         Ok(()) => {
             let mut size = 0usize;
