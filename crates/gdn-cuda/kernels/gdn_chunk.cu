@@ -36,12 +36,9 @@
 #define NCB2 (D / CB)
 #define C_ALL ((2 * HK + HV) * D)
 #define N_OUT (HV * D)
-#define DP (D + 1)
-#define LP (L + 1)
 #define NT_PREP 256
 #define NT_STATE 256
 #define NT_OUT 128
-#define PAIRS_STATE ((L * CB + NT_STATE - 1) / NT_STATE)
 
 static_assert(D % 16 == 0, "d must be a multiple of 16");
 static_assert(D % CB == 0, "whole column blocks");
@@ -231,24 +228,64 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_chunk_plan(
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Everything of one chunk that does not depend on the state. Shared memory (floats): q, k, v [L][DP], A [L][LP]
+// Tensor-core products in 3xTF32 (mma.sync m16n8k8): each f32 operand x is split into x_hi = tf32(x) and
+// x_lo = tf32(x - x_hi), and a product is a_lo b_hi + a_hi b_lo + a_hi b_hi (the small terms first), which
+// keeps f32 accuracy. Fragments (lane = 4 g + q): A 16 x 8 row-major a0 (g, k q), a1 (g + 8, k q), a2 (g, k q + 4),
+// a3 (g + 8, k q + 4); B 8 x 8 b0 (k q, n g), b1 (k q + 4, n g); C c0 (g, 2 q), c1 (g, 2 q + 1), c2 (g + 8, 2 q),
+// c3 (g + 8, 2 q + 1). A step's logical k q and q + 4 are taken from memory columns 4 q, 4 q + 1 (first step of
+// 16) or 4 q + 2, 4 q + 3 (second step), for A and B alike, so that one float4 of a row feeds two steps; the sum
+// over k is the same set of products.
+__device__ __forceinline__ unsigned tf32_of(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ void split2(float x, unsigned& hi, unsigned& lo) {
+    hi = tf32_of(x);
+    lo = tf32_of(x - __uint_as_float(hi));
+}
+__device__ __forceinline__ void mma_tf32(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                         unsigned b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// c += A B for one k step: a[4] and b[2] the f32 fragment values
+__device__ __forceinline__ void mma3(float* c, const float* a, const float* b) {
+    unsigned ah[4], al[4], bh[2], bl[2];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) split2(a[x], ah[x], al[x]);
+    split2(b[0], bh[0], bl[0]);
+    split2(b[1], bh[1], bl[1]);
+    mma_tf32(c, al[0], al[1], al[2], al[3], bh[0], bh[1]);
+    mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
+    mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Everything of one chunk that does not depend on the state. Shared memory (floats): q, k, v [L][DP4], A [L][LP4]
 // (first the decays D[t][s], then A in place), gates, write strengths, gamma [L] each.
-#define PREP_SMEM (3 * L * DP + L * LP + 3 * L)
+#define DP4 (D + 4)
+#define LP4 (L + 4)
+#define PREP_SMEM (3 * L * DP4 + L * LP4 + 3 * L)
+static_assert(L % 16 == 0 && L <= 64, "chunk length");
 extern "C" __global__ void __launch_bounds__(NT_PREP) gdn_chunk_prep(
     const EQ::T* __restrict__ qkv, const EA::T* __restrict__ alpha, const EB::T* __restrict__ beta,
     const float* __restrict__ hist, const float* __restrict__ conv_w, const float* __restrict__ dt,
     const float* __restrict__ ssm_a, const int* __restrict__ plan, int n_seqs, int cap_long, float eps,
     float* __restrict__ scr, long long rc) {
-    extern __shared__ float sm[];
+    extern __shared__ __align__(16) float sm[];
     float* const qs = sm;
-    float* const ks = qs + L * DP;
-    float* const vs = ks + L * DP;
-    float* const as = vs + L * DP;
-    float* const gs = as + L * LP;
+    float* const ks = qs + L * DP4;
+    float* const vs = ks + L * DP4;
+    float* const as = vs + L * DP4;
+    float* const gs = as + L * LP4;
     float* const bs = gs + L;
     float* const gam = bs + L;
 
     const int ent = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5, g8 = lane >> 2, q4 = lane & 3;
     if (ent >= plan[1]) return;
     const int* e2 = plan + PLAN_ENT(n_seqs, cap_long) + 2 * ent;
     const int li = e2[0], c = e2[1];
@@ -267,26 +304,34 @@ extern "C" __global__ void __launch_bounds__(NT_PREP) gdn_chunk_prep(
     float* const M = K + 2 * (size_t)rc * HV * D;  // after O
     float* const G = M + (size_t)rc * HV * L;
 
-    // 1. conv + SiLU of the head's 3 D channels, token by token as the spec's step 1
-    for (int idx = tid; idx < n * 3 * D; idx += NT_PREP) {
-        const int t = idx / (3 * D), e = idx % (3 * D);
+    // 1. conv + SiLU, a thread a channel, token after token (the spec's step 1, the history in registers)
+    for (int e = tid; e < 3 * D; e += NT_PREP) {
         const int ch = channel(h, e);
         const float4 w = __ldg(reinterpret_cast<const float4*>(conv_w) + ch);
-        const int tau = t0 + t;
-        float x[4];
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-            const int u = tau - 3 + m;
-            x[m] = u >= 0 ? EQ::ld(qkv[((size_t)start + u) * C_ALL + ch]) : hh[e * 3 + 3 + u];
+        float x0, x1, x2;
+        if (t0 == 0) {
+            x0 = hh[e * 3];
+            x1 = hh[e * 3 + 1];
+            x2 = hh[e * 3 + 2];
+        } else {
+            x0 = EQ::ld(qkv[(rbase - 3) * C_ALL + ch]);
+            x1 = EQ::ld(qkv[(rbase - 2) * C_ALL + ch]);
+            x2 = EQ::ld(qkv[(rbase - 1) * C_ALL + ch]);
         }
-        float s = 0.0f;
-        s = fmaf(x[0], w.x, s);
-        s = fmaf(x[1], w.y, s);
-        s = fmaf(x[2], w.z, s);
-        s = fmaf(x[3], w.w, s);
-        const float cv = s / (1.0f + expf(-s));
-        float* dst = e < D ? qs : e < 2 * D ? ks : vs;
-        dst[t * DP + e % D] = cv;
+        float* dst = (e < D ? qs : e < 2 * D ? ks : vs) + e % D;
+#pragma unroll 8
+        for (int t = 0; t < n; ++t) {
+            const float x = EQ::ld(qkv[(rbase + t) * C_ALL + ch]);
+            float s = 0.0f;
+            s = fmaf(x0, w.x, s);
+            s = fmaf(x1, w.y, s);
+            s = fmaf(x2, w.z, s);
+            s = fmaf(x, w.w, s);
+            dst[t * DP4] = s / (1.0f + expf(-s));
+            x0 = x1;
+            x1 = x2;
+            x2 = x;
+        }
     }
     if (tid < n) {
         const size_t r = rbase + tid;
@@ -296,38 +341,57 @@ extern "C" __global__ void __launch_bounds__(NT_PREP) gdn_chunk_prep(
     __syncthreads();
 
     // 2. L2 norms of q and k: a warp a (token, q or k); lane-strided partial sums, then an xor butterfly
-    {
-        const int lane = tid & 31, warp = tid >> 5;
-        for (int p = warp; p < 2 * n; p += NT_PREP / 32) {
-            float* x = (p & 1 ? ks : qs) + (p >> 1) * DP;
-            float acc = 0.0f;
-            for (int i = lane; i < D; i += 32) acc = fmaf(x[i], x[i], acc);
+    for (int p = warp; p < 2 * n; p += NT_PREP / 32) {
+        float* x = (p & 1 ? ks : qs) + (p >> 1) * DP4;
+        float acc = 0.0f;
+        for (int i = lane; i < D; i += 32) acc = fmaf(x[i], x[i], acc);
 #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-            const float r = rsqrtf(acc / (float)D + eps / (float)D);
-            for (int i = lane; i < D; i += 32) x[i] = (r * x[i]) * inv_sqrt_d;
-        }
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        const float r = rsqrtf(acc / (float)D + eps / (float)D);
+        for (int i = lane; i < D; i += 32) x[i] = (r * x[i]) * inv_sqrt_d;
     }
     // 3. the decay rows, one thread a token
-    if (tid < n) gam[tid] = decay_row(gs, tid, as + tid * LP);
+    if (tid < n) gam[tid] = decay_row(gs, tid, as + tid * LP4);
     __syncthreads();
 
-    // 4. A and M over the pairs s <= t (any thread may take a pair: its value depends on the pair only)
-    for (int p = tid; p < n * n; p += NT_PREP) {
-        const int t = p / n, s = p % n;
-        const size_t r = rbase + t;
-        if (s > t) {
-            M[(r * HV + h) * L + s] = 0.0f;
-            continue;
+    // 4. k_t . k_s and q_t . k_s on tensor cores, a warp a 16 x 8 tile (t, s) at a time; then
+    //    M[t][s] = D[t][s] (q_t . k_s) for s <= t, 0 past it, and A[t][s] = b_t (D[t][s] (k_t . k_s)) for s < t
+    for (int tile = warp; tile < (L / 16) * (L / 8); tile += NT_PREP / 32) {
+        const int r0 = (tile / (L / 8)) * 16, s0 = (tile % (L / 8)) * 8;
+        if (r0 >= n || s0 > r0 + 15) continue;  // rows past the window; tiles above the diagonal are 0
+        float ck[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 2
+        for (int k0 = 0; k0 < D; k0 += 16) {
+            const float4 kl = *reinterpret_cast<const float4*>(ks + (r0 + g8) * DP4 + k0 + 4 * q4);
+            const float4 kh = *reinterpret_cast<const float4*>(ks + (r0 + g8 + 8) * DP4 + k0 + 4 * q4);
+            const float4 ql = *reinterpret_cast<const float4*>(qs + (r0 + g8) * DP4 + k0 + 4 * q4);
+            const float4 qh = *reinterpret_cast<const float4*>(qs + (r0 + g8 + 8) * DP4 + k0 + 4 * q4);
+            const float4 kb = *reinterpret_cast<const float4*>(ks + (s0 + g8) * DP4 + k0 + 4 * q4);
+            const float a_k0[4] = {kl.x, kh.x, kl.y, kh.y}, a_k1[4] = {kl.z, kh.z, kl.w, kh.w};
+            const float a_q0[4] = {ql.x, qh.x, ql.y, qh.y}, a_q1[4] = {ql.z, qh.z, ql.w, qh.w};
+            const float b0[2] = {kb.x, kb.y}, b1[2] = {kb.z, kb.w};
+            mma3(ck, a_k0, b0);
+            mma3(ck, a_k1, b1);
+            mma3(cq, a_q0, b0);
+            mma3(cq, a_q1, b1);
         }
-        float kk = 0.0f, qk = 0.0f;
-        for (int i = 0; i < D; ++i) {
-            kk = fmaf(ks[t * DP + i], ks[s * DP + i], kk);
-            qk = fmaf(qs[t * DP + i], ks[s * DP + i], qk);
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+            const int t = r0 + g8 + (x >> 1) * 8, s = s0 + 2 * q4 + (x & 1);
+            if (t >= n) continue;
+            const size_t r = rbase + t;
+            const float dd = s <= t ? as[t * LP4 + s] : 0.0f;
+            M[(r * HV + h) * L + s] = s <= t ? dd * cq[x] : 0.0f;
+            as[t * LP4 + s] = s < t ? bs[t] * (dd * ck[x]) : 0.0f;
         }
-        const float dd = as[t * LP + s];
-        M[(r * HV + h) * L + s] = dd * qk;
-        as[t * LP + s] = s < t ? bs[t] * (dd * kk) : 0.0f;
+    }
+    // M past the tiles computed above (above the diagonal), and A's unused upper entries, are zeros
+    for (int p = tid; p < n * L; p += NT_PREP) {
+        const int t = p / L, s = p % L;
+        if ((s / 8) * 8 > (t / 16) * 16 + 15) {
+            M[((rbase + t) * HV + h) * L + s] = 0.0f;
+            as[t * LP4 + s] = 0.0f;
+        }
     }
     if (tid < n) G[(rbase + tid) * HV + h] = gs[tid];
     __syncthreads();
@@ -336,49 +400,72 @@ extern "C" __global__ void __launch_bounds__(NT_PREP) gdn_chunk_prep(
     for (int idx = tid; idx < n * D; idx += NT_PREP) {
         const int t = idx / D, i = idx % D;
         const size_t o = ((rbase + t) * HV + h) * D + i;
-        const float kt = ks[t * DP + i];
-        Q[o] = gam[t] * qs[t * DP + i];
+        const float kt = ks[t * DP4 + i];
+        Q[o] = gam[t] * qs[t * DP4 + i];
         K[o] = kt;
-        ks[t * DP + i] = (bs[t] * gam[t]) * kt;
-        vs[t * DP + i] = bs[t] * vs[t * DP + i];
+        ks[t * DP4 + i] = (bs[t] * gam[t]) * kt;
+        vs[t * DP4 + i] = bs[t] * vs[t * DP4 + i];
     }
     __syncthreads();
 
-    // 6. forward substitution, one thread a column of [W | U]: x_t - sum_{s<t} A[t][s] x_s, rows in order
+    // 6. forward substitution, a thread a column of [W | U], the column in registers: x_t = rhs_t - sum_{s<t}
+    //    A[t][s] x_s, rows in order, four partial sums (s mod 4) combined in a fixed order
     for (int col = tid; col < 2 * D; col += NT_PREP) {
-        float* x = col < D ? ks : vs;
-        float* dst = col < D ? W : U;
-        const int ci = col % D;
-        for (int t = 0; t < n; ++t) {
-            float acc = x[t * DP + ci];
-            for (int s = 0; s < t; ++s) acc = fmaf(-as[t * LP + s], x[s * DP + ci], acc);
-            x[t * DP + ci] = acc;
-            dst[((rbase + t) * HV + h) * D + ci] = acc;
+        const float* x = (col < D ? ks : vs) + col % D;
+        float* dst = (col < D ? W : U) + col % D;
+        float xr[L];
+#pragma unroll
+        for (int t = 0; t < L; ++t) {
+            xr[t] = 0.0f;
+            if (t < n) {
+                float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
+#pragma unroll
+                for (int s = 0; s < (t & ~3); s += 4) {
+                    const float4 a = *reinterpret_cast<const float4*>(as + t * LP4 + s);
+                    p0 = fmaf(a.x, xr[s], p0);
+                    p1 = fmaf(a.y, xr[s + 1], p1);
+                    p2 = fmaf(a.z, xr[s + 2], p2);
+                    p3 = fmaf(a.w, xr[s + 3], p3);
+                }
+#pragma unroll
+                for (int s = t & ~3; s < t; ++s) {
+                    const float a = as[t * LP4 + s];
+                    if ((s & 3) == 0) p0 = fmaf(a, xr[s], p0);
+                    else if ((s & 3) == 1) p1 = fmaf(a, xr[s], p1);
+                    else p2 = fmaf(a, xr[s], p2);
+                }
+                xr[t] = x[t * DP4] - ((p0 + p1) + (p2 + p3));
+                dst[((rbase + t) * HV + h) * D] = xr[t];
+            }
         }
     }
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The recurrence over chunks for one column block of one value head. Shared memory (floats): S [D][CB], W, Q, K
-// tiles [L][D], U and delta [L][CB], M [L][L], gates and two decay rows [L].
-#define STATE_SMEM (D * CB + 3 * L * D + 2 * L * CB + L * L + 3 * L)
+// The recurrence over chunks for one block of CB value columns of one value head, on tensor cores. Warp w owns
+// row tile w of [W; Q] (2 L rows: W's tiles first): P1 [delta | o] = [U | 0] -+ [W; Q] S; then the Q warps add
+// P2 M delta to o and store it; then every warp takes 16-row tiles of the state update P3 S' = gamma S + Kd^T
+// delta (Kd[s][i] = D[m-1][s] k_s[i] for s < m, 0 past m; m the chunk's length, and again with the commit
+// point's m inside the commit chunk). The W, Q, M, U, K operands come straight from the scratch (each row tile
+// has one owner, so nothing is staged); S (two buffers: read one, write the other) and delta live in shared
+// memory. Shared memory (floats): S [2][D][CBP], delta [L][CBP], gates and two decay rows [L].
+#define CBP (CB + 2)
+#define NT8 (CB / 8)
+#define STATE_SMEM (2 * D * CBP + L * CBP + 3 * L)
+static_assert(2 * L / 16 <= NT_STATE / 32, "a warp a row tile of [W; Q]");
 extern "C" __global__ void __launch_bounds__(NT_STATE) gdn_chunk_state(
     ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __restrict__ qkv,
     const int* __restrict__ plan, int n_seqs, int cap_long, float* __restrict__ scr, long long rc) {
-    extern __shared__ float sm[];
-    float* const ss = sm;
-    float* const wt = ss + D * CB;
-    float* const qt = wt + L * D;
-    float* const kt = qt + L * D;
-    float* const ut = kt + L * D;
-    float* const dl = ut + L * CB;
-    float* const mt = dl + L * CB;
-    float* const gsm = mt + L * L;
+    extern __shared__ __align__(16) float sm[];
+    float* const ssb = sm;  // [2][D][CBP]
+    float* const dl = ssb + 2 * D * CBP;
+    float* const gsm = dl + L * CBP;
     float* const dec = gsm + L;
     float* const decc = dec + L;
     __shared__ float gam_s[2];
 
     const int li = blockIdx.y, tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5, g8 = lane >> 2, q4 = lane & 3;
     if (li >= plan[0]) return;
     const int h = blockIdx.x / NCB2, cb = blockIdx.x % NCB2;
     const int* inf = plan + PLAN_LONG(n_seqs) + 4 * li;
@@ -400,84 +487,154 @@ extern "C" __global__ void __launch_bounds__(NT_STATE) gdn_chunk_state(
 #define SIDX(i, j) (((size_t)(i) * HV + h) * D + (j))
 #endif
     for (int idx = tid; idx < D * CB; idx += NT_STATE) {
+#if GDN_VMAJOR
+        const int cc = idx / D, i = idx % D;  // keys contiguous in memory
+#else
         const int i = idx / CB, cc = idx % CB;
-        ss[idx] = ES::ld(sbase[SIDX(i, cb * CB + cc)]);
+#endif
+        ssb[i * CBP + cc] = ES::ld(sbase[SIDX(i, cb * CB + cc)]);
     }
 
     const int nch = (len + L - 1) / L;
     const int cchunk = commit > 0 ? (commit - 1) / L : -1;
     const int ncommit = commit - cchunk * L;
+    const bool is_q = warp >= L / 16;             // this warp's row tile is one of Q's
+    const int r0 = (warp % (L / 16)) * 16;        // its first row in the chunk
+    const bool has_tile = warp < 2 * L / 16;
     for (int c = 0; c < nch; ++c) {
         const int t0 = c * L;
         const int n = min(L, len - t0);
         const size_t rbase = (size_t)start + t0;
-        // the chunk's tiles
-        for (int idx = tid; idx < n * D; idx += NT_STATE) {
-            const int t = idx / D, i = idx % D;
-            const size_t o = ((rbase + t) * HV + h) * D + i;
-            wt[idx] = W[o];
-            qt[idx] = Q[o];
-            kt[idx] = K[o];
-        }
-        for (int idx = tid; idx < n * CB; idx += NT_STATE) {
-            const int t = idx / CB, cc = idx % CB;
-            ut[idx] = U[((rbase + t) * HV + h) * D + cb * CB + cc];
-        }
-        for (int idx = tid; idx < n * n; idx += NT_STATE) {
-            const int t = idx / n, s = idx % n;
-            mt[t * L + s] = M[((rbase + t) * HV + h) * L + s];
-        }
-        if (tid < n) gsm[tid] = G[(rbase + tid) * HV + h];
+        const float* ss = ssb + (c & 1) * D * CBP;
+        float* sn = ssb + ((c + 1) & 1) * D * CBP;
+        if (tid < L) gsm[tid] = tid < n ? G[(rbase + tid) * HV + h] : 1.0f;
         __syncthreads();
         // the decay rows of the chunk's end and of a commit inside it (read only after the next barrier)
-        const bool need_upd = c + 1 < nch || c == cchunk;
+        const bool need_upd = c + 1 < nch;
+        const bool need_commit = c == cchunk;
         if (tid == 0 && need_upd) gam_s[0] = decay_row(gsm, n - 1, dec);
-        if (tid == 32 && c == cchunk) gam_s[1] = decay_row(gsm, ncommit - 1, decc);
+        if (tid == 32 && need_commit) gam_s[1] = decay_row(gsm, ncommit - 1, decc);
 
-        // delta = U - W S and the inter-chunk readout (gamma q) S, a thread a few (token, column) pairs
-        float oreg[PAIRS_STATE];
+        // P1: this warp's 16 rows of W (or Q) times S
+        float acc[NT8][4];
 #pragma unroll
-        for (int k = 0; k < PAIRS_STATE; ++k) {
-            const int p = tid + k * NT_STATE;
-            oreg[k] = 0.0f;
-            if (p < n * CB) {
-                const int t = p / CB, cc = p % CB;
-                float aw = 0.0f, aq = 0.0f;
-                for (int i = 0; i < D; ++i) {
-                    const float sv = ss[i * CB + cc];
-                    aw = fmaf(wt[t * D + i], sv, aw);
-                    aq = fmaf(qt[t * D + i], sv, aq);
+        for (int nt = 0; nt < NT8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+        if (has_tile) {
+            const float* X = is_q ? Q : W;
+            const bool lo_ok = r0 + g8 < n, hi_ok = r0 + g8 + 8 < n;
+            const float* xl = X + ((rbase + r0 + g8) * HV + h) * D + 4 * q4;
+            const float* xh = xl + (size_t)8 * HV * D;
+#pragma unroll 2
+            for (int k0 = 0; k0 < D; k0 += 16) {
+                const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                const float4 al = lo_ok ? *reinterpret_cast<const float4*>(xl + k0) : zero4;
+                const float4 ah = hi_ok ? *reinterpret_cast<const float4*>(xh + k0) : zero4;
+                const float a0[4] = {al.x, ah.x, al.y, ah.y}, a1[4] = {al.z, ah.z, al.w, ah.w};
+#pragma unroll
+                for (int nt = 0; nt < NT8; ++nt) {
+                    const float* sp = ss + (k0 + 4 * q4) * CBP + nt * 8 + g8;
+                    const float b0[2] = {sp[0], sp[CBP]}, b1[2] = {sp[2 * CBP], sp[3 * CBP]};
+                    mma3(acc[nt], a0, b0);
+                    mma3(acc[nt], a1, b1);
                 }
-                dl[p] = ut[p] - aw;
-                oreg[k] = aq;
+            }
+            if (!is_q) {
+                // delta = U - W S (rows past the window: 0)
+#pragma unroll
+                for (int nt = 0; nt < NT8; ++nt) {
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const int t = r0 + g8 + 8 * hf, col = nt * 8 + 2 * q4;
+                        float2 d2 = make_float2(0.0f, 0.0f);
+                        if (t < n) {
+                            const float2 u2 =
+                                *reinterpret_cast<const float2*>(U + ((rbase + t) * HV + h) * D + cb * CB + col);
+                            d2 = make_float2(u2.x - acc[nt][2 * hf], u2.y - acc[nt][2 * hf + 1]);
+                        }
+                        *reinterpret_cast<float2*>(dl + t * CBP + col) = d2;
+                    }
+                }
             }
         }
         __syncthreads();
-        // the intra-chunk readout: o_t = ((gamma q) S + sum_{s<=t} M[t][s] delta_s) / sqrt(d)
+        // P2: o = ((gamma q) S + M delta) / sqrt(d) for the Q warps' rows
+        if (has_tile && is_q && r0 < n) {
+            const bool lo_ok = r0 + g8 < n, hi_ok = r0 + g8 + 8 < n;
+            const float* ml = M + ((rbase + r0 + g8) * HV + h) * L + 4 * q4;
+            const float* mh = ml + (size_t)8 * HV * L;
 #pragma unroll
-        for (int k = 0; k < PAIRS_STATE; ++k) {
-            const int p = tid + k * NT_STATE;
-            if (p < n * CB) {
-                const int t = p / CB, cc = p % CB;
-                float acc = oreg[k];
-                for (int s = 0; s <= t; ++s) acc = fmaf(mt[t * L + s], dl[s * CB + cc], acc);
-                O[((rbase + t) * HV + h) * D + cb * CB + cc] = acc * inv_sqrt_d;
+            for (int k0 = 0; k0 < L; k0 += 16) {
+                const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                const float4 al = lo_ok ? *reinterpret_cast<const float4*>(ml + k0) : zero4;
+                const float4 ah = hi_ok ? *reinterpret_cast<const float4*>(mh + k0) : zero4;
+                const float a0[4] = {al.x, ah.x, al.y, ah.y}, a1[4] = {al.z, ah.z, al.w, ah.w};
+#pragma unroll
+                for (int nt = 0; nt < NT8; ++nt) {
+                    const float* dp = dl + (k0 + 4 * q4) * CBP + nt * 8 + g8;
+                    const float b0[2] = {dp[0], dp[CBP]}, b1[2] = {dp[2 * CBP], dp[3 * CBP]};
+                    mma3(acc[nt], a0, b0);
+                    mma3(acc[nt], a1, b1);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT8; ++nt) {
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int t = r0 + g8 + 8 * hf, col = nt * 8 + 2 * q4;
+                    if (t < n)
+                        *reinterpret_cast<float2*>(O + ((rbase + t) * HV + h) * D + cb * CB + col) =
+                            make_float2(acc[nt][2 * hf] * inv_sqrt_d, acc[nt][2 * hf + 1] * inv_sqrt_d);
+                }
             }
         }
-        // the state after the first m tokens of the chunk: upd(m) = gamma S + sum_{s<m} (D[m-1][s] k_s) delta_s
-        if (need_upd) {
-            for (int idx = tid; idx < D * CB; idx += NT_STATE) {
-                const int i = idx / CB, cc = idx % CB;
-                const float so = ss[idx];
-                if (c == cchunk) {
-                    float acc = 0.0f;
-                    for (int s = 0; s < ncommit; ++s) acc = fmaf(decc[s] * kt[s * D + i], dl[s * CB + cc], acc);
-                    sbase[SIDX(i, cb * CB + cc)] = ES::st(fmaf(gam_s[1], so, acc));
+        // P3: the state after the chunk (into the other buffer) and at a commit point inside it (to the pool):
+        // upd(m) = gamma_{m-1} S + sum_{s<m} (D[m-1][s] k_s) delta_s, the terms past m exactly 0 (both operands)
+        const int items = (D / 16) * ((int)need_upd + (int)need_commit);
+        for (int it = warp; it < items; it += NT_STATE / 32) {
+            const bool cm = !need_upd || it >= D / 16;  // this item is the commit point's
+            const int i0 = (it % (D / 16)) * 16;
+            const int m = cm ? ncommit : n;
+            const float* dv = cm ? decc : dec;
+            const float gm = gam_s[cm ? 1 : 0];
+            float u[NT8][4];
+#pragma unroll
+            for (int nt = 0; nt < NT8; ++nt) {
+                const int col = nt * 8 + 2 * q4;
+                u[nt][0] = gm * ss[(i0 + g8) * CBP + col];
+                u[nt][1] = gm * ss[(i0 + g8) * CBP + col + 1];
+                u[nt][2] = gm * ss[(i0 + g8 + 8) * CBP + col];
+                u[nt][3] = gm * ss[(i0 + g8 + 8) * CBP + col + 1];
+            }
+            const float* kb = K + (rbase * HV + h) * D + i0 + g8;
+            for (int s0 = 0; s0 < m; s0 += 16) {
+                float a[8], bm[4];
+#pragma unroll
+                for (int x = 0; x < 4; ++x) {
+                    const int s = s0 + 4 * q4 + x;
+                    const bool ok = s < m;
+                    const float ds = ok ? dv[s] : 0.0f;
+                    a[2 * x] = ok ? ds * kb[(size_t)s * HV * D] : 0.0f;          // row i0 + g8
+                    a[2 * x + 1] = ok ? ds * kb[(size_t)s * HV * D + 8] : 0.0f;  // row i0 + g8 + 8
+                    bm[x] = ok ? 1.0f : 0.0f;
                 }
-                if (c + 1 < nch) {
-                    float acc = 0.0f;
-                    for (int s = 0; s < n; ++s) acc = fmaf(dec[s] * kt[s * D + i], dl[s * CB + cc], acc);
-                    ss[idx] = fmaf(gam_s[0], so, acc);
+                const float a0[4] = {a[0], a[1], a[2], a[3]}, a1[4] = {a[4], a[5], a[6], a[7]};
+#pragma unroll
+                for (int nt = 0; nt < NT8; ++nt) {
+                    const float* dp = dl + (s0 + 4 * q4) * CBP + nt * 8 + g8;
+                    const float b0[2] = {bm[0] != 0.0f ? dp[0] : 0.0f, bm[1] != 0.0f ? dp[CBP] : 0.0f};
+                    const float b1[2] = {bm[2] != 0.0f ? dp[2 * CBP] : 0.0f, bm[3] != 0.0f ? dp[3 * CBP] : 0.0f};
+                    mma3(u[nt], a0, b0);
+                    mma3(u[nt], a1, b1);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT8; ++nt) {
+                const int col = nt * 8 + 2 * q4;
+#pragma unroll
+                for (int x = 0; x < 4; ++x) {
+                    const int i = i0 + g8 + (x >> 1) * 8, cc = col + (x & 1);
+                    if (cm) sbase[SIDX(i, cb * CB + cc)] = ES::st(u[nt][x]);
+                    else sn[i * CBP + cc] = u[nt][x];
                 }
             }
         }

@@ -92,13 +92,13 @@ impl ChunkSpec {
     /// Dynamic shared memory of the prep kernel, bytes (the kernel's PREP_SMEM).
     pub fn prep_smem(&self) -> usize {
         let (d, l) = (self.shape.d, self.l());
-        4 * (3 * l * (d + 1) + l * (l + 1) + 3 * l)
+        4 * (3 * l * (d + 4) + l * (l + 4) + 3 * l)
     }
 
     /// Dynamic shared memory of the state kernel, bytes (the kernel's STATE_SMEM).
     pub fn state_smem(&self) -> usize {
         let (d, l, cb) = (self.shape.d, self.l(), self.cb());
-        4 * (d * cb + 3 * l * d + 2 * l * cb + l * l + 3 * l)
+        4 * (2 * d * (cb + 2) + l * (cb + 2) + 3 * l)
     }
 
     /// Whether the chunked path holds this shape (its tiles fit shared memory); else every window stays
