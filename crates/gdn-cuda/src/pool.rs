@@ -411,7 +411,9 @@ impl CudaPool {
     /// reported by [`CudaPool::take_fault`], which the pool's next host call runs first. The slots live on the
     /// device, so a slot holding a speculative window is not checked here (as `step_varlen` does): accept or
     /// drop the window first (`commit_held`), or the next `step_spec` applies it to a state it no longer
-    /// belongs to.
+    /// belongs to. Windows of at least [`CudaPool::chunk_min_len`] tokens take the chunked path, whose scratch
+    /// is allocated by the first call that needs it: before a graph capture, [`CudaPool::reserve_chunk`] with
+    /// the largest call's rows and sequences.
     pub fn step_device(
         &mut self,
         step: &DeviceStep<'_>,
