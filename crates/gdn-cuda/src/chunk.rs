@@ -440,3 +440,59 @@ impl CudaPool {
         }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The caps hold every call whose rows do not overlap: at most rows / min_len long windows, and their
+    /// chunks at most rows / L plus one a window.
+    #[test]
+    fn caps_hold_every_valid_call() {
+        for (rows, seqs, min_len, l) in [
+            (1, 1, 1, 64),
+            (64, 1, 64, 64),
+            (1000, 7, 64, 64),
+            (32768, 4, 64, 64),
+        ] {
+            let (cap_long, cap_ent) = caps(rows, seqs, min_len, l);
+            // the worst case: as many long windows as fit, each one token past a chunk boundary
+            let n_long = seqs.min(rows / min_len).max(1);
+            assert!(cap_long >= n_long);
+            let per = rows / n_long;
+            let chunks = n_long * per.div_ceil(l);
+            assert!(cap_ent >= chunks, "{rows} {seqs}: {cap_ent} < {chunks}");
+        }
+    }
+
+    /// Shared memory fits an SM for every head dim the token-serial kernel takes up to 256, and the kernels' sizes
+    /// follow the source's formulas.
+    #[test]
+    fn tiles_fit_shared_memory() {
+        for d in (16..=256).step_by(16) {
+            let spec = ChunkSpec::new(
+                (9, 0),
+                &gdn::Config::new(Shape::new(d, 1, 2).unwrap()),
+                false,
+                Io::all(DType::F32),
+                PoolOptions::default(),
+            );
+            assert!(
+                spec.supported(),
+                "d {d}: {} / {}",
+                spec.prep_smem(),
+                spec.state_smem()
+            );
+            assert!(d.is_multiple_of(spec.cb()) && spec.l().is_multiple_of(16));
+        }
+        let seed = ChunkSpec::new(
+            (9, 0),
+            &gdn::Config::new(Shape::SEED),
+            false,
+            Io::all(DType::F32),
+            PoolOptions::default(),
+        );
+        assert_eq!((seed.l(), seed.cb()), (64, 32));
+        assert_eq!(seed.floats_per_row(), 48 * (5 * 128 + 64 + 1));
+    }
+}

@@ -419,16 +419,18 @@ impl CudaPool {
         step: &DeviceStep<'_>,
         out: &mut DeviceTensorMut<'_, '_>,
     ) -> Result<()> {
-        self.step_device_with(step, out, None)
+        self.step_device_with(step, out, None, None)
     }
 
     /// `step_device`, or with `accept` (a device array of `accepted | buffer << 8` per sequence, see the
     /// kernel's SPECULATIVE) the speculative kernel.
+    /// `lens`: the call's shortest and longest window where the caller knows them (else `uniform_len`'s).
     fn step_device_with(
         &mut self,
         step: &DeviceStep<'_>,
         out: &mut DeviceTensorMut<'_, '_>,
         accept: Option<sys::CUdeviceptr>,
+        lens: Option<(usize, usize)>,
     ) -> Result<()> {
         let sh = *self.layer.shape();
         let rows = step.rows;
@@ -498,7 +500,7 @@ impl CudaPool {
             len: ptr(step.len, &self.cuda),
             commit_at: ptr(step.commit_at, &self.cuda),
             accept,
-            lens: step.uniform_len.map(|t| (t, t)),
+            lens: lens.or(step.uniform_len.map(|t| (t, t))),
         };
         self.launch(&kind, n, rows, step.plane_stride, ops)
     }
@@ -1100,14 +1102,16 @@ impl CudaPool {
             start: &start_v,
             len: &len_v,
             commit_at: &commit_v,
-            // a hint above MAX_CONST_T picks the run-time-length kernel, and tells the chunked path's choice
-            uniform_len: uniform.then_some(first),
+            uniform_len: (uniform && first <= MAX_CONST_T).then_some(first),
             commits: live.iter().any(|&i| checked.commit_at[i] > 0),
             plane_stride: step.plane_stride,
         };
         let out_len = layout.len();
-        let mut one =
-            |pool: &mut CudaPool| -> Result<()> { out.step_with(pool, &ds, out_len, acc_ptr) };
+        // the shortest and longest window (the chunked path's choice)
+        let lens = live.last().map(|&i| (step.seqs[i].len, first));
+        let mut one = |pool: &mut CudaPool| -> Result<()> {
+            out.step_with(pool, &ds, out_len, acc_ptr, lens)
+        };
         // warm-up (compiles and loads the kernel)
         for _ in 0..3 {
             one(self)?;
@@ -1257,7 +1261,7 @@ impl Owned {
     }
     /// Runs `step` with the first `len` elements of this buffer as its output.
     pub fn step(&mut self, pool: &mut CudaPool, step: &DeviceStep<'_>, len: usize) -> Result<()> {
-        self.step_with(pool, step, len, None)
+        self.step_with(pool, step, len, None, None)
     }
 
     fn step_with(
@@ -1266,22 +1270,26 @@ impl Owned {
         step: &DeviceStep<'_>,
         len: usize,
         accept: Option<sys::CUdeviceptr>,
+        lens: Option<(usize, usize)>,
     ) -> Result<()> {
         match self {
             Owned::F32(x) => pool.step_device_with(
                 step,
                 &mut DeviceTensorMut::F32(&mut x.slice_mut(0..len)),
                 accept,
+                lens,
             ),
             Owned::Bf16(x) => pool.step_device_with(
                 step,
                 &mut DeviceTensorMut::Bf16(&mut x.slice_mut(0..len)),
                 accept,
+                lens,
             ),
             Owned::F16(x) => pool.step_device_with(
                 step,
                 &mut DeviceTensorMut::F16(&mut x.slice_mut(0..len)),
                 accept,
+                lens,
             ),
         }
     }
