@@ -65,6 +65,7 @@
 //! # }
 //! ```
 
+pub mod chunk;
 pub mod external;
 pub mod pool;
 
@@ -109,6 +110,9 @@ pub struct Cuda {
     pub(crate) pdl: bool,
     /// Fixed memory hints instead of the planner's (benchmark sweeps, [`Cuda::set_tune_override`]).
     pub(crate) tune_override: Option<spec::Tune>,
+    /// Windows of at least this many tokens take the chunked path (`None`: [`chunk::DEFAULT_CHUNK_MIN_LEN`];
+    /// [`Cuda::set_chunk_min_len`]).
+    pub(crate) chunk_min_len: Option<usize>,
 }
 
 impl Cuda {
@@ -174,6 +178,7 @@ impl Cuda {
             plan_override: None,
             pdl: true,
             tune_override: None,
+            chunk_min_len: None,
         })
     }
 
@@ -210,6 +215,13 @@ impl Cuda {
     /// Sets (or with `None` clears) a fixed launch plan for pools created afterwards.
     pub fn set_plan_override(&mut self, plan: Option<Plan>) {
         self.plan_override = plan;
+    }
+
+    /// Sets (or with `None` restores the measured default, [`chunk::DEFAULT_CHUNK_MIN_LEN`]) the window length
+    /// from which a sequence takes the chunked path, for pools created afterwards (`usize::MAX`: never). The
+    /// choice is per sequence, from its own length only, so a sequence's bits do not depend on its batch.
+    pub fn set_chunk_min_len(&mut self, min_len: Option<usize>) {
+        self.chunk_min_len = min_len;
     }
 
     /// The CUDA context this backend runs in (the device's primary context, the one torch and most engines

@@ -127,18 +127,20 @@ pub const STAGE_MIN_BLOCKS: usize = 2;
 
 /// Raw device addresses of one step's operands.
 #[derive(Clone, Copy)]
-struct Operands {
-    qkv: sys::CUdeviceptr,
-    alpha: sys::CUdeviceptr,
-    beta: sys::CUdeviceptr,
-    z: sys::CUdeviceptr,
-    out: sys::CUdeviceptr,
-    slot: sys::CUdeviceptr,
-    start: sys::CUdeviceptr,
-    len: sys::CUdeviceptr,
-    commit_at: sys::CUdeviceptr,
+pub(crate) struct Operands {
+    pub(crate) qkv: sys::CUdeviceptr,
+    pub(crate) alpha: sys::CUdeviceptr,
+    pub(crate) beta: sys::CUdeviceptr,
+    pub(crate) z: sys::CUdeviceptr,
+    pub(crate) out: sys::CUdeviceptr,
+    pub(crate) slot: sys::CUdeviceptr,
+    pub(crate) start: sys::CUdeviceptr,
+    pub(crate) len: sys::CUdeviceptr,
+    pub(crate) commit_at: sys::CUdeviceptr,
     /// The speculative step's per-sequence `accepted | buffer << 8` (None: a plain step).
-    accept: Option<sys::CUdeviceptr>,
+    pub(crate) accept: Option<sys::CUdeviceptr>,
+    /// The shortest and the longest window of the call where the host knows them (picks the chunked path).
+    pub(crate) lens: Option<(usize, usize)>,
 }
 
 /// Longest window a slot holds for a speculative step (the kernel's `MAXH`).
@@ -157,7 +159,7 @@ fn pending_len(sh: &gdn::Shape) -> Option<usize> {
 }
 
 /// The pool's S, in its element type.
-enum StateBuf {
+pub(crate) enum StateBuf {
     F32(CudaSlice<f32>),
     Bf16(CudaSlice<bf16>),
 }
@@ -236,19 +238,19 @@ pub fn staging_keep(have: usize) -> bool {
 /// type; the conv history (f32) as [slot][h_v][3 (q, k, v)][d][3]: every value head has a private copy of the
 /// q/k history it reads, so the kernel commits it in place with no cross-head dependency.
 pub struct CudaPool {
-    cuda: Cuda,
-    layer: Layer,
-    slots: usize,
-    options: PoolOptions,
-    state: StateBuf,
-    hist: CudaSlice<f32>,
-    conv_w: CudaSlice<f32>,
-    dt: CudaSlice<f32>,
-    a: CudaSlice<f32>,
-    gamma: CudaSlice<f32>,
+    pub(crate) cuda: Cuda,
+    pub(crate) layer: Layer,
+    pub(crate) slots: usize,
+    pub(crate) options: PoolOptions,
+    pub(crate) state: StateBuf,
+    pub(crate) hist: CudaSlice<f32>,
+    pub(crate) conv_w: CudaSlice<f32>,
+    pub(crate) dt: CudaSlice<f32>,
+    pub(crate) a: CudaSlice<f32>,
+    pub(crate) gamma: CudaSlice<f32>,
     staging: Option<CudaSlice<u8>>,
     /// Bits the kernel sets where a device-native step named a sequence out of range (see `take_fault`).
-    fault: CudaSlice<u32>,
+    pub(crate) fault: CudaSlice<u32>,
     /// The speculative step's pending region, [slot][2 buffers][`pending_len`] (allocated by the first
     /// `step_spec`): what each held window's tokens would commit. Two buffers a slot, so a step writes the
     /// window it holds into the one its kernel does not read.
@@ -256,27 +258,29 @@ pub struct CudaPool {
     /// Per slot, the length of the window it holds (0: none) and the buffer holding it.
     held: Vec<usize>,
     held_buf: Vec<u8>,
+    /// The chunked path's scratch and kernels (`crate::chunk`).
+    pub(crate) chunk: crate::chunk::ChunkScratch,
 }
 
-fn ptr<T, S: DevicePtr<T>>(s: &S, cuda: &Cuda) -> sys::CUdeviceptr {
+pub(crate) fn ptr<T, S: DevicePtr<T>>(s: &S, cuda: &Cuda) -> sys::CUdeviceptr {
     // event tracking is off for this backend's context, so the guard records nothing
     let (p, _guard) = s.device_ptr(&cuda.stream);
     p
 }
 
-fn ptr_mut<T, S: DevicePtrMut<T>>(s: &mut S, cuda: &Cuda) -> sys::CUdeviceptr {
+pub(crate) fn ptr_mut<T, S: DevicePtrMut<T>>(s: &mut S, cuda: &Cuda) -> sys::CUdeviceptr {
     let (p, _guard) = s.device_ptr_mut(&cuda.stream);
     p
 }
 
-fn too_large(name: &'static str) -> Error {
+pub(crate) fn too_large(name: &'static str) -> Error {
     Error::Param {
         name,
         why: "the size overflows the address space".into(),
     }
 }
 
-fn int(x: usize, what: &'static str) -> Result<i32> {
+pub(crate) fn int(x: usize, what: &'static str) -> Result<i32> {
     i32::try_from(x).map_err(|_| Error::Param {
         name: what,
         why: format!("{x} does not fit the kernel's 32-bit argument"),
@@ -325,6 +329,7 @@ impl CudaPool {
             pend: None,
             held: vec![0; slots],
             held_buf: vec![0; slots],
+            chunk: Default::default(),
         };
         pool.cuda.stream.synchronize().map_err(drv)?;
         Ok(pool)
@@ -411,22 +416,26 @@ impl CudaPool {
     /// reported by [`CudaPool::take_fault`], which the pool's next host call runs first. The slots live on the
     /// device, so a slot holding a speculative window is not checked here (as `step_varlen` does): accept or
     /// drop the window first (`commit_held`), or the next `step_spec` applies it to a state it no longer
-    /// belongs to.
+    /// belongs to. Windows of at least [`CudaPool::chunk_min_len`] tokens take the chunked path, whose scratch
+    /// is allocated by the first call that needs it: before a graph capture, [`CudaPool::reserve_chunk`] with
+    /// the largest call's rows and sequences.
     pub fn step_device(
         &mut self,
         step: &DeviceStep<'_>,
         out: &mut DeviceTensorMut<'_, '_>,
     ) -> Result<()> {
-        self.step_device_with(step, out, None)
+        self.step_device_with(step, out, None, None)
     }
 
     /// `step_device`, or with `accept` (a device array of `accepted | buffer << 8` per sequence, see the
     /// kernel's SPECULATIVE) the speculative kernel.
+    /// `lens`: the call's shortest and longest window where the caller knows them (else `uniform_len`'s).
     fn step_device_with(
         &mut self,
         step: &DeviceStep<'_>,
         out: &mut DeviceTensorMut<'_, '_>,
         accept: Option<sys::CUdeviceptr>,
+        lens: Option<(usize, usize)>,
     ) -> Result<()> {
         let sh = *self.layer.shape();
         let rows = step.rows;
@@ -496,6 +505,7 @@ impl CudaPool {
             len: ptr(step.len, &self.cuda),
             commit_at: ptr(step.commit_at, &self.cuda),
             accept,
+            lens: lens.or(step.uniform_len.map(|t| (t, t))),
         };
         self.launch(&kind, n, rows, step.plane_stride, ops)
     }
@@ -511,6 +521,15 @@ impl CudaPool {
         if n_seqs == 0 {
             return Ok(());
         }
+        // long windows take the chunked path; the token-serial kernel runs the rest (or nothing)
+        let ops = if ops.accept.is_none() {
+            match self.chunk_dispatch(kind, n_seqs, rows, plane_stride, ops)? {
+                Some(o) => o,
+                None => return Ok(()),
+            }
+        } else {
+            ops
+        };
         let sh = *self.layer.shape();
         let mut spec = self.spec(kind)?;
         if ops.accept.is_some() {
@@ -684,6 +703,7 @@ impl CudaPool {
                 commit_at: ints_at(3),
                 accept: accept.map(|_| ints_at(4)),
                 out: at(5),
+                lens: Some((step.seqs[live[n - 1]].len, first)),
             };
             self.launch(&kind, n, rows, step.plane_stride, ops)?;
             let st = self
@@ -962,6 +982,7 @@ impl LayerPool for CudaPool {
                 len: base + 8,
                 commit_at: base + 12,
                 accept: Some(base + 16),
+                lens: None,
             };
             let kind = StepKind {
                 uniform_len: None,
@@ -1069,6 +1090,8 @@ impl CudaPool {
             n: usize,
             uniform_len: Option<usize>,
             commits: bool,
+            /// the shortest and longest window (the chunked path's choice)
+            lens: Option<(usize, usize)>,
         }
         let mut sets = Vec::with_capacity(steps.len());
         for st in steps {
@@ -1105,6 +1128,7 @@ impl CudaPool {
                 n: live.len(),
                 uniform_len: (uniform && first <= MAX_CONST_T).then_some(first),
                 commits: live.iter().any(|&i| checked.commit_at[i] > 0),
+                lens: live.last().map(|&i| (st.seqs[i].len, first)),
             });
         }
         let mut out = Owned::zeros(&s, out_dtype, layout.len().max(1))?;
@@ -1140,7 +1164,7 @@ impl CudaPool {
         let one = |pool: &mut CudaPool, out: &mut Owned| -> Result<()> {
             let k = next.get();
             next.set((k + 1) % dss.len());
-            out.step_with(pool, &dss[k], out_len, acc_ptrs[k])
+            out.step_with(pool, &dss[k], out_len, acc_ptrs[k], sets[k].lens)
         };
         // warm-up (compiles and loads the kernel)
         for _ in 0..3.max(dss.len()) {
@@ -1293,7 +1317,7 @@ impl Owned {
     }
     /// Runs `step` with the first `len` elements of this buffer as its output.
     pub fn step(&mut self, pool: &mut CudaPool, step: &DeviceStep<'_>, len: usize) -> Result<()> {
-        self.step_with(pool, step, len, None)
+        self.step_with(pool, step, len, None, None)
     }
 
     fn step_with(
@@ -1302,22 +1326,26 @@ impl Owned {
         step: &DeviceStep<'_>,
         len: usize,
         accept: Option<sys::CUdeviceptr>,
+        lens: Option<(usize, usize)>,
     ) -> Result<()> {
         match self {
             Owned::F32(x) => pool.step_device_with(
                 step,
                 &mut DeviceTensorMut::F32(&mut x.slice_mut(0..len)),
                 accept,
+                lens,
             ),
             Owned::Bf16(x) => pool.step_device_with(
                 step,
                 &mut DeviceTensorMut::Bf16(&mut x.slice_mut(0..len)),
                 accept,
+                lens,
             ),
             Owned::F16(x) => pool.step_device_with(
                 step,
                 &mut DeviceTensorMut::F16(&mut x.slice_mut(0..len)),
                 accept,
+                lens,
             ),
         }
     }
@@ -1437,10 +1465,10 @@ const EMPTY_SRC: &str = "extern \"C\" __global__ void gdn_empty() {\n\
 /// (programmatic dependent launch where `cuda` has it on) and timed as `time_varlen` times a step (a CUDA graph
 /// of 20 launches replayed, events, median): the floor under a step's graph-replay time on this machine.
 pub fn empty_kernel_time(cuda: &Cuda, blocks: u32, threads: u32) -> Result<Duration> {
-    let cubin = crate::spec::compile_source(EMPTY_SRC, "gdn_empty.cu", cuda.arch)?;
+    let compiled = crate::spec::compiled_source(EMPTY_SRC, "gdn_empty.cu", cuda.arch)?;
     let module = cuda
         .ctx
-        .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+        .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin.clone()))
         .map_err(drv)?;
     let f = module.load_function("gdn_empty").map_err(drv)?;
     let s = cuda.stream.clone();

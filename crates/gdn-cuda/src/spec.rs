@@ -507,34 +507,56 @@ fn log_of(prog: nvrtc_sys::nvrtcProgram) -> String {
 
 /// Compiles one specialisation to a cubin for its architecture.
 fn compile(spec: &Spec) -> std::result::Result<Compiled, String> {
-    compile_named(&spec.source(), "gdn_step.cu", spec.arch).map_err(|(e, log)| {
-        format!(
-            "NVRTC failed on {spec:?} ({e}):\n{log}\n(the source starts with:\n{})",
-            spec.header()
-        )
-    })
+    compile_source(
+        &spec.source(),
+        "gdn_step.cu",
+        spec.arch,
+        &format!("{spec:?}"),
+        &spec.header(),
+    )
 }
 
-/// Compiles another kernel of this crate (`src`, named `name`) for `arch` with the step's options; the cubin.
-pub(crate) fn compile_source(src: &str, name: &str, arch: (i32, i32)) -> Result<Vec<u8>> {
+/// Machine code of another kernel source of this crate (the chunked path's, `crate::chunk`), compiled as the
+/// step kernel is (same options) and cached for the process by its full source text.
+pub(crate) fn compiled_source(src: &str, name: &str, arch: (i32, i32)) -> Result<Arc<Compiled>> {
+    type SrcSlot = Arc<OnceLock<std::result::Result<Arc<Compiled>, String>>>;
+    type SrcCache = Mutex<HashMap<(String, (i32, i32)), SrcSlot>>;
+    static SRC_CACHE: OnceLock<SrcCache> = OnceLock::new();
     if !nvrtc_present() {
-        return Err(Error::Unavailable("libnvrtc (CUDA 13) not found".into()));
+        return Err(Error::Unavailable(
+            "libnvrtc (CUDA 13) not found: install nvidia-cuda-nvrtc and put its lib folder on LD_LIBRARY_PATH"
+                .into(),
+        ));
     }
-    compile_named(src, name, arch)
-        .map(|c| c.cubin)
-        .map_err(|(e, log)| Error::Backend(format!("NVRTC failed on {name} ({e}):\n{log}")))
+    let slot: SrcSlot = {
+        let mut map = SRC_CACHE
+            .get_or_init(|| Mutex::new(HashMap::new()))
+            .lock()
+            .map_err(|_| Error::Backend("kernel cache lock poisoned".into()))?;
+        map.entry((src.to_string(), arch)).or_default().clone()
+    };
+    slot.get_or_init(|| {
+        let head: String = src
+            .lines()
+            .take_while(|l| l.starts_with("#define"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        compile_source(src, name, arch, name, &head).map(Arc::new)
+    })
+    .clone()
+    .map_err(Error::Backend)
 }
 
-/// NVRTC to a cubin for `arch`; on failure the error and the log.
-fn compile_named(
+fn compile_source(
     src: &str,
     name: &str,
     arch: (i32, i32),
-) -> std::result::Result<Compiled, (String, String)> {
-    let src = CString::new(src).map_err(|e| (e.to_string(), String::new()))?;
-    let name = CString::new(name).map_err(|e| (e.to_string(), String::new()))?;
-    let prog = nvrtc_result::create_program(&src, Some(&name))
-        .map_err(|e| (format!("{e:?}"), String::new()))?;
+    what: &str,
+    header: &str,
+) -> std::result::Result<Compiled, String> {
+    let src = CString::new(src).map_err(|e| e.to_string())?;
+    let name = CString::new(name).map_err(|e| e.to_string())?;
+    let prog = nvrtc_result::create_program(&src, Some(&name)).map_err(|e| format!("{e:?}"))?;
     let arch = format!("--gpu-architecture=sm_{}{}", arch.0, arch.1);
     let opts = [
         arch.as_str(),
@@ -547,20 +569,22 @@ fn compile_named(
     let compiled = unsafe { nvrtc_result::compile_program(prog, &opts) };
     let log = log_of(prog);
     let out = match compiled {
-        Err(e) => Err((format!("{e:?}"), log)),
+        Err(e) => Err(format!(
+            "NVRTC failed on {what} ({e:?}):\n{log}\n(the source starts with:\n{header})"
+        )),
         Ok(()) => {
             let mut size = 0usize;
             // SAFETY: `prog` compiled successfully; `size` is a valid out-pointer.
             let r = unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size) };
             if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
-                Err((format!("nvrtcGetCUBINSize failed: {r:?}"), log))
+                Err(format!("nvrtcGetCUBINSize failed: {r:?}"))
             } else {
                 let mut cubin = vec![0u8; size];
                 // SAFETY: `cubin` has exactly the size NVRTC reported for this program's cubin.
                 let r =
                     unsafe { nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut c_char) };
                 if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
-                    Err((format!("nvrtcGetCUBIN failed: {r:?}"), log))
+                    Err(format!("nvrtcGetCUBIN failed: {r:?}"))
                 } else {
                     Ok(Compiled { cubin, log })
                 }
