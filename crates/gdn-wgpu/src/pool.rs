@@ -424,6 +424,36 @@ impl WgpuPool {
         }
     }
 
+    /// The adapter's limits a call must fit, checked before anything is allocated or uploaded: the live
+    /// sequences against the dispatch limit, every per-sequence value against the kernel's 32-bit indices, and
+    /// the inputs', output's and job list's buffers against the binding size.
+    fn check_limits(&self, step: &Step<'_>, checked: &Checked, out_dtype: DType) -> Result<()> {
+        let gpu = &self.gpu;
+        let mut live = 0usize;
+        for (s, &commit_at) in step.seqs.iter().zip(&checked.commit_at) {
+            if s.slot >= 0 {
+                index(s.start, "a sequence's first row")?;
+                index(s.len, "a sequence's length")?;
+                index(commit_at, "a commit point")?;
+                live += 1;
+            }
+        }
+        let max = gpu.limits.max_compute_workgroups_per_dimension;
+        if index(live, "the step's live sequences")? > max {
+            return Err(Error::Backend(format!(
+                "{live} sequences in one step; the adapter dispatches at most {max} workgroups in y"
+            )));
+        }
+        let rows = step.rows;
+        let tensors = [rows.qkv, rows.alpha, rows.beta, rows.z];
+        let (_, words) = input_words(tensors.map(|t| (t.len(), t.dtype().size())))?;
+        check_size(gpu, "the step's inputs", words as u64 * 4)?;
+        let key = self.kernel_key(step.rows.dtypes(), out_dtype);
+        let dev = DevOut::new(&key, self.layer.shape().h_v, &checked.layout)?;
+        check_size(gpu, "the step's output", dev.bytes())?;
+        check_size(gpu, "the step's job list", live as u64 * 32)
+    }
+
     /// Uploads a step's inputs and job list and records its arguments; returns the number of live sequences,
     /// the pipeline and the device's output layout.
     fn prepare(
@@ -463,13 +493,8 @@ impl WgpuPool {
         // longest windows first: the GPU starts workgroups roughly in order, so a long window (a prefill chunk in
         // a decode batch) starts at once instead of after every short one; each job's bits do not depend on it
         self.job_list.sort_by_key(|j| std::cmp::Reverse(j[2]));
+        // within the dispatch limit: check_limits ran first
         let live = index(self.job_list.len(), "the step's live sequences")?;
-        if live > gpu.limits.max_compute_workgroups_per_dimension {
-            return Err(Error::Backend(format!(
-                "{live} sequences in one step; the adapter dispatches at most {} workgroups in y",
-                gpu.limits.max_compute_workgroups_per_dimension
-            )));
-        }
         let rows = step.rows;
         let tensors = [rows.qkv, rows.alpha, rows.beta, rows.z];
         let (offs, words) = input_words(tensors.map(|t| (t.len(), t.dtype().size())))?;
@@ -646,10 +671,11 @@ impl WgpuPool {
                     HOLD,
                     "the wgpu backend",
                 )?;
-                if step.seqs.iter().any(|s| s.slot >= 0) {
-                    self.ensure_pend()?;
-                }
             }
+        }
+        self.check_limits(step, &checked, out.dtype())?;
+        if accept.is_some() && step.seqs.iter().any(|s| s.slot >= 0) {
+            self.ensure_pend()?;
         }
         let (live, pipeline, dev) = self.prepare(step, &checked, out.dtype(), accept)?;
         if live == 0 {
@@ -928,6 +954,14 @@ impl LayerPool for WgpuPool {
         r
     }
 
+    /// Every check `step_varlen` makes, nothing run or allocated. The output's dtype is not known here, so its
+    /// buffer is checked as f32 (the largest): a call this accepts fits with any output dtype.
+    fn check_step(&self, step: &Step<'_>, out_len: usize) -> Result<()> {
+        let checked = step.validate(&self.layer, self.slots, out_len)?;
+        self.check_not_held(step)?;
+        self.check_limits(step, &checked, DType::F32)
+    }
+
     fn held(&self, slot: usize) -> usize {
         self.held.get(slot).copied().unwrap_or(0)
     }
@@ -956,6 +990,7 @@ impl LayerPool for WgpuPool {
         let len = step.layout(&sh)?.len();
         let checked = step.validate(&self.layer, self.slots, len)?;
         self.check_not_held(step)?;
+        self.check_limits(step, &checked, out_dtype)?;
         let (live, pipeline, _) = self.prepare(step, &checked, out_dtype, None)?;
         let gpu = self.gpu.clone();
         let iters = iters.max(1);

@@ -248,6 +248,19 @@ fn a_window_past_sixteen_tokens_is_not_held() {
         pool.step_spec(&step(&rows, &held), &[0], (&mut y[..]).into())
             .unwrap();
         let before = slot_bits(pool.as_mut(), 0);
+        // a plain step on the holding slot: check_step says what step_varlen would, and neither touches it
+        let plain = seq(4, Commit::All);
+        let checked = pool
+            .check_step(&step(&rows, &plain), y.len())
+            .map_err(|e| e.to_string());
+        let ran = pool
+            .step_varlen(&step(&rows, &plain), (&mut y[..]).into())
+            .map_err(|e| e.to_string());
+        assert!(
+            checked.is_err(),
+            "check_step let a plain step on a holding slot through"
+        );
+        assert_eq!(checked, ran);
         let long = seq(17, Commit::Verify);
         match pool.step_spec(&step(&rows, &long), &[3], (&mut y[..]).into()) {
             Err(Error::Unsupported(_)) => {}
