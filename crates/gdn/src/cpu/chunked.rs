@@ -37,10 +37,11 @@ const G: usize = 4;
 
 /// The window length from which the CPU pool takes the chunked path by default: never (`usize::MAX`). Measured
 /// on the development VM (AMD EPYC, Zen 5 class, AVX-512; 2026-12-01, single thread, cycle samples so that the
-/// neighbours' load does not count): at the seed's shape and T 1024 the chunked path costs 1.25x the
-/// token-serial one (its chunk products run ~1.2x faster than the token-serial updates, but the per-chunk
-/// operands, the decay ratios, `T` and the key transpose, add a third), and at no length measured (64 to 4096)
-/// was it faster. The delta rule's chunked form saves no FLOPs (`6 d^2 + 4 L d` per token and head against the
+/// neighbours' load does not count): at the seed's shape the chunked recurrence costs 1.21x (T 4096) to 1.27x
+/// (T 512) the token-serial one (its chunk products run ~1.2x faster than the token-serial updates, but the
+/// per-chunk operands, the decay ratios, `T` and the key transpose, add a third); by wall clock, 2 threads, the
+/// best of 3 noisy runs: 31 K tokens/s against 37 K (0.83x) from T 1024 to 16384, and at no length measured
+/// (128 to 4096) was it faster. The delta rule's chunked form saves no FLOPs (`6 d^2 + 4 L d` per token and head against the
 /// token-serial path's `6 d^2`), and the token-serial path already streams its state from L1, so on a CPU the
 /// form can only win on the efficiency of its products. [`crate::cpu::Cpu::chunked_from`] turns it on.
 pub const CHUNKED_FROM: usize = usize::MAX;
