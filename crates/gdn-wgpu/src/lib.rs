@@ -17,6 +17,7 @@
 //! # Ok::<(), gdn::Error>(())
 //! ```
 
+mod chunk;
 mod kernel;
 mod pool;
 
@@ -26,6 +27,7 @@ use std::time::Instant;
 
 use gdn::{Backend, Error, Layer, LayerPool, Result};
 
+pub use chunk::DEFAULT_CHUNK_FROM;
 pub use kernel::KernelKey;
 pub use pool::WgpuPool;
 
@@ -61,6 +63,11 @@ pub struct Options {
     /// A pool keeps its per-call buffers (inputs, output, job list, readback) between calls up to this many
     /// bytes each; a call that needs a larger one gets it for that call only (released when it returns).
     pub keep_bytes: u64,
+    /// Windows of at least this many tokens run in the chunked form (WY / UT, `chunk.wgsl`), shorter ones token
+    /// by token. A window is counted to its commit point where it commits (all of it where it verifies), so a
+    /// `commit first k` window runs on the path of the k-token window it must equal bitwise. `usize::MAX`: never
+    /// chunked. [`DEFAULT_CHUNK_FROM`] by default, from the crossover measured on the H200 (NOTES.md).
+    pub chunk_from: usize,
 }
 
 /// [`Options::keep_bytes`] by default: a B 256 decode step at the seed shape (10 MiB of f32 inputs) stays
@@ -75,6 +82,7 @@ impl Default for Options {
             row_blocks: 4,
             runtime_checks: false,
             keep_bytes: DEFAULT_KEEP_BYTES,
+            chunk_from: DEFAULT_CHUNK_FROM,
         }
     }
 }
@@ -89,6 +97,7 @@ pub struct Wgpu {
     row_blocks: usize,
     runtime_checks: bool,
     keep_bytes: u64,
+    chunk_from: usize,
 }
 
 type DeviceKey = (Option<String>, Subgroups);
@@ -110,6 +119,8 @@ pub(crate) struct Gpu {
     pub bind_layout: wgpu::BindGroupLayout,
     pub pipeline_layout: wgpu::PipelineLayout,
     pipelines: Mutex<HashMap<KernelKey, Arc<wgpu::ComputePipeline>>>,
+    /// The chunked kernels' pipelines, per key (its d, state and dtypes) and entry point.
+    chunk_pipelines: Mutex<HashMap<(KernelKey, chunk::Entry), Arc<wgpu::ComputePipeline>>>,
     copy: OnceLock<Arc<wgpu::ComputePipeline>>,
     /// Errors wgpu reported outside an error scope (the device's uncaptured-error handler).
     uncaptured: Arc<Mutex<Vec<String>>>,
@@ -147,7 +158,20 @@ impl Wgpu {
             row_blocks: options.row_blocks,
             runtime_checks: options.runtime_checks,
             keep_bytes: options.keep_bytes,
+            chunk_from: options.chunk_from,
         })
+    }
+
+    /// The same backend with another crossover to the chunked form ([`Options::chunk_from`]): windows of at least
+    /// `tokens` tokens (to their commit point) run chunked; `usize::MAX` never.
+    pub fn with_chunk_from(mut self, tokens: usize) -> Self {
+        self.chunk_from = tokens;
+        self
+    }
+
+    /// The crossover to the chunked form this backend's pools use.
+    pub fn chunk_from(&self) -> usize {
+        self.chunk_from
     }
 
     /// A pool as its concrete type (what [`Backend::create_pool_with`] boxes).
@@ -161,6 +185,7 @@ impl Wgpu {
                 row_blocks: self.row_blocks,
                 checked: self.runtime_checks,
                 keep_bytes: self.keep_bytes,
+                chunk_from: self.chunk_from,
             },
         )
     }
@@ -304,6 +329,7 @@ impl Gpu {
             bind_layout,
             pipeline_layout,
             pipelines: Mutex::new(HashMap::new()),
+            chunk_pipelines: Mutex::new(HashMap::new()),
             copy: OnceLock::new(),
             uncaptured,
         };
@@ -361,19 +387,50 @@ impl Gpu {
             return Ok(p.clone());
         }
         key.check_limits(&self.limits)?;
-        let source = key.source();
-        let pipeline = self.scoped("building the GDN pipeline", || {
+        let pipeline = Arc::new(self.build(key.source(), "gdn_step", key.checked)?);
+        cache.insert(key, pipeline.clone());
+        Ok(pipeline)
+    }
+
+    /// A chunked kernel's pipeline (`chunk.wgsl`, entry `entry`) for a key's d, state and dtypes.
+    pub(crate) fn chunk_pipeline(
+        &self,
+        key: KernelKey,
+        entry: chunk::Entry,
+    ) -> Result<Arc<wgpu::ComputePipeline>> {
+        // subgroups and row blocks do not apply to the chunked kernels: one pipeline whatever they are
+        let key = KernelKey {
+            subgroups: false,
+            row_blocks: 1,
+            ..key
+        };
+        let mut cache = self
+            .chunk_pipelines
+            .lock()
+            .map_err(|_| Error::Backend("pipeline cache poisoned".into()))?;
+        if let Some(p) = cache.get(&(key, entry)) {
+            return Ok(p.clone());
+        }
+        chunk::check_limits(key.d, &self.limits)?;
+        let pipeline = Arc::new(self.build(chunk::source(&key), entry.name(), key.checked)?);
+        cache.insert((key, entry), pipeline.clone());
+        Ok(pipeline)
+    }
+
+    fn build(&self, source: String, entry: &str, checked: bool) -> Result<wgpu::ComputePipeline> {
+        self.scoped("building the GDN pipeline", || {
             let desc = wgpu::ShaderModuleDescriptor {
-                label: Some("gdn_step.wgsl"),
+                label: Some(entry),
                 source: wgpu::ShaderSource::Wgsl(source.into()),
             };
-            let module = if key.checked {
+            let module = if checked {
                 self.device.create_shader_module(desc)
             } else {
-                // SAFETY: the kernel's indices stay in bounds for every launch the pool makes: buffer sizes,
-                // offsets, the job list and the uniforms are all derived from arguments validated on the host
-                // (Step::validate, the pool's checked sizes and 32-bit index checks), and its loops have uniform, finite bounds. The caller asked
-                // for this through `Options::runtime_checks = false`.
+                // SAFETY: the kernels' indices stay in bounds for every launch the pool makes: buffer sizes,
+                // offsets, the job lists and the uniforms are all derived from arguments validated on the host
+                // (Step::validate, the pool's checked sizes and 32-bit index checks, the chunked scratch's
+                // regions sized for the round's windows), and their loops have uniform, finite bounds. The caller
+                // asked for this through `Options::runtime_checks = false`.
                 unsafe {
                     self.device
                         .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
@@ -381,10 +438,10 @@ impl Gpu {
             };
             self.device
                 .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                    label: Some("gdn step"),
+                    label: Some(entry),
                     layout: Some(&self.pipeline_layout),
                     module: &module,
-                    entry_point: Some("gdn_step"),
+                    entry_point: Some(entry),
                     compilation_options: wgpu::PipelineCompilationOptions {
                         constants: &[],
                         // every workgroup variable is written before it is read
@@ -392,10 +449,7 @@ impl Gpu {
                     },
                     cache: None,
                 })
-        })?;
-        let pipeline = Arc::new(pipeline);
-        cache.insert(key, pipeline.clone());
-        Ok(pipeline)
+        })
     }
 
     /// The copy kernel of the copy ceiling.
