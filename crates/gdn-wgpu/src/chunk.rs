@@ -38,18 +38,26 @@ impl Entry {
     }
 }
 
-/// The column block of the state one `chunk_run` workgroup carries: 32 columns where d allows, else 16.
-pub fn column_block(d: usize) -> usize {
-    if d.is_multiple_of(32) {
-        32
-    } else {
-        16
-    }
+/// Columns of the state one `chunk_run` workgroup carries by default (`Options::chunk_columns`).
+pub const DEFAULT_COLUMNS: usize = 16;
+
+/// The column block for head dim d: `preferred` where it divides d and fills whole thread rows (a multiple of
+/// NT / L, with d times it a multiple of NT), else the first of 16, 32, 8 that does.
+pub fn column_block(d: usize, preferred: usize) -> usize {
+    let ok = |bv: usize| {
+        bv >= 2
+            && d.is_multiple_of(bv)
+            && (d * bv).is_multiple_of(NT)
+            && (L * bv).is_multiple_of(NT)
+    };
+    [preferred, 16, 32, 8]
+        .into_iter()
+        .find(|&bv| ok(bv))
+        .unwrap_or(16)
 }
 
 /// Bytes of workgroup memory the largest entry point uses (each counts only the variables it uses).
-pub fn workgroup_bytes(d: usize) -> usize {
-    let bv = column_block(d);
+pub fn workgroup_bytes(d: usize, bv: usize) -> usize {
     let pre = 2 * d + 2 * d / 16;
     let wy = 2 * L * L + 3 * L;
     let run = d * bv + L * bv + 3 * L;
@@ -59,9 +67,8 @@ pub fn workgroup_bytes(d: usize) -> usize {
 
 /// The WGSL of the chunked kernels for a pipeline key (its d, state, layout and dtypes; subgroups and row blocks
 /// do not apply).
-pub fn source(key: &KernelKey) -> String {
+pub fn source(key: &KernelKey, bv: usize) -> String {
     let d = key.d;
-    let bv = column_block(d);
     let consts: [(&str, usize); 11] = [
         ("D", d),
         ("L", L),
@@ -187,8 +194,8 @@ pub fn plan(
 }
 
 /// Checks the chunked kernels against the adapter's limits.
-pub fn check_limits(d: usize, limits: &wgpu::Limits) -> Result<()> {
-    let bytes = workgroup_bytes(d);
+pub fn check_limits(d: usize, bv: usize, limits: &wgpu::Limits) -> Result<()> {
+    let bytes = workgroup_bytes(d, bv);
     if NT as u32 > limits.max_compute_invocations_per_workgroup
         || NT as u32 > limits.max_compute_workgroup_size_x
         || bytes > limits.max_compute_workgroup_storage_size as usize
@@ -220,7 +227,7 @@ mod tests {
                     inputs: [DType::Bf16, DType::F32, DType::F16, DType::F32],
                     ..KernelKey::plain(d)
                 };
-                let src = source(&key);
+                let src = source(&key, column_block(d, 8));
                 let module = naga::front::wgsl::parse_str(&src)
                     .unwrap_or_else(|e| panic!("d {d}: {}", e.emit_to_string(&src)));
                 naga::valid::Validator::new(

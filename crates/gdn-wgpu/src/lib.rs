@@ -65,10 +65,18 @@ pub struct Options {
     pub keep_bytes: u64,
     /// Windows of at least this many tokens run in the chunked form (WY / UT, `chunk.wgsl`), shorter ones token
     /// by token. A window is counted to its commit point where it commits (all of it where it verifies), so a
-    /// `commit first k` window runs on the path of the k-token window it must equal bitwise. `usize::MAX`: never
-    /// chunked. [`DEFAULT_CHUNK_FROM`] by default, from the crossover measured on the H200 (NOTES.md).
-    pub chunk_from: usize,
+    /// `commit first k` window runs on the path of the k-token window it must equal bitwise. `Some(usize::MAX)`:
+    /// never chunked. `None` (the default): the crossover measured for the adapter's kind (NOTES.md): on a GPU
+    /// [`DEFAULT_CHUNK_FROM`] tokens; on a CPU adapter (lavapipe) never, where the chunked form measured slower at
+    /// every length.
+    pub chunk_from: Option<usize>,
+    /// State columns one workgroup of the chunked recurrence carries (8, 16 or 32; lowered or raised to one that
+    /// divides d): fewer columns, more workgroups in flight a window. [`DEFAULT_CHUNK_COLUMNS`] by default.
+    pub chunk_columns: usize,
 }
+
+/// [`Options::chunk_columns`] by default.
+pub const DEFAULT_CHUNK_COLUMNS: usize = chunk::DEFAULT_COLUMNS;
 
 /// [`Options::keep_bytes`] by default: a B 256 decode step at the seed shape (10 MiB of f32 inputs) stays
 /// resident; prefill-sized calls allocate per call.
@@ -82,7 +90,8 @@ impl Default for Options {
             row_blocks: 4,
             runtime_checks: false,
             keep_bytes: DEFAULT_KEEP_BYTES,
-            chunk_from: DEFAULT_CHUNK_FROM,
+            chunk_from: None,
+            chunk_columns: DEFAULT_CHUNK_COLUMNS,
         }
     }
 }
@@ -97,7 +106,8 @@ pub struct Wgpu {
     row_blocks: usize,
     runtime_checks: bool,
     keep_bytes: u64,
-    chunk_from: usize,
+    chunk_from: Option<usize>,
+    chunk_columns: usize,
 }
 
 type DeviceKey = (Option<String>, Subgroups);
@@ -120,7 +130,8 @@ pub(crate) struct Gpu {
     pub pipeline_layout: wgpu::PipelineLayout,
     pipelines: Mutex<HashMap<KernelKey, Arc<wgpu::ComputePipeline>>>,
     /// The chunked kernels' pipelines, per key (its d, state and dtypes) and entry point.
-    chunk_pipelines: Mutex<HashMap<(KernelKey, chunk::Entry), Arc<wgpu::ComputePipeline>>>,
+    #[allow(clippy::type_complexity)]
+    chunk_pipelines: Mutex<HashMap<(KernelKey, usize, chunk::Entry), Arc<wgpu::ComputePipeline>>>,
     copy: OnceLock<Arc<wgpu::ComputePipeline>>,
     /// Errors wgpu reported outside an error scope (the device's uncaptured-error handler).
     uncaptured: Arc<Mutex<Vec<String>>>,
@@ -159,19 +170,25 @@ impl Wgpu {
             runtime_checks: options.runtime_checks,
             keep_bytes: options.keep_bytes,
             chunk_from: options.chunk_from,
+            chunk_columns: options.chunk_columns,
         })
     }
 
     /// The same backend with another crossover to the chunked form ([`Options::chunk_from`]): windows of at least
-    /// `tokens` tokens (to their commit point) run chunked; `usize::MAX` never.
+    /// `tokens` tokens (to their commit point) run chunked; `usize::MAX` never. Pools made afterwards use it.
     pub fn with_chunk_from(mut self, tokens: usize) -> Self {
-        self.chunk_from = tokens;
+        self.chunk_from = Some(tokens);
         self
     }
 
-    /// The crossover to the chunked form this backend's pools use.
+    /// The crossover to the chunked form this backend's pools use (the adapter's measured default unless set).
     pub fn chunk_from(&self) -> usize {
         self.chunk_from
+            .unwrap_or(if self.gpu.info.device_type == wgpu::DeviceType::Cpu {
+                usize::MAX
+            } else {
+                DEFAULT_CHUNK_FROM
+            })
     }
 
     /// A pool as its concrete type (what [`Backend::create_pool_with`] boxes).
@@ -185,7 +202,8 @@ impl Wgpu {
                 row_blocks: self.row_blocks,
                 checked: self.runtime_checks,
                 keep_bytes: self.keep_bytes,
-                chunk_from: self.chunk_from,
+                chunk_from: self.chunk_from(),
+                chunk_columns: self.chunk_columns,
             },
         )
     }
@@ -396,6 +414,7 @@ impl Gpu {
     pub(crate) fn chunk_pipeline(
         &self,
         key: KernelKey,
+        columns: usize,
         entry: chunk::Entry,
     ) -> Result<Arc<wgpu::ComputePipeline>> {
         // subgroups and row blocks do not apply to the chunked kernels: one pipeline whatever they are
@@ -408,12 +427,13 @@ impl Gpu {
             .chunk_pipelines
             .lock()
             .map_err(|_| Error::Backend("pipeline cache poisoned".into()))?;
-        if let Some(p) = cache.get(&(key, entry)) {
+        if let Some(p) = cache.get(&(key, columns, entry)) {
             return Ok(p.clone());
         }
-        chunk::check_limits(key.d, &self.limits)?;
-        let pipeline = Arc::new(self.build(chunk::source(&key), entry.name(), key.checked)?);
-        cache.insert((key, entry), pipeline.clone());
+        chunk::check_limits(key.d, columns, &self.limits)?;
+        let source = chunk::source(&key, columns);
+        let pipeline = Arc::new(self.build(source, entry.name(), key.checked)?);
+        cache.insert((key, columns, entry), pipeline.clone());
         Ok(pipeline)
     }
 

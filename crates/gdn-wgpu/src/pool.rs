@@ -44,6 +44,7 @@ pub(crate) struct Settings {
     pub checked: bool,
     pub keep_bytes: u64,
     pub chunk_from: usize,
+    pub chunk_columns: usize,
 }
 
 /// A buffer sized per call: reused while large enough, grown to the next power of two up to the keep cap (to
@@ -280,6 +281,8 @@ pub struct WgpuPool {
     /// The chunked path (`chunk.rs`): the crossover (windows of at least this many tokens to their commit
     /// point), the call's chunked windows and chunk entries, their device buffers and bind group.
     chunk_from: usize,
+    /// State columns a workgroup of the chunked recurrence carries.
+    chunk_bv: usize,
     chunked: Chunked,
     /// The call's plane stride and input offsets, for the chunked kernels' uniforms.
     chunked_base: (u32, [u32; 4]),
@@ -373,7 +376,8 @@ impl WgpuPool {
             .write_buffer(&weights_buf, 0, bytemuck::cast_slice(&weights));
         let rw = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
         // the chunked kernels where the adapter runs them (else every window runs token by token)
-        let chunk_from = if chunk::check_limits(sh.d, &gpu.limits).is_ok() {
+        let chunk_bv = chunk::column_block(sh.d, settings.chunk_columns);
+        let chunk_from = if chunk::check_limits(sh.d, chunk_bv, &gpu.limits).is_ok() {
             settings.chunk_from
         } else {
             usize::MAX
@@ -412,6 +416,7 @@ impl WgpuPool {
             job_list: Vec::new(),
             scratch: Vec::new(),
             chunk_from,
+            chunk_bv,
             chunked_base: (0, [0; 4]),
             chunked: Chunked {
                 windows: Vec::new(),
@@ -549,7 +554,7 @@ impl WgpuPool {
         }
         let l = &self.gpu.limits;
         let sh = self.layer.shape();
-        let blocks = sh.h_v * (sh.d / chunk::column_block(sh.d));
+        let blocks = sh.h_v * (sh.d / self.chunk_bv);
         if blocks > l.max_compute_workgroups_per_dimension as usize {
             return Err(Error::Backend(format!(
                 "the chunked path needs {blocks} workgroups in x; the adapter dispatches at most {}",
@@ -799,10 +804,10 @@ impl WgpuPool {
     fn chunk_pipelines(&self, key: KernelKey) -> Result<[Arc<wgpu::ComputePipeline>; 4]> {
         let g = &self.gpu;
         Ok([
-            g.chunk_pipeline(key, Entry::Pre)?,
-            g.chunk_pipeline(key, Entry::Wy)?,
-            g.chunk_pipeline(key, Entry::Run)?,
-            g.chunk_pipeline(key, Entry::Out)?,
+            g.chunk_pipeline(key, self.chunk_bv, Entry::Pre)?,
+            g.chunk_pipeline(key, self.chunk_bv, Entry::Wy)?,
+            g.chunk_pipeline(key, self.chunk_bv, Entry::Run)?,
+            g.chunk_pipeline(key, self.chunk_bv, Entry::Out)?,
         ])
     }
 
@@ -819,7 +824,7 @@ impl WgpuPool {
         let chunks = round.chunks as u32;
         let windows = (round.windows.1 - round.windows.0) as u32;
         let (h_k, h_v) = (sh.h_k as u32, sh.h_v as u32);
-        let blocks = (sh.d / chunk::column_block(sh.d)) as u32;
+        let blocks = (sh.d / self.chunk_bv) as u32;
         pass.set_bind_group(0, self.chunked.bind_group.as_ref(), &[]);
         let grid = [
             (h_k + h_v, chunks),

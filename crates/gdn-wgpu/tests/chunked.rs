@@ -19,7 +19,7 @@ fn backend(chunk_from: usize) -> Option<Wgpu> {
             .ok()
             .filter(|s| !s.is_empty()),
         runtime_checks: std::env::var("GDN_WGPU_CHECKS").is_ok_and(|v| v == "1"),
-        chunk_from,
+        chunk_from: Some(chunk_from),
         ..Options::default()
     };
     match Wgpu::with_options(options) {
@@ -35,6 +35,16 @@ fn backend(chunk_from: usize) -> Option<Wgpu> {
         }
         Err(e) => panic!("{e}"),
     }
+}
+
+fn backend_default() -> Wgpu {
+    Wgpu::with_options(Options {
+        adapter: std::env::var("GDN_WGPU_ADAPTER")
+            .ok()
+            .filter(|s| !s.is_empty()),
+        ..Options::default()
+    })
+    .unwrap()
 }
 
 /// The bound on f32 outputs and an f32 state against the float64 oracle (issue 14).
@@ -393,5 +403,12 @@ fn crossover_is_set_through_the_builder() {
     assert_eq!(b.chunk_from(), usize::MAX);
     let b2 = b.clone().with_chunk_from(16);
     assert_eq!(b2.chunk_from(), 16);
-    assert_eq!(Options::default().chunk_from, gdn_wgpu::DEFAULT_CHUNK_FROM);
+    assert_eq!(Options::default().chunk_from, None);
+    let default = backend_default();
+    let want = if default.adapter_info().device_type == wgpu::DeviceType::Cpu {
+        usize::MAX
+    } else {
+        gdn_wgpu::DEFAULT_CHUNK_FROM
+    };
+    assert_eq!(default.chunk_from(), want);
 }

@@ -1,12 +1,16 @@
-//! The conformance suite on the wgpu backend, once per reduction path. Without an adapter (or, for the first
+//! The conformance suite on the wgpu backend, once per reduction path and once with long windows chunked. Without an adapter (or, for the first
 //! module, without subgroup operations) every test is skipped with a message on stderr, unless
 //! `GDN_WGPU_REQUIRE=1` (CI with lavapipe installed), which turns a missing adapter into a failure.
 //! `GDN_WGPU_ADAPTER` (a part of the adapter's name) and `GDN_WGPU_CHECKS=1` (wgpu's runtime checks kept in the
 //! kernel) are read here and passed in as options: the library reads no environment.
 
-fn make(subgroups: gdn_wgpu::Subgroups) -> gdn::Result<Box<dyn gdn::Backend>> {
+fn make(
+    subgroups: gdn_wgpu::Subgroups,
+    chunk_from: Option<usize>,
+) -> gdn::Result<Box<dyn gdn::Backend>> {
     let options = gdn_wgpu::Options {
         subgroups,
+        chunk_from,
         adapter: std::env::var("GDN_WGPU_ADAPTER")
             .ok()
             .filter(|s| !s.is_empty()),
@@ -27,9 +31,16 @@ fn make(subgroups: gdn_wgpu::Subgroups) -> gdn::Result<Box<dyn gdn::Backend>> {
 }
 
 mod subgroups {
-    gdn_conformance::conformance_tests!(|| super::make(gdn_wgpu::Subgroups::Require));
+    gdn_conformance::conformance_tests!(|| super::make(gdn_wgpu::Subgroups::Require, None));
 }
 
 mod workgroup_memory {
-    gdn_conformance::conformance_tests!(|| super::make(gdn_wgpu::Subgroups::Off));
+    gdn_conformance::conformance_tests!(|| super::make(gdn_wgpu::Subgroups::Off, None));
+}
+
+// every window of 17 tokens or more (to its commit point) in the chunked form, whatever the adapter's default: the
+// suite's long windows, and its mixed batches across both paths (17: above the longest held window, so that the
+// speculative flows compare one path with itself)
+mod chunked {
+    gdn_conformance::conformance_tests!(|| super::make(gdn_wgpu::Subgroups::Auto, Some(17)));
 }
