@@ -11,6 +11,10 @@ pub const TEMPLATE: &str = include_str!("chunk.wgsl");
 /// Tokens of a chunk.
 pub const L: usize = 32;
 
+/// Floats of a chunk's block per value head: its decayed q.k products P [L][L], then gamma, the end decays of
+/// the chunk's last row and those of the commit row.
+pub const PB: usize = L * L + 3 * L;
+
 /// Threads of every chunked kernel's workgroup (WebGPU's default limit).
 pub const NT: usize = 256;
 
@@ -69,7 +73,7 @@ pub fn workgroup_bytes(d: usize, bv: usize) -> usize {
 /// do not apply).
 pub fn source(key: &KernelKey, bv: usize) -> String {
     let d = key.d;
-    let consts: [(&str, usize); 11] = [
+    let consts: [(&str, usize); 12] = [
         ("D", d),
         ("L", L),
         ("BV", bv),
@@ -81,6 +85,7 @@ pub fn source(key: &KernelKey, bv: usize) -> String {
         ("CP2", (2 * d).div_ceil(NT)),
         ("CPE", d.div_ceil(NT)),
         ("GW", key.group_width()),
+        ("PB", PB),
     ];
     let mut header = String::new();
     for (name, v) in consts {
@@ -110,7 +115,7 @@ pub fn regions(sh: &Shape, tokens: usize, chunks: usize) -> Option<[usize; 8]> {
     let qk = tokens.checked_mul(sh.h_k)?.checked_mul(sh.d)?;
     let v = tokens.checked_mul(sh.h_v)?.checked_mul(sh.d)?;
     let g = tokens.checked_mul(sh.h_v)?;
-    let p = chunks.checked_mul(sh.h_v)?.checked_mul(L * L)?;
+    let p = chunks.checked_mul(sh.h_v)?.checked_mul(PB)?;
     Some([qk, qk, v, v, v, g, g, p])
 }
 

@@ -219,7 +219,7 @@ fn chunk_wy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
     let t0 = ce.y * L;
     let nl = min(L, job.z - t0);
     let tokb = ex.x + t0;
-    let pbase = prm.o_p + ((ex.y + ce.y) * prm.h_v + wg.x) * (L * L);
+    let pbase = prm.o_p + ((ex.y + ce.y) * prm.h_v + wg.x) * PB;
     let h = wg.x;
     let h_k = prm.h_k;
     let h_v = prm.h_v;
@@ -261,11 +261,35 @@ fn chunk_wy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
             wam[r * L + s] = bs * (gd * wkk[r * L + s]);
         }
     }
+    // gamma_r, and the end decays g_{s+1} ... g_e of the chunk's last row and of the commit row where the window
+    // commits inside the chunk, for chunk_run (after P in the chunk's block): each a product in a fixed order
+    // from rows of the chunk up to its end only
+    let commit_at = job.w;
+    let has_commit = commit_at > t0 && commit_at <= t0 + nl;
     if (tid == NT - 1u) {
         var gm = 1.0;
         for (var r = 0u; r < nl; r++) {
             gm = gm * wgs[r];
             wgam[r] = gm;
+            cs[pbase + L * L + r] = gm;
+        }
+    } else if (tid == NT - 2u || (tid == NT - 3u && has_commit)) {
+        var e = nl - 1u;
+        var at = pbase + L * L + L;
+        if (tid == NT - 3u) {
+            e = commit_at - t0 - 1u;
+            at = pbase + L * L + 2u * L;
+        }
+        var gd = 1.0;
+        var x = 0u;
+        loop {
+            let s = e - x;
+            cs[at + s] = gd;
+            if (s == 0u) {
+                break;
+            }
+            gd = gd * wgs[s];
+            x++;
         }
     }
     workgroupBarrier();
@@ -402,36 +426,16 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         let t0 = c * L;
         let nl = min(L, len - t0);
         let tokb = ex.x + t0;
-        let pbase = prm.o_p + ((ex.y + c) * h_v + h) * (L * L);
+        let pbase = prm.o_p + ((ex.y + c) * h_v + h) * PB;
         // the commit inside this chunk: its last row pe
         let has_commit = commit_at > t0 && commit_at <= t0 + nl;
         let pe = commit_at - t0 - 1u;
-        // gamma_r = g_0 ... g_r; the end decays g_{s+1} ... g_end of the chunk's end and of the commit row
-        if (tid == 0u) {
-            var gm = 1.0;
-            for (var r = 0u; r < nl; r++) {
-                gm = gm * cs[prm.o_g + (tokb + r) * h_v + h];
-                rgam[r] = gm;
-            }
-        } else if (tid == 1u || (tid == 2u && has_commit)) {
-            var e = nl - 1u;
-            if (tid == 2u) {
-                e = pe;
-            }
-            var gd = 1.0;
-            var x = 0u;
-            loop {
-                let s = e - x;
-                if (tid == 1u) {
-                    rend[s] = gd;
-                } else {
-                    rendc[s] = gd;
-                }
-                if (s == 0u) {
-                    break;
-                }
-                gd = gd * cs[prm.o_g + (tokb + s) * h_v + h];
-                x++;
+        // gamma_r = g_0 ... g_r and the end decays of the chunk's end and of the commit row, from chunk_wy
+        if (tid < nl) {
+            rgam[tid] = cs[pbase + L * L + tid];
+            rend[tid] = cs[pbase + L * L + L + tid];
+            if (has_commit && tid <= pe) {
+                rendc[tid] = cs[pbase + L * L + 2u * L + tid];
             }
         }
         // delta = U - W S and q S for this thread's rows
@@ -466,25 +470,35 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         }
         // the state after the chunk (and after the commit row, where it lies inside the chunk):
         // gamma_e S + sum_{s <= e} (G[e][s] k_s) delta_s
+        // this thread's elements tid + m NT: rows i0 + m NT / BV, column j (NT is a multiple of BV); the sums over
+        // s run in order for every element, the elements side by side
         var nsv: array<f32, RSN>;
         var csv: array<f32, RSN>;
         let inner = has_commit && pe + 1u < nl;
+        let i0 = tid / BV;
+        let kb0 = prm.o_kh + (tokb * h_k + g) * D + i0;
         for (var m = 0u; m < RSN; m++) {
-            let e = tid + m * NT;
-            let i = e / BV;
-            let jb = e % BV;
-            let s0 = sv[e];
-            var acc = rgam[nl - 1u] * s0;
-            for (var s = 0u; s < nl; s++) {
-                acc = fma(rend[s] * cs[prm.o_kh + ((tokb + s) * h_k + g) * D + i], dl[s * BV + jb], acc);
+            nsv[m] = rgam[nl - 1u] * sv[tid + m * NT];
+        }
+        for (var s = 0u; s < nl; s++) {
+            let dv = dl[s * BV + j];
+            let ge = rend[s];
+            let kb = kb0 + s * h_k * D;
+            for (var m = 0u; m < RSN; m++) {
+                nsv[m] = fma(ge * cs[kb + m * (NT / BV)], dv, nsv[m]);
             }
-            nsv[m] = acc;
-            if (inner) {
-                var a2 = rgam[pe] * s0;
-                for (var s = 0u; s <= pe; s++) {
-                    a2 = fma(rendc[s] * cs[prm.o_kh + ((tokb + s) * h_k + g) * D + i], dl[s * BV + jb], a2);
+        }
+        if (inner) {
+            for (var m = 0u; m < RSN; m++) {
+                csv[m] = rgam[pe] * sv[tid + m * NT];
+            }
+            for (var s = 0u; s <= pe; s++) {
+                let dv = dl[s * BV + j];
+                let ge = rendc[s];
+                let kb = kb0 + s * h_k * D;
+                for (var m = 0u; m < RSN; m++) {
+                    csv[m] = fma(ge * cs[kb + m * (NT / BV)], dv, csv[m]);
                 }
-                csv[m] = a2;
             }
         }
         workgroupBarrier();
