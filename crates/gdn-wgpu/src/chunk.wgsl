@@ -113,6 +113,8 @@ fn chunk_pre(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
     var h1: array<f32, CP1>;
     var h2: array<f32, CP1>;
     var chan: array<u32, CP1>;
+    // the next token's raw input, loaded a token ahead of its use
+    var xn: array<f32, CP1>;
     for (var m = 0u; m < CP1; m++) {
         let cl = tid + m * NT;
         if (cl < nch) {
@@ -135,6 +137,7 @@ fn chunk_pre(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
                 h1[m] = ld_qkv((row0 + t0 - 2u) * cc + ch);
                 h2[m] = ld_qkv((row0 + t0 - 1u) * cc + ch);
             }
+            xn[m] = ld_qkv((row0 + t0) * cc + ch);
         }
     }
     if (!is_qk && tid < nl) {
@@ -151,7 +154,10 @@ fn chunk_pre(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         for (var m = 0u; m < CP1; m++) {
             let cl = tid + m * NT;
             if (cl < nch) {
-                let x = ld_qkv(row * cc + chan[m]);
+                let x = xn[m];
+                if (t + 1u < nl) {
+                    xn[m] = ld_qkv((row + 1u) * cc + chan[m]);
+                }
                 let w = cw[m];
                 var s = fma(h0[m], w.x, 0.0);
                 s = fma(h1[m], w.y, s);
@@ -547,12 +553,28 @@ fn chunk_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
     let h = wg.x;
     let n = prm.n;
     let plane = prm.plane;
+    // the next token's readout and gate input, loaded a token ahead
+    var on: array<f32, CPE>;
+    var zn: array<f32, CPE>;
+    for (var m = 0u; m < CPE; m++) {
+        let j = tid + m * NT;
+        if (j < D) {
+            on[m] = cs[prm.o_o + (tokb * prm.h_v + h) * D + j];
+            zn[m] = ld_z((job.y + t0) * n + h * D + j);
+        }
+    }
     for (var t = 0u; t < nl; t++) {
         let row = job.y + t0 + t;
+        var zt: array<f32, CPE>;
         for (var m = 0u; m < CPE; m++) {
             let j = tid + m * NT;
             if (j < D) {
-                eo[j] = cs[prm.o_o + ((tokb + t) * prm.h_v + h) * D + j];
+                eo[j] = on[m];
+                zt[m] = zn[m];
+                if (t + 1u < nl) {
+                    on[m] = cs[prm.o_o + ((tokb + t + 1u) * prm.h_v + h) * D + j];
+                    zn[m] = ld_z((row + 1u) * n + h * D + j);
+                }
             }
         }
         workgroupBarrier();
@@ -573,7 +595,7 @@ fn chunk_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         for (var m = 0u; m < CPE; m++) {
             let j = tid + m * NT;
             if (j < D) {
-                let zz = ld_z(row * n + h * D + j);
+                let zz = zt[m];
                 var act = sigmoid(zz);
                 if (prm.silu != 0u) {
                     act = zz * act;

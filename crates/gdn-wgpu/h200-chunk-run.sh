@@ -1,0 +1,35 @@
+#!/bin/bash
+# gdn-wgpu's chunked long windows on the H200 through NVIDIA's Vulkan driver (issue 14 item 4): the chunked tests,
+# the conformance suite (three modules: subgroups, workgroup memory, windows from 17 tokens chunked), then the
+# prefill timings (token-serial vs chunked per T and column block, seed shape, B 1). A copy of this script is
+# crates/gdn-wgpu/h200-chunk-run.sh.
+set -u
+S=.devbin/chunk-wgpu
+D=/tmp/chunk-wgpu
+mkdir -p $D
+for b in chunked conformance prefill; do xz -dc $S/$b.xz >$D/$b; chmod +x $D/$b; done
+icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+[ -f "$icd" ] && export VK_DRIVER_FILES="$icd"
+export XDG_RUNTIME_DIR=/tmp GDN_WGPU_ADAPTER=${GDN_WGPU_ADAPTER:-nvidia} GDN_WGPU_REQUIRE=1
+mkdir -p /work/wt-chunk-wgpu/crates/gdn-conformance
+[ -e /work/wt-chunk-wgpu/crates/gdn-conformance/fixtures ] || ln -s "$PWD/crates/gdn-conformance/fixtures" /work/wt-chunk-wgpu/crates/gdn-conformance/fixtures
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+echo "== prefill, f32"
+timeout 100 $D/prefill --t 16,32,48,64,96,128,256,512,4096 --columns 8,16,32 --oracle-t 512 >$OUT/prefill.log 2>&1
+echo "rc $?"
+echo "== prefill, bf16 activations and output"
+timeout 40 $D/prefill --t 512,4096 --columns 8,16 --io bf16 --oracle-t 0 >$OUT/prefill-bf16.log 2>&1
+echo "rc $?"
+echo "== chunked tests"
+timeout 60 $D/chunked --test-threads 4 --nocapture >$OUT/chunked.log 2>&1
+echo "rc $?"
+grep -E "test result|T [0-9]+:|seed shape|panicked|FAILED" $OUT/chunked.log | head -20
+echo "== conformance"
+timeout 100 $D/conformance --test-threads 8 >$OUT/conformance.log 2>&1
+echo "rc $?"
+grep -E "test result|panicked|FAILED" $OUT/conformance.log | head -12
+echo "== tables"
+head -1 $OUT/prefill.log
+sed -n '/^ *T /,$p' $OUT/prefill.log
+sed -n '/^ *T /,$p' $OUT/prefill-bf16.log
+tail -3 $OUT/prefill.log $OUT/prefill-bf16.log | grep -i "error\|prefill:" 
