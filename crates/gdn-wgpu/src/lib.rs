@@ -73,6 +73,9 @@ pub struct Options {
     /// State columns one workgroup of the chunked recurrence carries (8, 16 or 32; lowered or raised to one that
     /// divides d): fewer columns, more workgroups in flight a window. [`DEFAULT_CHUNK_COLUMNS`] by default.
     pub chunk_columns: usize,
+    /// The most bytes of scratch one round of chunked windows binds (`None`: the adapter's binding limit). A call's
+    /// chunked windows are grouped into rounds under it; a window that alone needs more is refused.
+    pub chunk_scratch_bytes: Option<u64>,
 }
 
 /// [`Options::chunk_columns`] by default.
@@ -92,6 +95,7 @@ impl Default for Options {
             keep_bytes: DEFAULT_KEEP_BYTES,
             chunk_from: None,
             chunk_columns: DEFAULT_CHUNK_COLUMNS,
+            chunk_scratch_bytes: None,
         }
     }
 }
@@ -108,6 +112,7 @@ pub struct Wgpu {
     keep_bytes: u64,
     chunk_from: Option<usize>,
     chunk_columns: usize,
+    chunk_scratch_bytes: Option<u64>,
 }
 
 type DeviceKey = (Option<String>, Subgroups);
@@ -171,6 +176,7 @@ impl Wgpu {
             keep_bytes: options.keep_bytes,
             chunk_from: options.chunk_from,
             chunk_columns: options.chunk_columns,
+            chunk_scratch_bytes: options.chunk_scratch_bytes,
         })
     }
 
@@ -204,6 +210,7 @@ impl Wgpu {
                 keep_bytes: self.keep_bytes,
                 chunk_from: self.chunk_from(),
                 chunk_columns: self.chunk_columns,
+                chunk_scratch_bytes: self.chunk_scratch_bytes,
             },
         )
     }

@@ -45,6 +45,7 @@ pub(crate) struct Settings {
     pub keep_bytes: u64,
     pub chunk_from: usize,
     pub chunk_columns: usize,
+    pub chunk_scratch_bytes: Option<u64>,
 }
 
 /// A buffer sized per call: reused while large enough, grown to the next power of two up to the keep cap (to
@@ -283,6 +284,8 @@ pub struct WgpuPool {
     chunk_from: usize,
     /// State columns a workgroup of the chunked recurrence carries.
     chunk_bv: usize,
+    /// The caller's cap on a round's scratch bytes.
+    chunk_scratch: Option<u64>,
     chunked: Chunked,
     /// The call's plane stride and input offsets, for the chunked kernels' uniforms.
     chunked_base: (u32, [u32; 4]),
@@ -417,6 +420,7 @@ impl WgpuPool {
             scratch: Vec::new(),
             chunk_from,
             chunk_bv,
+            chunk_scratch: settings.chunk_scratch_bytes,
             chunked_base: (0, [0; 4]),
             chunked: Chunked {
                 windows: Vec::new(),
@@ -562,6 +566,7 @@ impl WgpuPool {
             )));
         }
         let max_floats = (l.max_buffer_size.min(l.max_storage_buffer_binding_size) / 4)
+            .min(self.chunk_scratch.unwrap_or(u64::MAX) / 4)
             .min(u32::MAX as u64) as usize;
         chunk::plan(
             sh,

@@ -412,3 +412,53 @@ fn crossover_is_set_through_the_builder() {
     };
     assert_eq!(default.chunk_from(), want);
 }
+
+/// Windows whose scratch does not fit one round run in several (one submission each), with the bits of one round;
+/// a window that alone does not fit is refused before anything is touched.
+#[test]
+fn rounds_split_the_scratch_and_a_window_too_long_is_refused() {
+    let Some(b) = backend(1) else { return };
+    let shape = Shape::new(16, 1, 2).unwrap();
+    // one 100-token window's scratch: 100 (2 h_k d + 3 h_v d + 2 h_v) + 4 chunks h_v (L^2 + 3 L) floats
+    let one = 4 * (100 * (2 * 16 + 3 * 2 * 16 + 4) + 4 * 2 * (32 * 32 + 96)) as u64;
+    let capped = Wgpu::with_options(Options {
+        adapter: std::env::var("GDN_WGPU_ADAPTER")
+            .ok()
+            .filter(|s| !s.is_empty()),
+        chunk_from: Some(1),
+        chunk_scratch_bytes: Some(2 * one + 64),
+        ..Options::default()
+    })
+    .unwrap();
+    let c = case(9, shape, 400, 4, [DType::F32; 4]);
+    let seqs = [
+        seq(0, 0, 100, Commit::All),
+        seq(1, 100, 100, Commit::First(50)),
+        seq(2, 200, 100, Commit::Verify),
+    ];
+    let (y1, s1) = run(&b, &c, PoolOptions::default(), &seqs, true, DType::F32);
+    let (y2, s2) = run(&capped, &c, PoolOptions::default(), &seqs, true, DType::F32);
+    assert_eq!(bits(&y1), bits(&y2), "outputs in one round and in two");
+    for (a, z) in s1.iter().zip(&s2) {
+        assert_eq!(bits(&a.0), bits(&z.0));
+        assert_eq!(bits(&a.1), bits(&z.1));
+    }
+    // a 400-token window alone is past the cap: refused, nothing touched
+    let mut p = pool(&capped, &c, PoolOptions::default());
+    let before = read_all(p.as_mut());
+    let long = [seq(3, 0, 400, Commit::All)];
+    let step = Step {
+        rows: c.rows.view(),
+        seqs: &long,
+        plane_stride: None,
+    };
+    let mut out = vec![0.0f32; 400 * shape.n()];
+    let err = p.step_varlen(&step, (&mut out[..]).into()).unwrap_err();
+    assert!(err.to_string().contains("400 tokens"), "{err}");
+    assert!(p.check_step(&step, out.len()).is_err());
+    let after = read_all(p.as_mut());
+    for (a, z) in before.iter().zip(&after) {
+        assert_eq!(bits(&a.0), bits(&z.0));
+        assert_eq!(bits(&a.1), bits(&z.1));
+    }
+}
