@@ -109,6 +109,17 @@ pub fn source(key: &KernelKey, bv: usize) -> String {
     header + &expand(&paste_includes(TEMPLATE), &flags, &[])
 }
 
+impl KernelKey {
+    /// The WGSL of the chunked kernels for this key's d, state, layout and dtypes, with the column block the
+    /// backend picks for `columns` ([`crate::Options::chunk_columns`]); entry points [`CHUNK_ENTRIES`].
+    pub fn chunk_source(&self, columns: usize) -> String {
+        source(self, column_block(self.d, columns))
+    }
+}
+
+/// The chunked kernels' entry points, in dispatch order.
+pub const CHUNK_ENTRIES: [&str; 4] = ["chunk_pre", "chunk_wy", "chunk_run", "chunk_out"];
+
 /// Floats of the scratch regions for `tokens` tokens in `chunks` chunks, in `CParams` order (q, k, U, W, o, gates,
 /// write strengths, products); None where a count overflows.
 pub fn regions(sh: &Shape, tokens: usize, chunks: usize) -> Option<[usize; 8]> {

@@ -27,7 +27,7 @@ use std::time::Instant;
 
 use gdn::{Backend, Error, Layer, LayerPool, Result};
 
-pub use chunk::DEFAULT_CHUNK_FROM;
+pub use chunk::{CHUNK_ENTRIES, DEFAULT_CHUNK_FROM};
 pub use kernel::KernelKey;
 pub use pool::WgpuPool;
 
