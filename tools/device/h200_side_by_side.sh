@@ -8,6 +8,8 @@
 #   FlashInfer's bundle + fi_run.sh + fi_bench.py in .fi (shared/anchors/flashinfer/README.md)
 # device run from the repo root, carry [".devbin/side", ".whl", ".fi"] (about 61 MiB with the bundle):
 #   bash tools/device/h200_side_by_side.sh [fi_bench.py options, e.g. --sections copy,a,b,c]
+# Environment: SBS_CONFIGS (the gdn pool options to run, default all three below), SBS_FLA=0 skips FLA (its
+# numbers from an earlier run are in ../shared/anchors/README.md), SBS_FI_BUDGET (seconds, default 330).
 set -u
 . tools/device/setup.sh
 B=.devbin/side
@@ -18,9 +20,10 @@ git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$S"
 
 # gdn: the peers' activations are bf16; FlashInfer's pool is value-major (keys contiguous)
 runs=()
-for cfg in "f32-km:--state f32 --layout key-major" "f32-vm:--state f32 --layout value-major" \
-           "bf16-vm:--state bf16 --layout value-major"; do
-  name=${cfg%%:*}; opts=${cfg#*:}
+declare -A opt=([f32-km]="--state f32 --layout key-major" [f32-vm]="--state f32 --layout value-major"
+                [bf16-vm]="--state bf16 --layout value-major" [bf16-km]="--state bf16 --layout key-major")
+for name in ${SBS_CONFIGS:-f32-km f32-vm bf16-vm}; do
+  opts=${opt[$name]}
   for rot in 0 256; do
     tag=$name; [ $rot -gt 0 ] && tag=$name-rot
     stamp "gdn bench $tag"
@@ -35,7 +38,7 @@ timeout 120 $B/gdn bench --backend cuda --io bf16 --layout value-major --spec 4,
 echo "gdn spec rc $?" | tee -a "$S"
 
 stamp "FLA fused recurrence + chunk prefill"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+[ "${SBS_FLA:-1}" = 1 ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 timeout 150 python3 $B/fla_bench.py >"$OUT/fla.log" 2>&1
 echo "fla rc $?" | tee -a "$S"
 
@@ -43,7 +46,7 @@ stamp "FlashInfer"
 # the anchor's rotated timing takes each call's slot indices as a slice of one tensor, 4 bytes apart at B 1,
 # which FlashInfer refuses (16-byte alignment): give each call its own tensor
 sed -i 's/perm\[i \* B:(i + 1) \* B\]\.contiguous()/perm[i * B:(i + 1) * B].clone()/' .fi/fi_bench.py
-timeout 400 bash .fi/fi_run.sh all --budget 330 "$@" >"$OUT/fi_run.log" 2>&1
+timeout 400 bash .fi/fi_run.sh all --budget ${SBS_FI_BUDGET:-330} "$@" >"$OUT/fi_run.log" 2>&1
 echo "flashinfer rc $?" | tee -a "$S"
 
 stamp "FlashInfer speculative flows (issue 15)"

@@ -35,8 +35,9 @@ pub struct Args {
     /// Rotate among enough sets of B slots to span this many MiB of state, one set per call, so that a state
     /// comes from memory rather than from a cache that kept it since its last call, as in an engine that steps
     /// many layers in turn (0: one set, the default). The copy ceiling rotates the same way, and a timing round
-    /// makes at least one call per set, so rounds can outlast --round-ms. CPU only (not implemented for the
-    /// device backends, whose small-B states stay in the GPU's L2 between calls).
+    /// makes at least one call per set, so rounds can outlast --round-ms. On the CPU the table shows the rotated
+    /// times; on CUDA both, in cache (one set, the small-B states stay in the GPU's L2 between calls) and
+    /// rotated (graph replays over the sets), each beside its own ceiling (not implemented for wgpu).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=MAX_ROTATE_MIB))]
     rotate_mib: u32,
     /// The state's element type: f32 or bf16.
@@ -96,6 +97,8 @@ const MAX_ROTATE_MIB: i64 = 4 << 10;
 pub struct Row {
     pub b: usize,
     pub t: usize,
+    /// CUDA with rotation: the rotated time and its ceiling (`per_call` is then the time in cache).
+    pub rotated: Option<(Duration, f64)>,
     pub per_call: Duration,
     pub host_per_call: Option<Duration>,
     pub copy_bytes_per_s: f64,
@@ -199,10 +202,11 @@ pub fn run(args: Args) -> Result<()> {
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    if device && args.rotate_mib > 0 {
+    let cuda_rotation = args.backend == "cuda" && args.rotate_mib > 0;
+    if device && args.rotate_mib > 0 && !cuda_rotation {
         return Err(gdn::Error::Param {
             name: "rotate-mib",
-            why: "rotation is implemented for the CPU backend only".into(),
+            why: "rotation is implemented for the CPU and CUDA backends only".into(),
         });
     }
     if let Some(&b) = batches.iter().find(|&&b| b == 0) {
@@ -246,13 +250,34 @@ pub fn run(args: Args) -> Result<()> {
             }
         };
         // on a GPU one ceiling per batch size (a 1 GiB copy, stable); on the CPU, whose shared L3 and memory move
-        // with the neighbours from one second to the next, a ceiling right before each case
-        let per_batch = if device { Some(ceiling()?) } else { None };
-        let mut pool = backend.create_pool_with(&layer, b * sets, options)?;
+        // with the neighbours from one second to the next, a ceiling right before each case. CUDA with rotation:
+        // the 1 GiB copy for the times in cache, the rotating one for the rotated times.
+        let per_batch = if cuda_rotation {
+            Some(backend.copy_ceiling(ceiling_bytes(device, state_bytes))?)
+        } else if device {
+            Some(ceiling()?)
+        } else {
+            None
+        };
+        let rot_ceiling = if cuda_rotation {
+            Some(ceiling()?)
+        } else {
+            None
+        };
+        // CUDA times a rotation on the device (graph replays over the sets): its own pool type
+        let mut pool = if cuda_rotation {
+            CasePool::Cuda(Box::new(gdn_cuda::Cuda::new()?.create_cuda_pool(
+                &layer,
+                b * sets,
+                options,
+            )?))
+        } else {
+            CasePool::Other(backend.create_pool_with(&layer, b * sets, options)?)
+        };
         for s in 0..b {
             let (st, h) = rng.seq_state(&layer);
             for set in 0..sets {
-                pool.write_slot(set * b + s, &st, &h)?;
+                pool.get().write_slot(set * b + s, &st, &h)?;
             }
         }
         let slot_sets: Vec<Vec<i32>> = (0..sets)
@@ -274,10 +299,21 @@ pub fn run(args: Args) -> Result<()> {
                 Some(c) => c,
                 None => ceiling()?,
             };
-            let timing = time_case(pool.as_mut(), &steps, args.io, args.round_ms)?;
+            let (timing, rotated) = match (&mut pool, rot_ceiling) {
+                (CasePool::Cuda(p), Some(rc)) => {
+                    let cached = time_case(p, &steps[..1], args.io, args.round_ms)?;
+                    let iters = ((args.round_ms as f64 / 1000.0)
+                        / cached.per_call.as_secs_f64().max(1e-7))
+                    .clamp(1.0, 20000.0) as usize;
+                    let rot = p.time_varlen_rotating(&steps, args.io, iters)?;
+                    (cached, Some((rot.per_call, rc)))
+                }
+                (p, _) => (time_case(p.get(), &steps, args.io, args.round_ms)?, None),
+            };
             rows.push(Row {
                 b,
                 t,
+                rotated,
                 per_call: timing.per_call,
                 host_per_call: timing.host_per_call,
                 copy_bytes_per_s: copy,
@@ -329,6 +365,21 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The pool of a case: CUDA's own type where a rotation is timed on the device, else the backend's.
+enum CasePool {
+    Cuda(Box<gdn_cuda::CudaPool>),
+    Other(Box<dyn LayerPool>),
+}
+
+impl CasePool {
+    fn get(&mut self) -> &mut dyn LayerPool {
+        match self {
+            CasePool::Cuda(p) => p.as_mut(),
+            CasePool::Other(p) => p.as_mut(),
+        }
+    }
 }
 
 /// The mixed batch in one call, then its decode sequences alone and its long window alone (seconds per call).
@@ -668,6 +719,39 @@ pub fn print_table(
                 |h| format!("{:.2}", h.as_secs_f64() * 1e6)
             ),
         );
+    }
+    if rows.iter().any(|r| r.rotated.is_some()) {
+        // the rotated time first after B and T: a parser of the rows above then reads it from these
+        println!("rotated (every call's state from memory; graph replays over the slot sets):");
+        println!(
+            "{:>4} {:>3} {:>11} {:>11} {:>11} {:>10} {:>7} {:>11}",
+            "B",
+            "T",
+            "rotated us",
+            "in cache us",
+            "state GB/s",
+            "copy GB/s",
+            "% copy",
+            "rot / cache"
+        );
+        for r in rows {
+            if let Some((rot, rc)) = r.rotated {
+                let secs = rot.as_secs_f64();
+                let state_bw = state_bytes_per_call(&sh, dt, r.b) / secs;
+                println!(
+                    "{:>4} {:>3} {:>11.2} {:>11.2} {:>11.1} {:>10.1} {:>6.1}% {:>11.2}",
+                    r.b,
+                    r.t,
+                    secs * 1e6,
+                    r.per_call.as_secs_f64() * 1e6,
+                    state_bw / 1e9,
+                    rc / 1e9,
+                    100.0 * state_bw / rc,
+                    secs / r.per_call.as_secs_f64()
+                );
+            }
+        }
+        println!("the rotated ceiling: one state-sized device copy per call, rotating over as many buffer pairs as slot sets, in a CUDA graph");
     }
     println!(
         "state GB/s counts one read and one write of S per call; % copy is that over a copy ceiling measured in this run: {}",

@@ -11,7 +11,7 @@ use gdn::{
     Backend, Commit, Config, DType, Gate, LayerPool, PoolOptions, RowsData, Seq, Shape,
     StateLayout, Step,
 };
-use gdn_cuda::{spec, Cuda, Plan};
+use gdn_cuda::{spec, Cuda, Plan, Tune};
 
 struct Row {
     what: String,
@@ -33,9 +33,25 @@ struct Case {
 }
 
 fn time(cuda: &Cuda, c: Case, lens: &[usize], plan: Option<Plan>) -> gdn::Result<(f64, f64)> {
+    time_rot(cuda, c, lens, plan, None, 1)
+}
+
+/// `time` with memory hints `tune` (None: the planner's) over `sets` sets of slots taken in turn (1: the same
+/// slots every call, their states stay in L2 where they fit; more: each call's states come from memory).
+fn time_rot(
+    cuda: &Cuda,
+    c: Case,
+    lens: &[usize],
+    plan: Option<Plan>,
+    tune: Option<Tune>,
+    sets: usize,
+) -> gdn::Result<(f64, f64)> {
     let mut cu = cuda.clone();
     if plan.is_some() {
         cu.set_plan_override(plan);
+    }
+    if tune.is_some() {
+        cu.set_tune_override(tune);
     }
     let mut cfg = Config::new(Shape::SEED);
     cfg.gate = c.gate;
@@ -46,7 +62,7 @@ fn time(cuda: &Cuda, c: Case, lens: &[usize], plan: Option<Plan>) -> gdn::Result
         state: c.state,
         layout: c.layout,
     };
-    let mut pool = cu.create_cuda_pool(&layer, lens.len(), opts)?;
+    let mut pool = cu.create_cuda_pool(&layer, lens.len() * sets, opts)?;
     let batch = rng.batch(&layer, rows, 1);
     let data = RowsData::from_f32(&batch.qkv, &batch.alpha, &batch.beta, &batch.z, [c.io; 4]);
     let mut at = 0;
@@ -64,12 +80,29 @@ fn time(cuda: &Cuda, c: Case, lens: &[usize], plan: Option<Plan>) -> gdn::Result
             s
         })
         .collect();
-    let step = Step {
-        rows: data.view(),
-        seqs: &seqs,
-        plane_stride: None,
+    let set_seqs: Vec<Vec<Seq>> = (0..sets)
+        .map(|k| {
+            seqs.iter()
+                .map(|q| Seq {
+                    slot: q.slot + (k * lens.len()) as i32,
+                    ..*q
+                })
+                .collect()
+        })
+        .collect();
+    let steps: Vec<Step> = set_seqs
+        .iter()
+        .map(|q| Step {
+            rows: data.view(),
+            seqs: q,
+            plane_stride: None,
+        })
+        .collect();
+    let timing = if sets > 1 {
+        pool.time_varlen_rotating(&steps, c.io, 20)?
+    } else {
+        pool.time_varlen(&steps[0], c.io, 20)?
     };
-    let timing = pool.time_varlen(&step, c.io, 20)?;
     Ok((
         timing.per_call.as_secs_f64() * 1e6,
         timing
@@ -223,6 +256,10 @@ fn main() -> gdn::Result<()> {
             );
         }
     }
+    if arg("decode") {
+        // the variant table alone (no ptxas report: its compiles take device time)
+        return decode_variants(&cuda, copy, &mut rows);
+    }
     println!("\n## ptxas report of the seed specialisations (commit, no planes)");
     let plan = Plan::choose(128, 48, 1, cuda.multiprocessors())?;
     for state in [DType::F32, DType::Bf16] {
@@ -271,4 +308,179 @@ fn main() -> gdn::Result<()> {
         let _ = std::fs::write(format!("{out}/bench-cuda.md"), &md);
     }
     Ok(())
+}
+
+/// Rotation footprint of `decode`: enough slot sets that every call's states come from memory (60 MiB L2).
+const ROTATE_BYTES: usize = 1 << 30;
+
+/// `bench decode`: the decode step (T 1, and T 8 as a check) at B 1, 32 and 256 for f32 and bf16 states under
+/// variants of the plan and the memory hints, each in cache (the same slots every call) and rotated (slot sets
+/// spanning ROTATE_BYTES), beside the copy ceiling rotated the same way and an empty kernel's graph replay.
+/// `GDN_CUDA_VARIANTS=a,b,..` picks variants by name.
+fn decode_variants(cuda: &Cuda, copy: f64, rows: &mut Vec<Row>) -> gdn::Result<()> {
+    let sh = Shape::SEED;
+    for (blocks, threads) in [(48u32, 256u32), (96, 128), (192, 64)] {
+        let e = gdn_cuda::empty_kernel_time(cuda, blocks, threads)?;
+        println!(
+            "empty kernel {blocks} x {threads} threads: {:.2} us per launch (graph replay, PDL {})",
+            e.as_secs_f64() * 1e6,
+            if std::env::var("GDN_CUDA_PDL").is_ok_and(|v| v == "0") {
+                "off"
+            } else {
+                "on"
+            }
+        );
+    }
+    let one = Plan::choose(128, 48, 256, cuda.multiprocessors())?;
+    let tune = |ahead_half_waves, prewait| {
+        Some(Tune {
+            ahead_half_waves,
+            prewait,
+        })
+    };
+    // (name, plan override, hints override: None the planner's)
+    let variants: Vec<(&str, Option<Plan>, Option<Tune>)> = vec![
+        ("old", Some(one), Some(Tune::NONE)),
+        ("prewait", Some(one), tune(0, true)),
+        ("ahead0.5", Some(one), tune(1, false)),
+        ("ahead1", Some(one), tune(2, false)),
+        ("default", None, None),
+    ];
+    let pick: Option<Vec<String>> = std::env::var("GDN_CUDA_VARIANTS")
+        .ok()
+        .map(|v| v.split(',').map(|x| x.trim().to_string()).collect());
+    let base = Case {
+        gate: Gate::Sigmoid,
+        state: DType::F32,
+        layout: StateLayout::KeyMajor,
+        io: DType::F32,
+    };
+    let cases = [
+        base,
+        Case {
+            state: DType::Bf16,
+            ..base
+        },
+        Case {
+            state: DType::Bf16,
+            layout: StateLayout::ValueMajor,
+            io: DType::Bf16,
+            ..base
+        },
+    ];
+    // compile every specialisation the table runs first, in parallel (NVRTC is single-threaded per program)
+    let t0 = std::time::Instant::now();
+    let mut specs = Vec::new();
+    let layer = Synth::new(1).layer(Config::new(sh))?;
+    for c in cases {
+        for (b, t) in SIZES {
+            for (name, plan, tune) in &variants {
+                if skip(name, b, t) {
+                    continue;
+                }
+                let mut cu = cuda.clone();
+                cu.set_plan_override(*plan);
+                cu.set_tune_override(*tune);
+                let pool = cu.create_cuda_pool(
+                    &layer,
+                    1,
+                    PoolOptions {
+                        state: c.state,
+                        layout: c.layout,
+                    },
+                )?;
+                specs.push(pool.spec(&gdn_cuda::StepKind {
+                    uniform_len: Some(t),
+                    commits: true,
+                    planes: false,
+                    io: spec::Io::all(c.io),
+                    seqs: b,
+                })?);
+            }
+        }
+    }
+    let specs = std::sync::Mutex::new(specs);
+    std::thread::scope(|s| {
+        for _ in 0..16 {
+            s.spawn(|| loop {
+                let next = specs.lock().map(|mut v| v.pop()).ok().flatten();
+                let Some(sp) = next else { break };
+                let _ = spec::compiled(&sp);
+            });
+        }
+    });
+    println!(
+        "compiled the table's kernels in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    println!(
+        "\n| case | variant | B | T | in cache us | % copy | rotated us | % rotated copy | sets |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for c in cases {
+        for (b, t) in SIZES {
+            let state_bytes = b * sh.state_len() * c.state.size();
+            let sets = ROTATE_BYTES.div_ceil(state_bytes).max(2);
+            let rot_copy = cuda.copy_ceiling_rotating(state_bytes, sets)?;
+            let what = format!(
+                "state {} {} io {}",
+                c.state.name(),
+                c.layout.name(),
+                c.io.name()
+            );
+            println!(
+                "copy ceiling rotated ({what}, B {b}): {:.3} TB/s over {sets} parts of {:.1} MiB",
+                rot_copy / 1e12,
+                state_bytes as f64 / (1 << 20) as f64
+            );
+            for (name, plan, tune) in &variants {
+                if pick.as_ref().is_some_and(|p| !p.iter().any(|x| x == name)) {
+                    continue;
+                }
+                if skip(name, b, t) {
+                    continue;
+                }
+                let lens = vec![t; b];
+                let cached = time_rot(cuda, c, &lens, *plan, *tune, 1);
+                let rotated = time_rot(cuda, c, &lens, *plan, *tune, sets);
+                match (cached, rotated) {
+                    (Ok((us, host_us)), Ok((rus, _))) => {
+                        let bytes = 2.0 * state_bytes as f64;
+                        println!(
+                            "| {what} | {name} | {b} | {t} | {us:.2} | {:.1} | {rus:.2} | {:.1} | {sets} |",
+                            100.0 * bytes / (us * 1e-6) / copy,
+                            100.0 * bytes / (rus * 1e-6) / rot_copy,
+                        );
+                        rows.push(Row {
+                            what: format!("{what} {name}"),
+                            b,
+                            t,
+                            state: c.state,
+                            us,
+                            host_us,
+                            bytes,
+                        });
+                    }
+                    (a, r) => println!(
+                        "{what} {name} B {b} T {t} failed: {:?} / {:?}",
+                        a.err(),
+                        r.err()
+                    ),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The (B, T) of `decode`'s table.
+const SIZES: [(usize, usize); 4] = [(1, 1), (32, 1), (256, 1), (1, 8)];
+
+/// Whether `decode` leaves variant `name` out at B `b`, T `t`: what prefetches before the wait only at B 1, what
+/// works across waves only above it, at T 8 only the old kernel and the default.
+fn skip(name: &str, b: usize, t: usize) -> bool {
+    (name == "prewait" && b > 1)
+        || (name.starts_with("ahead") && b == 1)
+        || (t > 1 && !matches!(name, "old" | "default"))
+        || (b == 32 && !matches!(name, "old" | "default"))
 }

@@ -5,6 +5,36 @@ use gdn_cuda::spec::{compiled, resource_line, Io, Plan, Spec, CLUSTER_SIZES};
 fn main() {
     let cfg = Config::new(Shape::SEED);
     let t0 = std::time::Instant::now();
+    // the decode kernels as the planner runs them: B 1 (own state prefetched before the wait) and B 256 (a bf16
+    // state staged, value-major with the prefetch half a wave ahead)
+    for state in [DType::F32, DType::Bf16] {
+        for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+            for b in [1usize, 256] {
+                let p = Plan::choose(128, 48, b, 132).expect("a split for d 128");
+                let s = Spec::new((9, 0), &cfg, Some(1), true, false, p)
+                    .with_pool(PoolOptions { state, layout })
+                    .with_stage(b * 48 >= 264)
+                    .with_tune(None, b * 48 * p.ncb, 132);
+                match compiled(&s) {
+                    Ok(c) => println!(
+                        "decode B {b} state {} {} plan {}/{}/{} ahead {} prewait {}: {}",
+                        state.name(),
+                        layout.name(),
+                        p.ncb,
+                        p.rg,
+                        s.minb(),
+                        s.ahead,
+                        s.prewait,
+                        resource_line(&c.log)
+                    ),
+                    Err(e) => println!("{s:?}: {e}"),
+                }
+            }
+        }
+    }
+    if std::env::args().any(|a| a == "decode") {
+        return;
+    }
     let p = Plan::choose(128, 48, 256, 132).expect("a split for d 128");
     for state in [DType::F32, DType::Bf16] {
         for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {

@@ -26,6 +26,10 @@
 //                           start / len, commit_at optional
 //   GDN_CONV_DT             (GDN_EXT) element type of the engine's conv state: 0 f32, 1 bf16, 2 f16
 //   GDN_SPEC                1: the speculative step on the pool (see SPECULATIVE below; needs GDN_COMMIT 1)
+//   GDN_AHEAD               0, or a distance in blocks: each block prefetches into L2 the state of the block that
+//                           many blocks after it in launch order (its loads then hit L2); a hint, no value changes
+//   GDN_PREWAIT             1: before waiting for the previous kernel, prefetch the block's own state into L2
+//                           (the slot read only for that, as a relaxed load; see Launch below)
 //
 // Sequences. Sequence s of the call has pool slot seq_slot[s], rows seq_start[s] .. + seq_len[s] of the packed
 // inputs and of the output, and commit point seq_commit[s]. A sequence whose slot is outside the pool, whose
@@ -78,6 +82,9 @@
 //
 // Launch: with programmatic dependent launch the kernel loads a few of the layer's weights, then waits for
 // the previous kernel in the stream (griddepcontrol.wait) before it reads anything a previous kernel may write.
+// The one exception (GDN_PREWAIT) is the block's slot, read with a relaxed load to prefetch its state into L2
+// during the previous kernel's tail: the value read serves as a prefetch address and nothing else (a stale
+// slot prefetches lines no one needs; the L2 is coherent, so a prefetched line is never stale).
 
 #ifndef GDN_D
 #error "GDN_D must be defined"
@@ -111,6 +118,12 @@
 #endif
 #ifndef GDN_SPEC
 #define GDN_SPEC 0
+#endif
+#ifndef GDN_AHEAD
+#define GDN_AHEAD 0
+#endif
+#ifndef GDN_PREWAIT
+#define GDN_PREWAIT 0
 #endif
 
 #define D GDN_D
@@ -268,6 +281,40 @@ __device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
 }
 #endif
 
+// the largest power of two below n (n >= 2)
+constexpr int below_pow2(int n) { return n <= 2 ? 1 : 2 * below_pow2((n + 1) / 2); }
+
+// p[0] + ... + p[N - 1] as a fixed pairwise tree (the first power-of-two part, then the rest)
+template <int N> struct Tree {
+    static __device__ __forceinline__ float sum(const float* p) {
+        constexpr int H = below_pow2(N);
+        return Tree<H>::sum(p) + Tree<N - H>::sum(p + H);
+    }
+};
+template <> struct Tree<1> {
+    static __device__ __forceinline__ float sum(const float* p) { return p[0]; }
+};
+
+// L2 prefetch of the part of a slot's state block (head hh, rank rr) reads (one bulk prefetch per state row of
+// the block, thread-strided); a hint only, it changes no value
+#define PF_BYTES (COLS * (int)sizeof(ES::T))
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes));
+#endif
+}
+template <typename TS>
+__device__ __forceinline__ void prefetch_state(const TS* slot_base, int hh, int rr, int tid) {
+#if GDN_VMAJOR
+    // the block's COLS columns are COLS contiguous runs of D keys
+    const char* b = reinterpret_cast<const char*>(slot_base + ((size_t)hh * D + rr * COLS) * D);
+    for (int c = tid; c < COLS; c += NT) prefetch_l2(b + (size_t)c * D * sizeof(TS), D * sizeof(TS));
+#else
+    // D keys, each a run of COLS columns
+    for (int i = tid; i < D; i += NT) prefetch_l2(slot_base + ((size_t)i * HV + hh) * D + rr * COLS, PF_BYTES);
+#endif
+}
+
 __device__ __forceinline__ float row_sum(float x) {
 #pragma unroll
     for (int off = 1; off < RG; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
@@ -381,6 +428,13 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     const float ah = ssm_a[h];
 
 #if __CUDA_ARCH__ >= 900
+#if GDN_PREWAIT
+    {
+        int s0;
+        asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(s0) : "l"(seq_slot + sq_i));
+        if (s0 >= 0 && s0 < n_slots) prefetch_state(state + SLOT_OFF(s0), h, rank, tid);
+    }
+#endif
     // everything below may read what the previous kernel in the stream wrote; let the next one start
     // meanwhile
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -389,6 +443,12 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 
     // the sequence: all four loads in flight at once; the rows and the state both wait only for them
     const int slot = seq_slot[sq_i];
+#if GDN_AHEAD
+    // the block GDN_AHEAD places later in launch order (its slot loaded with ours; prefetched after our loads)
+    const unsigned ahead_lin = blockIdx.y * gridDim.x + blockIdx.x + GDN_AHEAD;
+    const unsigned ahead_y = ahead_lin / gridDim.x, ahead_x = ahead_lin % gridDim.x;
+    const int ahead_slot = ahead_y < gridDim.y ? seq_slot[ahead_y] : -1;
+#endif
 #if GDN_EXT
     // seq_start null: the rows are packed in sequence order and this sequence starts after the lengths before
     // it, summed by the block (a negative or zero length among them makes the start invalid: skipped, reported)
@@ -594,6 +654,10 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     for (int r = 0; r < RPT; ++r) st[r] = ES::ld(st_base[SOFF(r)]);
 #endif
 #endif  // !STAGE
+#if GDN_AHEAD
+    if (ahead_slot >= 0 && ahead_slot < n_slots)
+        prefetch_state(state + SLOT_OFF(ahead_slot), (int)ahead_x / NCB, (int)ahead_x % NCB, tid);
+#endif
 
 #if GDN_SPEC
     if (acc > 0) {
@@ -905,18 +969,16 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         }
 #endif
         __syncthreads();
-        float tot = 0.0f;
-#pragma unroll
-        for (int w = 0; w < NW; ++w) tot += part_o[t & 1][w];
+        // a pairwise tree over the head's warps (and then over the cluster's blocks): for a head dim whose warps
+        // are a power of two it is the same tree whatever the cluster size, so the plan changes no bits
+        float tot = Tree<NW>::sum(part_o[t & 1]);
 #if GDN_NCB > 1
         if (tid == 0) blk_o[t & 1] = tot;
         cluster_sync_all();
-        tot = 0.0f;
         float rem[NCB];
 #pragma unroll
         for (int c = 0; c < NCB; ++c) rem[c] = c == rank ? blk_o[t & 1] : ld_cluster(&blk_o[t & 1], (unsigned)c);
-#pragma unroll
-        for (int c = 0; c < NCB; ++c) tot += rem[c];
+        tot = Tree<NCB>::sum(rem);
 #endif
 
         // 5. gated RMS norm, y, planes (each computed in f32, rounded once to the output type)

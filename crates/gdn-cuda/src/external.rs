@@ -376,18 +376,25 @@ impl CudaLayer {
     pub fn spec(&self, kind: &ExternalKind) -> Result<Spec> {
         kind.state.validate()?;
         let sh = self.layer.shape();
+        let heads = kind.seqs.saturating_mul(sh.h_v);
+        let plan = self.cuda.plan_for(sh.d, sh.h_v)?;
         Ok(Spec::new(
             self.cuda.arch,
             &self.layer.config,
             kind.uniform_len,
             kind.commits,
             kind.planes,
-            self.cuda.plan_for(sh.d, sh.h_v)?,
+            plan,
         )
         .with_io(kind.io)
         .with_pool(kind.state)
-        .with_stage(kind.seqs.saturating_mul(sh.h_v) >= STAGE_MIN_BLOCKS * self.cuda.sms)
-        .with_ext(kind.conv))
+        .with_stage(heads >= STAGE_MIN_BLOCKS * self.cuda.sms)
+        .with_ext(kind.conv)
+        .with_tune(
+            self.cuda.tune(),
+            heads.saturating_mul(plan.ncb),
+            self.cuda.sms,
+        ))
     }
 
     /// Compiles and loads the kernel a step of this kind needs, so that a later step (one being captured into

@@ -65,6 +65,7 @@
 //! # }
 //! ```
 
+pub mod chunk;
 pub mod external;
 pub mod pool;
 
@@ -79,8 +80,8 @@ use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, DriverError};
 use gdn::{Backend, Error, Layer, LayerPool, Result};
 
 pub use external::{CudaLayer, ExternalKind, RawConv, RawState, RawStep, RawTensor, SeqRows};
-pub use pool::{CudaPool, DeviceStep, DeviceTensor, DeviceTensorMut, StepKind};
-pub use spec::{Io, Plan, Spec};
+pub use pool::{empty_kernel_time, CudaPool, DeviceStep, DeviceTensor, DeviceTensorMut, StepKind};
+pub use spec::{Io, Plan, Spec, Tune};
 
 pub(crate) fn drv(e: DriverError) -> Error {
     Error::Backend(format!("CUDA driver: {e:?}"))
@@ -107,6 +108,11 @@ pub struct Cuda {
     pub(crate) plan_override: Option<Plan>,
     /// Launch with programmatic dependent launch (the default; [`Cuda::set_pdl`]).
     pub(crate) pdl: bool,
+    /// Fixed memory hints instead of the planner's (benchmark sweeps, [`Cuda::set_tune_override`]).
+    pub(crate) tune_override: Option<spec::Tune>,
+    /// Windows of at least this many tokens take the chunked path (`None`: [`chunk::DEFAULT_CHUNK_MIN_LEN`];
+    /// [`Cuda::set_chunk_min_len`]).
+    pub(crate) chunk_min_len: Option<usize>,
 }
 
 impl Cuda {
@@ -171,6 +177,8 @@ impl Cuda {
             functions: Arc::new(Mutex::new(HashMap::new())),
             plan_override: None,
             pdl: true,
+            tune_override: None,
+            chunk_min_len: None,
         })
     }
 
@@ -209,10 +217,28 @@ impl Cuda {
         self.plan_override = plan;
     }
 
+    /// Sets (or with `None` restores the measured default, [`chunk::DEFAULT_CHUNK_MIN_LEN`]) the window length
+    /// from which a sequence takes the chunked path, for pools created afterwards (`usize::MAX`: never). The
+    /// choice is per sequence, from its own length only, so a sequence's bits do not depend on its batch.
+    pub fn set_chunk_min_len(&mut self, min_len: Option<usize>) {
+        self.chunk_min_len = min_len;
+    }
+
     /// The CUDA context this backend runs in (the device's primary context, the one torch and most engines
     /// use): an engine's memory and streams for [`CudaLayer::step_raw`] belong to it.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
+    }
+
+    /// Sets (or with `None` clears) fixed memory hints (L2 prefetch distance, prefetch before the wait) for
+    /// launches from now on, instead of the planner's ([`Spec::planned_tune`]). No bits depend on them.
+    pub fn set_tune_override(&mut self, tune: Option<spec::Tune>) {
+        self.tune_override = tune;
+    }
+
+    /// The fixed memory hints, if any (None: the planner's).
+    pub(crate) fn tune(&self) -> Option<spec::Tune> {
+        self.tune_override
     }
 
     /// The launch plan for head dim `d` and `h_v` heads: the override where it fits `d`, else the planner's.
@@ -264,5 +290,9 @@ impl Backend for Cuda {
 
     fn copy_ceiling(&self, bytes: usize) -> Result<f64> {
         pool::copy_ceiling(self, bytes)
+    }
+
+    fn copy_ceiling_rotating(&self, bytes: usize, parts: usize) -> Result<f64> {
+        pool::copy_ceiling_rotating(self, bytes, parts)
     }
 }

@@ -127,18 +127,20 @@ pub const STAGE_MIN_BLOCKS: usize = 2;
 
 /// Raw device addresses of one step's operands.
 #[derive(Clone, Copy)]
-struct Operands {
-    qkv: sys::CUdeviceptr,
-    alpha: sys::CUdeviceptr,
-    beta: sys::CUdeviceptr,
-    z: sys::CUdeviceptr,
-    out: sys::CUdeviceptr,
-    slot: sys::CUdeviceptr,
-    start: sys::CUdeviceptr,
-    len: sys::CUdeviceptr,
-    commit_at: sys::CUdeviceptr,
+pub(crate) struct Operands {
+    pub(crate) qkv: sys::CUdeviceptr,
+    pub(crate) alpha: sys::CUdeviceptr,
+    pub(crate) beta: sys::CUdeviceptr,
+    pub(crate) z: sys::CUdeviceptr,
+    pub(crate) out: sys::CUdeviceptr,
+    pub(crate) slot: sys::CUdeviceptr,
+    pub(crate) start: sys::CUdeviceptr,
+    pub(crate) len: sys::CUdeviceptr,
+    pub(crate) commit_at: sys::CUdeviceptr,
     /// The speculative step's per-sequence `accepted | buffer << 8` (None: a plain step).
-    accept: Option<sys::CUdeviceptr>,
+    pub(crate) accept: Option<sys::CUdeviceptr>,
+    /// The shortest and the longest window of the call where the host knows them (picks the chunked path).
+    pub(crate) lens: Option<(usize, usize)>,
 }
 
 /// Longest window a slot holds for a speculative step (the kernel's `MAXH`).
@@ -157,7 +159,7 @@ fn pending_len(sh: &gdn::Shape) -> Option<usize> {
 }
 
 /// The pool's S, in its element type.
-enum StateBuf {
+pub(crate) enum StateBuf {
     F32(CudaSlice<f32>),
     Bf16(CudaSlice<bf16>),
 }
@@ -236,19 +238,19 @@ pub fn staging_keep(have: usize) -> bool {
 /// type; the conv history (f32) as [slot][h_v][3 (q, k, v)][d][3]: every value head has a private copy of the
 /// q/k history it reads, so the kernel commits it in place with no cross-head dependency.
 pub struct CudaPool {
-    cuda: Cuda,
-    layer: Layer,
-    slots: usize,
-    options: PoolOptions,
-    state: StateBuf,
-    hist: CudaSlice<f32>,
-    conv_w: CudaSlice<f32>,
-    dt: CudaSlice<f32>,
-    a: CudaSlice<f32>,
-    gamma: CudaSlice<f32>,
+    pub(crate) cuda: Cuda,
+    pub(crate) layer: Layer,
+    pub(crate) slots: usize,
+    pub(crate) options: PoolOptions,
+    pub(crate) state: StateBuf,
+    pub(crate) hist: CudaSlice<f32>,
+    pub(crate) conv_w: CudaSlice<f32>,
+    pub(crate) dt: CudaSlice<f32>,
+    pub(crate) a: CudaSlice<f32>,
+    pub(crate) gamma: CudaSlice<f32>,
     staging: Option<CudaSlice<u8>>,
     /// Bits the kernel sets where a device-native step named a sequence out of range (see `take_fault`).
-    fault: CudaSlice<u32>,
+    pub(crate) fault: CudaSlice<u32>,
     /// The speculative step's pending region, [slot][2 buffers][`pending_len`] (allocated by the first
     /// `step_spec`): what each held window's tokens would commit. Two buffers a slot, so a step writes the
     /// window it holds into the one its kernel does not read.
@@ -256,27 +258,29 @@ pub struct CudaPool {
     /// Per slot, the length of the window it holds (0: none) and the buffer holding it.
     held: Vec<usize>,
     held_buf: Vec<u8>,
+    /// The chunked path's scratch and kernels (`crate::chunk`).
+    pub(crate) chunk: crate::chunk::ChunkScratch,
 }
 
-fn ptr<T, S: DevicePtr<T>>(s: &S, cuda: &Cuda) -> sys::CUdeviceptr {
+pub(crate) fn ptr<T, S: DevicePtr<T>>(s: &S, cuda: &Cuda) -> sys::CUdeviceptr {
     // event tracking is off for this backend's context, so the guard records nothing
     let (p, _guard) = s.device_ptr(&cuda.stream);
     p
 }
 
-fn ptr_mut<T, S: DevicePtrMut<T>>(s: &mut S, cuda: &Cuda) -> sys::CUdeviceptr {
+pub(crate) fn ptr_mut<T, S: DevicePtrMut<T>>(s: &mut S, cuda: &Cuda) -> sys::CUdeviceptr {
     let (p, _guard) = s.device_ptr_mut(&cuda.stream);
     p
 }
 
-fn too_large(name: &'static str) -> Error {
+pub(crate) fn too_large(name: &'static str) -> Error {
     Error::Param {
         name,
         why: "the size overflows the address space".into(),
     }
 }
 
-fn int(x: usize, what: &'static str) -> Result<i32> {
+pub(crate) fn int(x: usize, what: &'static str) -> Result<i32> {
     i32::try_from(x).map_err(|_| Error::Param {
         name: what,
         why: format!("{x} does not fit the kernel's 32-bit argument"),
@@ -325,6 +329,7 @@ impl CudaPool {
             pend: None,
             held: vec![0; slots],
             held_buf: vec![0; slots],
+            chunk: Default::default(),
         };
         pool.cuda.stream.synchronize().map_err(drv)?;
         Ok(pool)
@@ -348,18 +353,23 @@ impl CudaPool {
 
     /// The kernel specialisation a step of this kind runs.
     pub fn spec(&self, kind: &StepKind) -> Result<Spec> {
+        let heads = kind.seqs.saturating_mul(self.layer.shape().h_v);
+        let plan = self.plan()?;
         Ok(Spec::new(
             self.cuda.arch,
             &self.layer.config,
             kind.uniform_len,
             kind.commits,
             kind.planes,
-            self.plan()?,
+            plan,
         )
         .with_io(kind.io)
         .with_pool(self.options)
-        .with_stage(
-            kind.seqs.saturating_mul(self.layer.shape().h_v) >= STAGE_MIN_BLOCKS * self.cuda.sms,
+        .with_stage(heads >= STAGE_MIN_BLOCKS * self.cuda.sms)
+        .with_tune(
+            self.cuda.tune(),
+            heads.saturating_mul(plan.ncb),
+            self.cuda.sms,
         ))
     }
 
@@ -406,22 +416,26 @@ impl CudaPool {
     /// reported by [`CudaPool::take_fault`], which the pool's next host call runs first. The slots live on the
     /// device, so a slot holding a speculative window is not checked here (as `step_varlen` does): accept or
     /// drop the window first (`commit_held`), or the next `step_spec` applies it to a state it no longer
-    /// belongs to.
+    /// belongs to. Windows of at least [`CudaPool::chunk_min_len`] tokens take the chunked path, whose scratch
+    /// is allocated by the first call that needs it: before a graph capture, [`CudaPool::reserve_chunk`] with
+    /// the largest call's rows and sequences.
     pub fn step_device(
         &mut self,
         step: &DeviceStep<'_>,
         out: &mut DeviceTensorMut<'_, '_>,
     ) -> Result<()> {
-        self.step_device_with(step, out, None)
+        self.step_device_with(step, out, None, None)
     }
 
     /// `step_device`, or with `accept` (a device array of `accepted | buffer << 8` per sequence, see the
     /// kernel's SPECULATIVE) the speculative kernel.
+    /// `lens`: the call's shortest and longest window where the caller knows them (else `uniform_len`'s).
     fn step_device_with(
         &mut self,
         step: &DeviceStep<'_>,
         out: &mut DeviceTensorMut<'_, '_>,
         accept: Option<sys::CUdeviceptr>,
+        lens: Option<(usize, usize)>,
     ) -> Result<()> {
         let sh = *self.layer.shape();
         let rows = step.rows;
@@ -491,6 +505,7 @@ impl CudaPool {
             len: ptr(step.len, &self.cuda),
             commit_at: ptr(step.commit_at, &self.cuda),
             accept,
+            lens: lens.or(step.uniform_len.map(|t| (t, t))),
         };
         self.launch(&kind, n, rows, step.plane_stride, ops)
     }
@@ -506,6 +521,15 @@ impl CudaPool {
         if n_seqs == 0 {
             return Ok(());
         }
+        // long windows take the chunked path; the token-serial kernel runs the rest (or nothing)
+        let ops = if ops.accept.is_none() {
+            match self.chunk_dispatch(kind, n_seqs, rows, plane_stride, ops)? {
+                Some(o) => o,
+                None => return Ok(()),
+            }
+        } else {
+            ops
+        };
         let sh = *self.layer.shape();
         let mut spec = self.spec(kind)?;
         if ops.accept.is_some() {
@@ -679,6 +703,7 @@ impl CudaPool {
                 commit_at: ints_at(3),
                 accept: accept.map(|_| ints_at(4)),
                 out: at(5),
+                lens: Some((step.seqs[live[n - 1]].len, first)),
             };
             self.launch(&kind, n, rows, step.plane_stride, ops)?;
             let st = self
@@ -957,6 +982,7 @@ impl LayerPool for CudaPool {
                 len: base + 8,
                 commit_at: base + 12,
                 accept: Some(base + 16),
+                lens: None,
             };
             let kind = StepKind {
                 uniform_len: None,
@@ -1010,23 +1036,40 @@ impl LayerPool for CudaPool {
         out_dtype: DType,
         iters: usize,
     ) -> Result<StepTiming> {
-        self.time_inner(step, out_dtype, iters, None)
+        self.time_inner(std::slice::from_ref(step), out_dtype, iters, None)
     }
 }
 
 impl CudaPool {
-    /// `time_varlen`'s graph replays, of the speculative kernel where `accept` is given (see `time_spec`).
+    /// `time_varlen` over several steps taken in turn, one per call, as an engine that steps many layers meets
+    /// its states: every entry names its own slots (a set of slots per entry, enough sets that together they do
+    /// not fit the L2), so that each call reads its state from memory. The entries share the first one's rows
+    /// and planes. The graph holds a whole number of passes over the entries (at least `iters` calls).
+    pub fn time_varlen_rotating(
+        &mut self,
+        steps: &[Step<'_>],
+        out_dtype: DType,
+        iters: usize,
+    ) -> Result<StepTiming> {
+        self.time_inner(steps, out_dtype, iters, None)
+    }
+
+    /// `time_varlen`'s graph replays over `steps` in turn, of the speculative kernel where `accept` is given (see
+    /// `time_spec`; one step then).
     fn time_inner(
         &mut self,
-        step: &Step<'_>,
+        steps: &[Step<'_>],
         out_dtype: DType,
         iters: usize,
         accept: Option<&[usize]>,
     ) -> Result<StepTiming> {
+        let step = steps.first().ok_or_else(|| Error::Param {
+            name: "steps",
+            why: "nothing to time".into(),
+        })?;
         let sh = *self.layer.shape();
         let layout = step.layout(&sh)?;
         let rows = layout.rows;
-        let checked = step.validate(&self.layer, self.slots, layout.len())?;
         let s = self.cuda.stream.clone();
         let up = |t: &Tensor<'_>| -> Result<Owned> {
             Ok(match *t {
@@ -1041,73 +1084,110 @@ impl CudaPool {
             up(&step.rows.beta)?,
             up(&step.rows.z)?,
         );
-        let live = live_longest_first(step.seqs);
-        let col = |f: &dyn Fn(usize) -> Result<i32>| -> Result<CudaSlice<i32>> {
-            let v = live.iter().map(|&i| f(i)).collect::<Result<Vec<i32>>>()?;
-            // an empty call still needs a buffer to point at
-            s.clone_htod(if v.is_empty() { &[0][..] } else { &v })
-                .map_err(drv)
-        };
-        let slot = col(&|i| Ok(step.seqs[i].slot))?;
-        let start = col(&|i| int(step.seqs[i].start, "start"))?;
-        let len = col(&|i| int(step.seqs[i].len, "len"))?;
-        let commit_at = col(&|i| int(checked.commit_at[i], "commit"))?;
-        let acc = match accept {
-            Some(a) => Some(col(&|i| {
-                let buf = self.held_buf[step.seqs[i].slot as usize] as usize;
-                int(a[i] | buf << 8, "accept")
-            })?),
-            None => None,
-        };
-        let acc_ptr = acc.as_ref().map(|a| ptr(a, &self.cuda));
-        let n = live.len();
-        let first = live.first().map_or(1, |&i| step.seqs[i].len);
-        let uniform = live.iter().all(|&i| step.seqs[i].len == first);
+        // per entry: its four (five) per-sequence arrays and the kernel hints
+        struct Arrays {
+            cols: Vec<CudaSlice<i32>>,
+            n: usize,
+            uniform_len: Option<usize>,
+            commits: bool,
+            /// the shortest and longest window (the chunked path's choice)
+            lens: Option<(usize, usize)>,
+        }
+        let mut sets = Vec::with_capacity(steps.len());
+        for st in steps {
+            if st.layout(&sh)?.len() != layout.len() {
+                return Err(Error::Param {
+                    name: "steps",
+                    why: "the entries of a rotation must have the same rows and output".into(),
+                });
+            }
+            let checked = st.validate(&self.layer, self.slots, layout.len())?;
+            let live = live_longest_first(st.seqs);
+            let col = |f: &dyn Fn(usize) -> Result<i32>| -> Result<CudaSlice<i32>> {
+                let v = live.iter().map(|&i| f(i)).collect::<Result<Vec<i32>>>()?;
+                // an empty call still needs a buffer to point at
+                s.clone_htod(if v.is_empty() { &[0][..] } else { &v })
+                    .map_err(drv)
+            };
+            let mut cols = vec![
+                col(&|i| Ok(st.seqs[i].slot))?,
+                col(&|i| int(st.seqs[i].start, "start"))?,
+                col(&|i| int(st.seqs[i].len, "len"))?,
+                col(&|i| int(checked.commit_at[i], "commit"))?,
+            ];
+            if let Some(a) = accept {
+                cols.push(col(&|i| {
+                    let buf = self.held_buf[st.seqs[i].slot as usize] as usize;
+                    int(a[i] | buf << 8, "accept")
+                })?);
+            }
+            let first = live.first().map_or(1, |&i| st.seqs[i].len);
+            let uniform = live.iter().all(|&i| st.seqs[i].len == first);
+            sets.push(Arrays {
+                cols,
+                n: live.len(),
+                uniform_len: (uniform && first <= MAX_CONST_T).then_some(first),
+                commits: live.iter().any(|&i| checked.commit_at[i] > 0),
+                lens: live.last().map(|&i| (st.seqs[i].len, first)),
+            });
+        }
         let mut out = Owned::zeros(&s, out_dtype, layout.len().max(1))?;
         let (qv, av, bv, zv) = (qkv.view(), alpha.view(), beta.view(), z.view());
-        let (slot_v, start_v, len_v, commit_v) = (
-            slot.slice(0..n),
-            start.slice(0..n),
-            len.slice(0..n),
-            commit_at.slice(0..n),
-        );
-        let ds = DeviceStep {
-            rows,
-            qkv: qv.tensor(),
-            alpha: av.tensor(),
-            beta: bv.tensor(),
-            z: zv.tensor(),
-            slot: &slot_v,
-            start: &start_v,
-            len: &len_v,
-            commit_at: &commit_v,
-            uniform_len: (uniform && first <= MAX_CONST_T).then_some(first),
-            commits: live.iter().any(|&i| checked.commit_at[i] > 0),
-            plane_stride: step.plane_stride,
-        };
+        let views: Vec<Vec<CudaView<'_, i32>>> = sets
+            .iter()
+            .map(|a| a.cols.iter().map(|c| c.slice(0..a.n)).collect())
+            .collect();
+        let dss: Vec<DeviceStep<'_>> = sets
+            .iter()
+            .zip(&views)
+            .map(|(a, v)| DeviceStep {
+                rows,
+                qkv: qv.tensor(),
+                alpha: av.tensor(),
+                beta: bv.tensor(),
+                z: zv.tensor(),
+                slot: &v[0],
+                start: &v[1],
+                len: &v[2],
+                commit_at: &v[3],
+                uniform_len: a.uniform_len,
+                commits: a.commits,
+                plane_stride: step.plane_stride,
+            })
+            .collect();
+        let acc_ptrs: Vec<Option<sys::CUdeviceptr>> = views
+            .iter()
+            .map(|v| v.get(4).map(|a| ptr(a, &self.cuda)))
+            .collect();
         let out_len = layout.len();
-        let mut one =
-            |pool: &mut CudaPool| -> Result<()> { out.step_with(pool, &ds, out_len, acc_ptr) };
+        let next = std::cell::Cell::new(0usize);
+        let one = |pool: &mut CudaPool, out: &mut Owned| -> Result<()> {
+            let k = next.get();
+            next.set((k + 1) % dss.len());
+            out.step_with(pool, &dss[k], out_len, acc_ptrs[k], sets[k].lens)
+        };
         // warm-up (compiles and loads the kernel)
-        for _ in 0..3 {
-            one(self)?;
+        for _ in 0..3.max(dss.len()) {
+            one(self, &mut out)?;
         }
         s.synchronize().map_err(drv)?;
         // host cost of one call: issue a run of calls without waiting
         let n_host = 50;
         let t0 = Instant::now();
         for _ in 0..n_host {
-            one(self)?;
+            one(self, &mut out)?;
         }
         let host = t0.elapsed() / n_host;
         s.synchronize().map_err(drv)?;
         // a graph of `per_graph` steps, replayed
-        let per_graph = iters.clamp(1, 100);
+        // whole passes over the entries (each graph replay starts at the first)
+        let per_graph = iters.clamp(1, 100).next_multiple_of(steps.len());
+        next.set(0);
         s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(drv)?;
         let mut captured = Ok(());
         for _ in 0..per_graph {
-            captured = one(self);
+            captured = one(self, &mut out);
             if captured.is_err() {
                 break;
             }
@@ -1170,7 +1250,7 @@ impl CudaPool {
         )?;
         self.take_fault()?;
         self.pending()?;
-        let t = self.time_inner(step, out_dtype, iters, Some(accept));
+        let t = self.time_inner(std::slice::from_ref(step), out_dtype, iters, Some(accept));
         for s in step.seqs.iter().filter(|s| s.slot >= 0) {
             self.held[s.slot as usize] = 0;
         }
@@ -1237,7 +1317,7 @@ impl Owned {
     }
     /// Runs `step` with the first `len` elements of this buffer as its output.
     pub fn step(&mut self, pool: &mut CudaPool, step: &DeviceStep<'_>, len: usize) -> Result<()> {
-        self.step_with(pool, step, len, None)
+        self.step_with(pool, step, len, None, None)
     }
 
     fn step_with(
@@ -1246,22 +1326,26 @@ impl Owned {
         step: &DeviceStep<'_>,
         len: usize,
         accept: Option<sys::CUdeviceptr>,
+        lens: Option<(usize, usize)>,
     ) -> Result<()> {
         match self {
             Owned::F32(x) => pool.step_device_with(
                 step,
                 &mut DeviceTensorMut::F32(&mut x.slice_mut(0..len)),
                 accept,
+                lens,
             ),
             Owned::Bf16(x) => pool.step_device_with(
                 step,
                 &mut DeviceTensorMut::Bf16(&mut x.slice_mut(0..len)),
                 accept,
+                lens,
             ),
             Owned::F16(x) => pool.step_device_with(
                 step,
                 &mut DeviceTensorMut::F16(&mut x.slice_mut(0..len)),
                 accept,
+                lens,
             ),
         }
     }
@@ -1300,6 +1384,115 @@ pub(crate) fn copy_ceiling(cuda: &Cuda, bytes: usize) -> Result<f64> {
     }
     rates.sort_by(|a, b| a.total_cmp(b));
     Ok(rates[rates.len() / 2])
+}
+
+/// The copy ceiling as a rotating benchmark meets it: `parts` pairs of buffers of `bytes` bytes each (a state
+/// read and written per call), one pair copied per call, the pairs in turn, the copies captured in a CUDA graph
+/// of whole passes and replayed as `time_varlen` replays steps; bytes read plus written per second, median.
+/// With enough parts that they do not fit the L2, every copy reads from memory, and small copies pay what a
+/// small step pays for its launch.
+pub(crate) fn copy_ceiling_rotating(cuda: &Cuda, bytes: usize, parts: usize) -> Result<f64> {
+    let n = (bytes / 4).max(64);
+    let parts = parts.max(1);
+    let s = &cuda.stream;
+    let mut bufs = Vec::with_capacity(parts);
+    for _ in 0..parts {
+        bufs.push((
+            s.alloc_zeros::<f32>(n).map_err(drv)?,
+            s.alloc_zeros::<f32>(n).map_err(drv)?,
+        ));
+    }
+    let per_graph = 20usize.next_multiple_of(parts);
+    let pass = |bufs: &mut Vec<(CudaSlice<f32>, CudaSlice<f32>)>| -> Result<()> {
+        for k in 0..per_graph {
+            let (src, dst) = &mut bufs[k % parts];
+            s.memcpy_dtod(&*src, dst).map_err(drv)?;
+        }
+        Ok(())
+    };
+    pass(&mut bufs)?;
+    s.synchronize().map_err(drv)?;
+    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(drv)?;
+    let captured = pass(&mut bufs);
+    let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
+    captured?;
+    let graph = graph
+        .map_err(drv)?
+        .ok_or_else(|| Error::Backend("graph capture produced no graph".into()))?;
+    let secs = time_graph(cuda, &graph, per_graph)?;
+    Ok(2.0 * (n * 4) as f64 / secs)
+}
+
+/// Seconds per captured node of `graph` (`per_graph` nodes): replayed 10 times a round after a warm-up,
+/// events, median of 7 rounds.
+fn time_graph(cuda: &Cuda, graph: &cudarc::driver::CudaGraph, per_graph: usize) -> Result<f64> {
+    let s = &cuda.stream;
+    graph.launch().map_err(drv)?;
+    s.synchronize().map_err(drv)?;
+    let ev = || {
+        cuda.ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(drv)
+    };
+    let (e0, e1) = (ev()?, ev()?);
+    let replays = 10;
+    let mut times = Vec::new();
+    for _ in 0..7 {
+        e0.record(s).map_err(drv)?;
+        for _ in 0..replays {
+            graph.launch().map_err(drv)?;
+        }
+        e1.record(s).map_err(drv)?;
+        e1.synchronize().map_err(drv)?;
+        let ms = e0.elapsed_ms(&e1).map_err(drv)? as f64;
+        times.push(ms * 1e-3 / (replays * per_graph) as f64);
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(times[times.len() / 2])
+}
+
+/// The source of the empty kernel [`empty_kernel_time`] launches: it waits for the previous kernel (as the
+/// step does, with programmatic dependent launch) and lets the next one start, nothing else.
+const EMPTY_SRC: &str = "extern \"C\" __global__ void gdn_empty() {\n\
+#if __CUDA_ARCH__ >= 900\n\
+    asm volatile(\"griddepcontrol.wait;\" ::: \"memory\");\n\
+    asm volatile(\"griddepcontrol.launch_dependents;\");\n\
+#endif\n\
+}\n";
+
+/// Device time of one launch of an empty kernel of `blocks` blocks of `threads` threads, launched as the step is
+/// (programmatic dependent launch where `cuda` has it on) and timed as `time_varlen` times a step (a CUDA graph
+/// of 20 launches replayed, events, median): the floor under a step's graph-replay time on this machine.
+pub fn empty_kernel_time(cuda: &Cuda, blocks: u32, threads: u32) -> Result<Duration> {
+    let compiled = crate::spec::compiled_source(EMPTY_SRC, "gdn_empty.cu", cuda.arch)?;
+    let module = cuda
+        .ctx
+        .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin.clone()))
+        .map_err(drv)?;
+    let f = module.load_function("gdn_empty").map_err(drv)?;
+    let s = cuda.stream.clone();
+    let per_graph = 20;
+    let pass = || -> Result<()> {
+        for _ in 0..per_graph {
+            // SAFETY: the kernel takes no parameters and touches no memory; the stream is the backend's own.
+            unsafe { launch_kernel(cuda, &f, (blocks, 1, 1), threads, &mut [], s.cu_stream())? };
+        }
+        Ok(())
+    };
+    pass()?;
+    s.synchronize().map_err(drv)?;
+    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(drv)?;
+    let captured = pass();
+    let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
+    captured?;
+    let graph = graph
+        .map_err(drv)?
+        .ok_or_else(|| Error::Backend("graph capture produced no graph".into()))?;
+    Ok(Duration::from_secs_f64(time_graph(
+        cuda, &graph, per_graph,
+    )?))
 }
 
 #[cfg(test)]

@@ -93,6 +93,39 @@ pub struct Spec {
     /// The speculative step on the pool (the kernel's `GDN_SPEC`): verify windows are held, accepted prefixes of
     /// held windows applied at the state load. Always with commits, never staged.
     pub speculative: bool,
+    /// L2 prefetch of the state `ahead` blocks later in launch order (the kernel's `GDN_AHEAD`; 0: none). A
+    /// hint: no bits change.
+    pub ahead: u32,
+    /// Prefetch the block's own state into L2 before waiting for the previous kernel (`GDN_PREWAIT`).
+    pub prewait: bool,
+}
+
+/// Memory hints of a launch (no bits depend on them): how far ahead each block prefetches another block's
+/// state into L2, in half waves (0: none; a wave is every block the device holds at once), and whether a block
+/// prefetches its own state before waiting for the previous kernel. The planner's are [`Spec::planned_tune`];
+/// [`crate::Cuda::set_tune_override`] fixes others (benchmark sweeps).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Tune {
+    pub ahead_half_waves: u32,
+    pub prewait: bool,
+}
+
+impl Tune {
+    /// No hints (the kernel before them).
+    pub const NONE: Tune = Tune {
+        ahead_half_waves: 0,
+        prewait: false,
+    };
+
+    /// The distance in blocks for a call of `blocks` blocks on a device holding `resident` at once: none for a
+    /// call of one wave (nothing comes after it).
+    pub fn ahead_blocks(&self, blocks: usize, resident: usize) -> u32 {
+        if blocks <= resident || self.ahead_half_waves == 0 {
+            0
+        } else {
+            u32::try_from(resident.saturating_mul(self.ahead_half_waves as usize) / 2).unwrap_or(0)
+        }
+    }
 }
 
 /// How one value head's state is split over threads and blocks.
@@ -172,9 +205,11 @@ impl Plan {
     }
 
     /// The plan for `b` sequences of `h_v` heads on a device with `sms` multiprocessors: one block a head
-    /// (no cluster) wherever the shape allows it. Kernel v2's sweeps (NOTES.md) found no batch size where
-    /// splitting a head over a cluster paid, so the plan does not depend on `b` or `sms`, and a sequence's
-    /// bits do not depend on the batch it runs in.
+    /// (no cluster) wherever the shape allows it. Splitting a head over a cluster paid at no batch size (kernel
+    /// v2's sweeps; again on 2026-12-01 at B 1: 5.2 against 4.7 us, NOTES.md), so the plan does not depend on
+    /// `b` or `sms`. (It could: the only sum across columns, the output norm's, is a pairwise tree over the head's
+    /// warps, the same tree for every cluster size when they are a power of two, so a plan override changes no
+    /// bits there.)
     pub fn choose(d: usize, h_v: usize, b: usize, sms: usize) -> Result<Plan> {
         let _ = (h_v, b, sms);
         let plans: Vec<Plan> = CLUSTER_SIZES
@@ -215,14 +250,21 @@ mod plan_tests {
             assert_eq!(p.fits_registers(d), any_fits, "d {d}: {p:?}");
         }
         assert_eq!(
-            Plan::choose(128, 48, 1, 132).unwrap(),
+            Plan::choose(128, 48, 256, 132).unwrap(),
             Plan {
                 ncb: 1,
                 rg: 2,
                 minb: 2
             }
         );
-        assert_eq!(Plan::choose(256, 48, 1, 132).unwrap().ncb, 2);
+        assert_eq!(Plan::choose(256, 48, 256, 132).unwrap().ncb, 2);
+        // the plan does not depend on the batch
+        for b in [1, 7, 64, 1000] {
+            assert_eq!(
+                Plan::choose(128, 48, b, 132).unwrap(),
+                Plan::choose(128, 48, 256, 132).unwrap()
+            );
+        }
     }
 }
 
@@ -252,6 +294,34 @@ impl Spec {
             stage: true,
             ext: None,
             speculative: false,
+            ahead: 0,
+            prewait: false,
+        }
+    }
+
+    /// The planner's memory hints for a call of `blocks` blocks on `sms` multiprocessors, as measured on the
+    /// H200 (NOTES.md): the own state prefetched before the wait in a call of one wave (B 1 rotated: -6 to -8%;
+    /// in a longer call it delays every later block's loads, B 256 +13%), and a prefetch half a wave ahead only
+    /// for a staged bf16 value-major state in a call of several waves (B 256: -13%; f32 and key-major states
+    /// lose 1-7% with it).
+    pub fn planned_tune(&self, blocks: usize, sms: usize) -> Tune {
+        let one_wave = blocks <= self.minb().saturating_mul(sms);
+        let ahead = !one_wave && self.staged() && self.pool.layout == StateLayout::ValueMajor;
+        Tune {
+            ahead_half_waves: ahead as u32,
+            prewait: one_wave,
+        }
+    }
+
+    /// The same specialisation with the memory hints `tune` (None: the planner's, [`Spec::planned_tune`]) for a
+    /// call of `blocks` blocks on `sms` multiprocessors.
+    pub fn with_tune(self, tune: Option<Tune>, blocks: usize, sms: usize) -> Spec {
+        let resident = self.minb().saturating_mul(sms);
+        let t = tune.unwrap_or_else(|| self.planned_tune(blocks, sms));
+        Spec {
+            ahead: t.ahead_blocks(blocks, resident),
+            prewait: t.prewait,
+            ..self
         }
     }
 
@@ -324,6 +394,12 @@ impl Spec {
         let mut h = self.pool_header();
         if self.speculative {
             h.push_str("#define GDN_SPEC 1\n");
+        }
+        if self.ahead > 0 {
+            h.push_str(&format!("#define GDN_AHEAD {}\n", self.ahead));
+        }
+        if self.prewait {
+            h.push_str("#define GDN_PREWAIT 1\n");
         }
         if let Some(conv) = self.ext {
             h.push_str(&format!(
@@ -431,10 +507,57 @@ fn log_of(prog: nvrtc_sys::nvrtcProgram) -> String {
 
 /// Compiles one specialisation to a cubin for its architecture.
 fn compile(spec: &Spec) -> std::result::Result<Compiled, String> {
-    let src = CString::new(spec.source()).map_err(|e| e.to_string())?;
-    let name = CString::new("gdn_step.cu").map_err(|e| e.to_string())?;
+    compile_source(
+        &spec.source(),
+        "gdn_step.cu",
+        spec.arch,
+        &format!("{spec:?}"),
+        &spec.header(),
+    )
+}
+
+/// Machine code of another kernel source of this crate (the chunked path's, `crate::chunk`), compiled as the
+/// step kernel is (same options) and cached for the process by its full source text.
+pub(crate) fn compiled_source(src: &str, name: &str, arch: (i32, i32)) -> Result<Arc<Compiled>> {
+    type SrcSlot = Arc<OnceLock<std::result::Result<Arc<Compiled>, String>>>;
+    type SrcCache = Mutex<HashMap<(String, (i32, i32)), SrcSlot>>;
+    static SRC_CACHE: OnceLock<SrcCache> = OnceLock::new();
+    if !nvrtc_present() {
+        return Err(Error::Unavailable(
+            "libnvrtc (CUDA 13) not found: install nvidia-cuda-nvrtc and put its lib folder on LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    let slot: SrcSlot = {
+        let mut map = SRC_CACHE
+            .get_or_init(|| Mutex::new(HashMap::new()))
+            .lock()
+            .map_err(|_| Error::Backend("kernel cache lock poisoned".into()))?;
+        map.entry((src.to_string(), arch)).or_default().clone()
+    };
+    slot.get_or_init(|| {
+        let head: String = src
+            .lines()
+            .take_while(|l| l.starts_with("#define"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        compile_source(src, name, arch, name, &head).map(Arc::new)
+    })
+    .clone()
+    .map_err(Error::Backend)
+}
+
+fn compile_source(
+    src: &str,
+    name: &str,
+    arch: (i32, i32),
+    what: &str,
+    header: &str,
+) -> std::result::Result<Compiled, String> {
+    let src = CString::new(src).map_err(|e| e.to_string())?;
+    let name = CString::new(name).map_err(|e| e.to_string())?;
     let prog = nvrtc_result::create_program(&src, Some(&name)).map_err(|e| format!("{e:?}"))?;
-    let arch = format!("--gpu-architecture=sm_{}{}", spec.arch.0, spec.arch.1);
+    let arch = format!("--gpu-architecture=sm_{}{}", arch.0, arch.1);
     let opts = [
         arch.as_str(),
         "--std=c++17",
@@ -447,8 +570,7 @@ fn compile(spec: &Spec) -> std::result::Result<Compiled, String> {
     let log = log_of(prog);
     let out = match compiled {
         Err(e) => Err(format!(
-            "NVRTC failed on {spec:?} ({e:?}):\n{log}\n(the source starts with:\n{})",
-            spec.header()
+            "NVRTC failed on {what} ({e:?}):\n{log}\n(the source starts with:\n{header})"
         )),
         Ok(()) => {
             let mut size = 0usize;

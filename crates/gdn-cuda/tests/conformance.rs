@@ -649,3 +649,74 @@ fn speculative_steps_are_bitwise_the_two_pass_flow_in_every_pool_kind() {
         );
     }
 }
+
+/// The memory hints (L2 prefetch ahead, the own state before the wait) and the head split over a cluster change
+/// no bits: a call of 24 sequences (more blocks than the device holds at once, so the prefetch ahead runs) under
+/// no hints and one block a head, under both hints, under the planner's, and split over clusters of 2 and 4
+/// blocks, gives the same outputs, states and histories (f32 and bf16 states, both layouts, T 1, where a bf16
+/// state is staged, and T 3), 1 sequence in 5 verify-only.
+#[test]
+fn memory_hints_and_head_splits_change_no_bits() {
+    let Some(cuda) = cuda_or_skip("memory_hints_and_head_splits_change_no_bits") else {
+        return;
+    };
+    let one = gdn_cuda::Plan::choose(128, 48, 256, cuda.multiprocessors()).unwrap();
+    let ahead_prewait = gdn_cuda::Tune {
+        ahead_half_waves: 1,
+        prewait: true,
+    };
+    // (plan override, hints override): None is the planner's
+    let variants = [
+        (Some(one), Some(gdn_cuda::Tune::NONE)),
+        (Some(one), Some(ahead_prewait)),
+        (None, None),
+        (Some(gdn_cuda::Plan::with_rg(128, 2, one.rg)), None),
+        (
+            Some(gdn_cuda::Plan::with_rg(128, 4, one.rg)),
+            Some(gdn_cuda::Tune::NONE),
+        ),
+    ];
+    for (state, layout, io) in [
+        (DType::F32, StateLayout::KeyMajor, DType::F32),
+        (DType::Bf16, StateLayout::KeyMajor, DType::F32),
+        (DType::Bf16, StateLayout::ValueMajor, DType::Bf16),
+        (DType::F32, StateLayout::ValueMajor, DType::F32),
+    ] {
+        let opts = PoolOptions { state, layout };
+        for t in [1usize, 3] {
+            let b = 24;
+            let s = setup(Shape::SEED, b, b * t, io, 5 + t as u64);
+            let seqs: Vec<Seq> = (0..b)
+                .map(|i| Seq {
+                    slot: (b - 1 - i) as i32,
+                    start: i * t,
+                    len: t,
+                    commit: if i % 5 == 4 {
+                        Commit::Verify
+                    } else {
+                        Commit::All
+                    },
+                })
+                .collect();
+            let mut first: Option<(Vec<u32>, Vec<u32>)> = None;
+            for (plan, tune) in variants {
+                let mut cu = cuda.clone();
+                cu.set_plan_override(plan);
+                cu.set_tune_override(tune);
+                let mut p = pool(&cu, &s, opts);
+                let y = run(&mut p, &s.rows, &seqs, false, io);
+                let st = slot_bits(&mut p);
+                match &first {
+                    None => first = Some((y, st)),
+                    Some((y0, st0)) => {
+                        assert!(y == *y0, "{opts:?} T {t} {plan:?} {tune:?}: outputs differ");
+                        assert!(
+                            st == *st0,
+                            "{opts:?} T {t} {plan:?} {tune:?}: states differ"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

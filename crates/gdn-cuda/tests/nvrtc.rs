@@ -356,3 +356,56 @@ fn plain_specialisations_have_no_speculative_macro() {
         .with_speculative()
         .staged());
 }
+
+/// The memory hints (L2 prefetch ahead, own-state prefetch before the wait) on every state dtype and layout, the
+/// staged and the register path, the external and the speculative kernels, and a cluster split.
+#[test]
+fn every_memory_hint_compiles() {
+    if !nvrtc_or_skip("every_memory_hint_compiles") {
+        return;
+    }
+    let cfg = Config::new(Shape::SEED);
+    let big = Plan::choose(128, 48, 256, 132).unwrap();
+    let small = Plan::with_rg(128, 2, big.rg);
+    // the planner's, both hints
+    let hints = [
+        None,
+        Some(spec::Tune {
+            ahead_half_waves: 1,
+            prewait: true,
+        }),
+    ];
+    let mut specs = Vec::new();
+    for state in [DType::F32, DType::Bf16] {
+        for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+            let pool = PoolOptions { state, layout };
+            for t in [Some(1), Some(8), None] {
+                for commit in [false, true] {
+                    for (plan, blocks) in [(big, 256 * 48), (small, 96)] {
+                        // the verify kernels and the cluster split under the default hints only
+                        let n = if commit && plan == big {
+                            hints.len()
+                        } else {
+                            1
+                        };
+                        for &tune in &hints[..n] {
+                            let s = Spec::new((9, 0), &cfg, t, commit, false, plan)
+                                .with_pool(pool)
+                                .with_stage(blocks > 1000)
+                                .with_tune(tune, blocks, 132);
+                            if tune.is_some() {
+                                assert_eq!(s.ahead > 0, blocks > 1000, "{s:?}");
+                            }
+                            specs.push(s);
+                            specs.push(s.with_ext(DType::Bf16));
+                            specs.push(s.with_speculative());
+                        }
+                    }
+                }
+            }
+        }
+    }
+    specs.sort_by_key(|s| format!("{s:?}"));
+    specs.dedup();
+    assert_all_compile(specs);
+}

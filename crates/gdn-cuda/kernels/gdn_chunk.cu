@@ -1,0 +1,725 @@
+// gdn_chunk.cu: the GDN window step (SPEC.md) of long windows in the chunked (WY / UT) form (see NOTES.md,
+// "Chunked windows"). Four kernels, launched in this order on one stream:
+//   gdn_chunk_plan   one block: splits the call's sequences by length (below GDN_MIN_LEN: left to the
+//                    token-serial kernel, whose slot array it writes with the long ones skipped), checks the
+//                    long ones and lists them and their chunks of L tokens
+//   gdn_chunk_prep   one block a (chunk, value head): conv + SiLU (with the history), L2 norms, gates, the
+//                    chunk's decays, A = strictly-lower(b_t D[t][s] k_t . k_s), M = lower(D[t][s] q_t . k_s),
+//                    and by forward substitution W = (I + A)^-1 diag(b gamma) K, U = (I + A)^-1 diag(b) V
+//   gdn_chunk_state  one block a (sequence, value head, block of CB value columns): the state slice, chunk after
+//                    chunk: delta = U - W S, o = (gamma Q) S + M delta, S <- gamma_n S + sum_s D[n-1][s] k_s
+//                    delta_s^T; the committed state (and the history) at the commit point
+//   gdn_chunk_out    one block a (chunk, value head): the gated RMS norm of o, y, planes, group sums
+//
+// Macros (src/chunk.rs): GDN_D, GDN_HK, GDN_HV, GDN_SILU, GDN_GROUPED, GDN_PLANES, the element types
+// GDN_QKV_DT .. GDN_OUT_DT (0 f32, 1 bf16, 2 f16), GDN_STATE_DT (0 f32, 1 bf16), GDN_VMAJOR (state layout),
+// GDN_L (chunk length), GDN_CB (value columns a state block owns).
+//
+// Bits. Chunk boundaries are at multiples of L from the window start, and every value of token t of a chunk
+// depends only on the chunk's tokens up to t (loops over earlier tokens end at t, never at the chunk's
+// length), so the first n tokens of a chunk compute the same bits whatever follows them. The state after the
+// first n tokens of a chunk is one function, upd(n), used both for a chunk's end and for a commit point inside
+// it: a commit after k tokens of a longer window is bitwise the state of a k-token window through this path.
+// Every reduction has a fixed order (no atomics in sums), the program is compiled with --fmad=false and every
+// fused multiply-add is an explicit fmaf.
+//
+// Scratch (floats, row r of the call, value head h): W, U, Q (gamma_t q_t), K (k_t), O (o before the norm)
+// [r][HV][D] each, M [r][HV][L], G (gates) [r][HV]; rc rows each. The plan (ints): [0] long sequences, [1]
+// chunks, then the token-serial slot array [n_seqs], per long sequence (slot, start, len, commit) [cap_long][4],
+// per chunk (long sequence, chunk index) [cap_ent][2].
+
+#define D GDN_D
+#define HK GDN_HK
+#define HV GDN_HV
+#define L GDN_L
+#define CB GDN_CB
+#define NCB2 (D / CB)
+#define C_ALL ((2 * HK + HV) * D)
+#define N_OUT (HV * D)
+#define NT_PREP 256
+#define NT_STATE 256
+#define NT_OUT 128
+
+static_assert(D % 16 == 0, "d must be a multiple of 16");
+static_assert(D % CB == 0, "whole column blocks");
+static_assert(HV % HK == 0, "h_v must be a multiple of h_k");
+
+template <int K> struct Elt;
+template <> struct Elt<0> {
+    typedef float T;
+    static __device__ __forceinline__ float ld(float x) { return x; }
+    static __device__ __forceinline__ float st(float v) { return v; }
+};
+template <> struct Elt<1> {
+    typedef unsigned short T;
+    static __device__ __forceinline__ float ld(unsigned short b) { return __uint_as_float((unsigned)b << 16); }
+    static __device__ __forceinline__ unsigned short st(float v) {
+        unsigned short r;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+        return r;
+    }
+};
+template <> struct Elt<2> {
+    typedef unsigned short T;
+    static __device__ __forceinline__ float ld(unsigned short b) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
+        return f;
+    }
+    static __device__ __forceinline__ unsigned short st(float v) {
+        unsigned short r;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+        return r;
+    }
+};
+typedef Elt<GDN_QKV_DT> EQ;
+typedef Elt<GDN_ALPHA_DT> EA;
+typedef Elt<GDN_BETA_DT> EB;
+typedef Elt<GDN_Z_DT> EZ;
+typedef Elt<GDN_OUT_DT> EO;
+typedef Elt<GDN_STATE_DT> ES;
+
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float softplus_decay(float u, float a) {
+    const float ex = expf(u);
+    const float w = 1.0f + ex;
+    const float sp = u > 20.0f ? u : (w == 1.0f ? ex : logf(w) * ex / (w - 1.0f));
+    return expf(sp * a);
+}
+
+// Row t of the chunk's decays: out[s] = D[t][s] = g_{s+1} ... g_t for s <= t (D[t][t] = 1), from the chunk's
+// gates g[0..t]; returns gamma_t = D[t][0] g_0 (the decay of the chunk's initial state through token t).
+// One sequential product a row, the same code in the prep and state kernels, so both get the same bits.
+__device__ __forceinline__ float decay_row(const float* g, int t, float* out) {
+    float p = 1.0f;
+    out[t] = p;
+    for (int s = t - 1; s >= 0; --s) {
+        p = p * g[s + 1];
+        out[s] = p;
+    }
+    return p * g[0];
+}
+
+// the key head of value head h
+__device__ __forceinline__ int key_head(int h) {
+#if GDN_GROUPED
+    return h / (HV / HK);
+#else
+    return h % HK;
+#endif
+}
+
+// channel of entry e of value head h's list: q 0..D, k D..2D, v 2D..3D (the history's [3][D] order)
+__device__ __forceinline__ int channel(int h, int e) {
+    const int g = key_head(h);
+    return e < D ? g * D + e : e < 2 * D ? HK * D + g * D + (e - D) : 2 * HK * D + h * D + (e - 2 * D);
+}
+
+#define PLAN_SLOT 2
+#define PLAN_LONG(n_seqs) (2 + (n_seqs))
+#define PLAN_ENT(n_seqs, cap_long) (2 + (n_seqs) + 4 * (cap_long))
+
+// ---------------------------------------------------------------------------------------------------------
+// The plan. One block of 1024 threads; thread i takes a contiguous run of sequences, so the lists keep the
+// call's order. A long sequence whose slot is past the pool, whose rows leave the call's or whose commit point
+// is outside 0..=len is skipped (its commit, for the last) and reported in the fault word, as the token-serial
+// kernel does for the others. More long sequences or chunks than the caps (only possible with overlapping rows,
+// which the host path rejects) are dropped and reported as rows outside the step's.
+extern "C" __global__ void __launch_bounds__(1024) gdn_chunk_plan(
+    const int* __restrict__ seq_slot, const int* __restrict__ seq_start, const int* __restrict__ seq_len,
+    const int* __restrict__ seq_commit, int commits, int n_seqs, int n_slots, int n_rows, int min_len,
+    int cap_long, int cap_ent, int* __restrict__ plan, unsigned* __restrict__ fault) {
+    __shared__ long long warp_l[32], warp_e[32];
+    __shared__ int keep_l, keep_e;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int per = (n_seqs + 1023) / 1024;
+    const int s0 = min(tid * per, n_seqs), s1 = min(s0 + per, n_seqs);
+    unsigned bad = 0;
+    long long nl = 0, ne = 0;
+    // pass 1: count (and write the token-serial slot array)
+    for (int s = s0; s < s1; ++s) {
+        const int slot = seq_slot[s], len = seq_len[s];
+        const bool is_long = slot >= 0 && len >= min_len;
+        plan[PLAN_SLOT + s] = is_long ? -1 : slot;
+        if (!is_long) continue;
+        const int start = seq_start[s];
+        if (slot >= n_slots) {
+            bad |= 1u;
+            continue;
+        }
+        if (start < 0 || start > n_rows - len) {
+            bad |= 4u;
+            continue;
+        }
+        nl += 1;
+        ne += (len + L - 1) / L;
+    }
+    // exclusive scan of (nl, ne) over threads, in thread order
+    long long il = nl, ie = ne;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const long long a = __shfl_up_sync(0xffffffffu, il, off), b = __shfl_up_sync(0xffffffffu, ie, off);
+        if (lane >= off) {
+            il += a;
+            ie += b;
+        }
+    }
+    if (lane == 31) {
+        warp_l[warp] = il;
+        warp_e[warp] = ie;
+    }
+    if (tid == 0) {
+        keep_l = 0x7fffffff;
+        keep_e = 0x7fffffff;
+    }
+    __syncthreads();
+    long long bl = 0, be = 0, tl = 0, te = 0;
+    for (int w = 0; w < 32; ++w) {
+        if (w < warp) {
+            bl += warp_l[w];
+            be += warp_e[w];
+        }
+        tl += warp_l[w];
+        te += warp_e[w];
+    }
+    long long ol = bl + il - nl, oe = be + ie - ne;
+    // pass 2: write the lists
+    int* const longs = plan + PLAN_LONG(n_seqs);
+    int* const ents = plan + PLAN_ENT(n_seqs, cap_long);
+    for (int s = s0; s < s1; ++s) {
+        const int slot = seq_slot[s], len = seq_len[s];
+        if (!(slot >= 0 && len >= min_len)) continue;
+        const int start = seq_start[s];
+        if (slot >= n_slots || start < 0 || start > n_rows - len) continue;
+        const int nch = (len + L - 1) / L;
+        if (ol >= cap_long || oe + nch > cap_ent) {
+            bad |= 4u;
+            atomicMin(&keep_l, (int)min(ol, (long long)cap_long));
+            atomicMin(&keep_e, (int)min(oe, (long long)cap_ent));
+            ol += 1;
+            oe += nch;
+            continue;
+        }
+        int commit = 0;
+        if (commits) {
+            const int c = seq_commit[s];
+            if (c >= 0 && c <= len) commit = c;
+            else bad |= 8u;
+        }
+        int* li = longs + 4 * ol;
+        li[0] = slot;
+        li[1] = start;
+        li[2] = len;
+        li[3] = commit;
+        for (int c = 0; c < nch; ++c) {
+            ents[2 * (oe + c)] = (int)ol;
+            ents[2 * (oe + c) + 1] = c;
+        }
+        ol += 1;
+        oe += nch;
+    }
+    if (bad) atomicOr(fault, bad);
+    __syncthreads();
+    if (tid == 0) {
+        plan[0] = (int)min(tl, (long long)keep_l);
+        plan[1] = (int)min(te, (long long)keep_e);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Tensor-core products in 3xTF32 (mma.sync m16n8k8): each f32 operand x is split into x_hi = tf32(x) and
+// x_lo = tf32(x - x_hi), and a product is a_lo b_hi + a_hi b_lo + a_hi b_hi (the small terms first), which
+// keeps f32 accuracy. Fragments (lane = 4 g + q): A 16 x 8 row-major a0 (g, k q), a1 (g + 8, k q), a2 (g, k q + 4),
+// a3 (g + 8, k q + 4); B 8 x 8 b0 (k q, n g), b1 (k q + 4, n g); C c0 (g, 2 q), c1 (g, 2 q + 1), c2 (g + 8, 2 q),
+// c3 (g + 8, 2 q + 1). A step's logical k q and q + 4 are taken from memory columns 4 q, 4 q + 1 (first step of
+// 16) or 4 q + 2, 4 q + 3 (second step), for A and B alike, so that one float4 of a row feeds two steps; the sum
+// over k is the same set of products.
+__device__ __forceinline__ unsigned tf32_of(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ void split2(float x, unsigned& hi, unsigned& lo) {
+    hi = tf32_of(x);
+    lo = tf32_of(x - __uint_as_float(hi));
+}
+__device__ __forceinline__ void mma_tf32(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                         unsigned b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// c += A B for one k step: a[4] and b[2] the f32 fragment values
+__device__ __forceinline__ void mma3(float* c, const float* a, const float* b) {
+    unsigned ah[4], al[4], bh[2], bl[2];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) split2(a[x], ah[x], al[x]);
+    split2(b[0], bh[0], bl[0]);
+    split2(b[1], bh[1], bl[1]);
+    mma_tf32(c, al[0], al[1], al[2], al[3], bh[0], bh[1]);
+    mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
+    mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Everything of one chunk that does not depend on the state. Shared memory (floats): q, k, v [L][DP4], A [L][LP4]
+// (first the decays D[t][s], then A in place), gates, write strengths, gamma [L] each.
+#define DP4 (D + 4)
+#define LP4 (L + 4)
+#define PREP_SMEM (3 * L * DP4 + L * LP4 + 3 * L)
+static_assert(L % 16 == 0 && L <= 64, "chunk length");
+extern "C" __global__ void __launch_bounds__(NT_PREP) gdn_chunk_prep(
+    const EQ::T* __restrict__ qkv, const EA::T* __restrict__ alpha, const EB::T* __restrict__ beta,
+    const float* __restrict__ hist, const float* __restrict__ conv_w, const float* __restrict__ dt,
+    const float* __restrict__ ssm_a, const int* __restrict__ plan, int n_seqs, int cap_long, float eps,
+    float* __restrict__ scr, long long rc) {
+    extern __shared__ __align__(16) float sm[];
+    float* const qs = sm;
+    float* const ks = qs + L * DP4;
+    float* const vs = ks + L * DP4;
+    float* const as = vs + L * DP4;
+    float* const gs = as + L * LP4;
+    float* const bs = gs + L;
+    float* const gam = bs + L;
+
+    const int ent = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5, g8 = lane >> 2, q4 = lane & 3;
+    if (ent >= plan[1]) return;
+    const int* e2 = plan + PLAN_ENT(n_seqs, cap_long) + 2 * ent;
+    const int li = e2[0], c = e2[1];
+    const int* inf = plan + PLAN_LONG(n_seqs) + 4 * li;
+    const int slot = inf[0], start = inf[1], len = inf[2];
+    const int t0 = c * L;
+    const int n = min(L, len - t0);
+    const size_t rbase = (size_t)start + t0;
+    const float* hh = hist + ((size_t)slot * HV + h) * (3 * D * 3);
+    const float inv_sqrt_d = 1.0f / sqrtf((float)D);
+
+    float* const W = scr;
+    float* const U = W + (size_t)rc * HV * D;
+    float* const Q = U + (size_t)rc * HV * D;
+    float* const K = Q + (size_t)rc * HV * D;
+    float* const M = K + 2 * (size_t)rc * HV * D;  // after O
+    float* const G = M + (size_t)rc * HV * L;
+
+    // 1. conv + SiLU, a thread a channel, token after token (the spec's step 1, the history in registers)
+    for (int e = tid; e < 3 * D; e += NT_PREP) {
+        const int ch = channel(h, e);
+        const float4 w = __ldg(reinterpret_cast<const float4*>(conv_w) + ch);
+        float x0, x1, x2;
+        if (t0 == 0) {
+            x0 = hh[e * 3];
+            x1 = hh[e * 3 + 1];
+            x2 = hh[e * 3 + 2];
+        } else {
+            x0 = EQ::ld(qkv[(rbase - 3) * C_ALL + ch]);
+            x1 = EQ::ld(qkv[(rbase - 2) * C_ALL + ch]);
+            x2 = EQ::ld(qkv[(rbase - 1) * C_ALL + ch]);
+        }
+        float* dst = (e < D ? qs : e < 2 * D ? ks : vs) + e % D;
+#pragma unroll 8
+        for (int t = 0; t < n; ++t) {
+            const float x = EQ::ld(qkv[(rbase + t) * C_ALL + ch]);
+            float s = 0.0f;
+            s = fmaf(x0, w.x, s);
+            s = fmaf(x1, w.y, s);
+            s = fmaf(x2, w.z, s);
+            s = fmaf(x, w.w, s);
+            dst[t * DP4] = s / (1.0f + expf(-s));
+            x0 = x1;
+            x1 = x2;
+            x2 = x;
+        }
+    }
+    if (tid < n) {
+        const size_t r = rbase + tid;
+        gs[tid] = softplus_decay(EA::ld(alpha[r * HV + h]) + dt[h], ssm_a[h]);
+        bs[tid] = sigmoid_f(EB::ld(beta[r * HV + h]));
+    }
+    __syncthreads();
+
+    // 2. L2 norms of q and k: a warp a (token, q or k); lane-strided partial sums, then an xor butterfly
+    for (int p = warp; p < 2 * n; p += NT_PREP / 32) {
+        float* x = (p & 1 ? ks : qs) + (p >> 1) * DP4;
+        float acc = 0.0f;
+        for (int i = lane; i < D; i += 32) acc = fmaf(x[i], x[i], acc);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        const float r = rsqrtf(acc / (float)D + eps / (float)D);
+        for (int i = lane; i < D; i += 32) x[i] = (r * x[i]) * inv_sqrt_d;
+    }
+    // 3. the decay rows, one thread a token
+    if (tid < n) gam[tid] = decay_row(gs, tid, as + tid * LP4);
+    __syncthreads();
+
+    // 4. k_t . k_s and q_t . k_s on tensor cores, a warp a 16 x 8 tile (t, s) at a time; then
+    //    M[t][s] = D[t][s] (q_t . k_s) for s <= t, 0 past it, and A[t][s] = b_t (D[t][s] (k_t . k_s)) for s < t
+    for (int tile = warp; tile < (L / 16) * (L / 8); tile += NT_PREP / 32) {
+        const int r0 = (tile / (L / 8)) * 16, s0 = (tile % (L / 8)) * 8;
+        if (r0 >= n || s0 > r0 + 15) continue;  // rows past the window; tiles above the diagonal are 0
+        float ck[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 2
+        for (int k0 = 0; k0 < D; k0 += 16) {
+            const float4 kl = *reinterpret_cast<const float4*>(ks + (r0 + g8) * DP4 + k0 + 4 * q4);
+            const float4 kh = *reinterpret_cast<const float4*>(ks + (r0 + g8 + 8) * DP4 + k0 + 4 * q4);
+            const float4 ql = *reinterpret_cast<const float4*>(qs + (r0 + g8) * DP4 + k0 + 4 * q4);
+            const float4 qh = *reinterpret_cast<const float4*>(qs + (r0 + g8 + 8) * DP4 + k0 + 4 * q4);
+            const float4 kb = *reinterpret_cast<const float4*>(ks + (s0 + g8) * DP4 + k0 + 4 * q4);
+            const float a_k0[4] = {kl.x, kh.x, kl.y, kh.y}, a_k1[4] = {kl.z, kh.z, kl.w, kh.w};
+            const float a_q0[4] = {ql.x, qh.x, ql.y, qh.y}, a_q1[4] = {ql.z, qh.z, ql.w, qh.w};
+            const float b0[2] = {kb.x, kb.y}, b1[2] = {kb.z, kb.w};
+            mma3(ck, a_k0, b0);
+            mma3(ck, a_k1, b1);
+            mma3(cq, a_q0, b0);
+            mma3(cq, a_q1, b1);
+        }
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+            const int t = r0 + g8 + (x >> 1) * 8, s = s0 + 2 * q4 + (x & 1);
+            if (t >= n) continue;
+            const size_t r = rbase + t;
+            const float dd = s <= t ? as[t * LP4 + s] : 0.0f;
+            M[(r * HV + h) * L + s] = s <= t ? dd * cq[x] : 0.0f;
+            as[t * LP4 + s] = s < t ? bs[t] * (dd * ck[x]) : 0.0f;
+        }
+    }
+    // M past the tiles computed above (above the diagonal), and A's unused upper entries, are zeros
+    for (int p = tid; p < n * L; p += NT_PREP) {
+        const int t = p / L, s = p % L;
+        if ((s / 8) * 8 > (t / 16) * 16 + 15) {
+            M[((rbase + t) * HV + h) * L + s] = 0.0f;
+            as[t * LP4 + s] = 0.0f;
+        }
+    }
+    if (tid < n) G[(rbase + tid) * HV + h] = gs[tid];
+    __syncthreads();
+
+    // 5. Q = gamma q, K = k to the scratch; the right-hand sides (b gamma) k and b v in place
+    for (int idx = tid; idx < n * D; idx += NT_PREP) {
+        const int t = idx / D, i = idx % D;
+        const size_t o = ((rbase + t) * HV + h) * D + i;
+        const float kt = ks[t * DP4 + i];
+        Q[o] = gam[t] * qs[t * DP4 + i];
+        K[o] = kt;
+        ks[t * DP4 + i] = (bs[t] * gam[t]) * kt;
+        vs[t * DP4 + i] = bs[t] * vs[t * DP4 + i];
+    }
+    __syncthreads();
+
+    // 6. forward substitution, a thread a column of [W | U], the column in registers: x_t = rhs_t - sum_{s<t}
+    //    A[t][s] x_s, rows in order, four partial sums (s mod 4) combined in a fixed order
+    for (int col = tid; col < 2 * D; col += NT_PREP) {
+        const float* x = (col < D ? ks : vs) + col % D;
+        float* dst = (col < D ? W : U) + col % D;
+        float xr[L];
+#pragma unroll
+        for (int t = 0; t < L; ++t) {
+            xr[t] = 0.0f;
+            if (t < n) {
+                float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
+#pragma unroll
+                for (int s = 0; s < (t & ~3); s += 4) {
+                    const float4 a = *reinterpret_cast<const float4*>(as + t * LP4 + s);
+                    p0 = fmaf(a.x, xr[s], p0);
+                    p1 = fmaf(a.y, xr[s + 1], p1);
+                    p2 = fmaf(a.z, xr[s + 2], p2);
+                    p3 = fmaf(a.w, xr[s + 3], p3);
+                }
+#pragma unroll
+                for (int s = t & ~3; s < t; ++s) {
+                    const float a = as[t * LP4 + s];
+                    if ((s & 3) == 0) p0 = fmaf(a, xr[s], p0);
+                    else if ((s & 3) == 1) p1 = fmaf(a, xr[s], p1);
+                    else p2 = fmaf(a, xr[s], p2);
+                }
+                xr[t] = x[t * DP4] - ((p0 + p1) + (p2 + p3));
+                dst[((rbase + t) * HV + h) * D] = xr[t];
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The recurrence over chunks for one block of CB value columns of one value head, on tensor cores. Warp w owns
+// row tile w of [W; Q] (2 L rows: W's tiles first): P1 [delta | o] = [U | 0] -+ [W; Q] S; then the Q warps add
+// P2 M delta to o and store it; then every warp takes 16-row tiles of the state update P3 S' = gamma S + Kd^T
+// delta (Kd[s][i] = D[m-1][s] k_s[i] for s < m, 0 past m; m the chunk's length, and again with the commit
+// point's m inside the commit chunk). The W, Q, M, U, K operands come straight from the scratch (each row tile
+// has one owner, so nothing is staged); S (two buffers: read one, write the other) and delta live in shared
+// memory. Shared memory (floats): S [2][D][CBP], delta [L][CBP], gates and two decay rows [L].
+#define CBP (CB + 2)
+#define NT8 (CB / 8)
+#define STATE_SMEM (2 * D * CBP + L * CBP + 3 * L)
+static_assert(2 * L / 16 <= NT_STATE / 32, "a warp a row tile of [W; Q]");
+extern "C" __global__ void __launch_bounds__(NT_STATE) gdn_chunk_state(
+    ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __restrict__ qkv,
+    const int* __restrict__ plan, int n_seqs, int cap_long, float* __restrict__ scr, long long rc) {
+    extern __shared__ __align__(16) float sm[];
+    float* const ssb = sm;  // [2][D][CBP]
+    float* const dl = ssb + 2 * D * CBP;
+    float* const gsm = dl + L * CBP;
+    float* const dec = gsm + L;
+    float* const decc = dec + L;
+    __shared__ float gam_s[2];
+
+    const int li = blockIdx.y, tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5, g8 = lane >> 2, q4 = lane & 3;
+    if (li >= plan[0]) return;
+    const int h = blockIdx.x / NCB2, cb = blockIdx.x % NCB2;
+    const int* inf = plan + PLAN_LONG(n_seqs) + 4 * li;
+    const int slot = inf[0], start = inf[1], len = inf[2], commit = inf[3];
+    const float inv_sqrt_d = 1.0f / sqrtf((float)D);
+
+    const float* const W = scr;
+    const float* const U = W + (size_t)rc * HV * D;
+    const float* const Q = U + (size_t)rc * HV * D;
+    const float* const K = Q + (size_t)rc * HV * D;
+    float* const O = scr + 4 * (size_t)rc * HV * D;
+    const float* const M = O + (size_t)rc * HV * D;
+    const float* const G = M + (size_t)rc * HV * L;
+
+    ES::T* const sbase = state + (size_t)slot * D * HV * D;
+#if GDN_VMAJOR
+#define SIDX(i, j) (((size_t)h * D + (j)) * D + (i))
+#else
+#define SIDX(i, j) (((size_t)(i) * HV + h) * D + (j))
+#endif
+    for (int idx = tid; idx < D * CB; idx += NT_STATE) {
+#if GDN_VMAJOR
+        const int cc = idx / D, i = idx % D;  // keys contiguous in memory
+#else
+        const int i = idx / CB, cc = idx % CB;
+#endif
+        ssb[i * CBP + cc] = ES::ld(sbase[SIDX(i, cb * CB + cc)]);
+    }
+
+    const int nch = (len + L - 1) / L;
+    const int cchunk = commit > 0 ? (commit - 1) / L : -1;
+    const int ncommit = commit - cchunk * L;
+    const bool is_q = warp >= L / 16;             // this warp's row tile is one of Q's
+    const int r0 = (warp % (L / 16)) * 16;        // its first row in the chunk
+    const bool has_tile = warp < 2 * L / 16;
+    for (int c = 0; c < nch; ++c) {
+        const int t0 = c * L;
+        const int n = min(L, len - t0);
+        const size_t rbase = (size_t)start + t0;
+        const float* ss = ssb + (c & 1) * D * CBP;
+        float* sn = ssb + ((c + 1) & 1) * D * CBP;
+        if (tid < L) gsm[tid] = tid < n ? G[(rbase + tid) * HV + h] : 1.0f;
+        __syncthreads();
+        // the decay rows of the chunk's end and of a commit inside it (read only after the next barrier)
+        const bool need_upd = c + 1 < nch;
+        const bool need_commit = c == cchunk;
+        if (tid == 0 && need_upd) gam_s[0] = decay_row(gsm, n - 1, dec);
+        if (tid == 32 && need_commit) gam_s[1] = decay_row(gsm, ncommit - 1, decc);
+
+        // P1: this warp's 16 rows of W (or Q) times S
+        float acc[NT8][4];
+#pragma unroll
+        for (int nt = 0; nt < NT8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+        if (has_tile) {
+            const float* X = is_q ? Q : W;
+            const bool lo_ok = r0 + g8 < n, hi_ok = r0 + g8 + 8 < n;
+            const float* xl = X + ((rbase + r0 + g8) * HV + h) * D + 4 * q4;
+            const float* xh = xl + (size_t)8 * HV * D;
+#pragma unroll 2
+            for (int k0 = 0; k0 < D; k0 += 16) {
+                const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                const float4 al = lo_ok ? *reinterpret_cast<const float4*>(xl + k0) : zero4;
+                const float4 ah = hi_ok ? *reinterpret_cast<const float4*>(xh + k0) : zero4;
+                const float a0[4] = {al.x, ah.x, al.y, ah.y}, a1[4] = {al.z, ah.z, al.w, ah.w};
+#pragma unroll
+                for (int nt = 0; nt < NT8; ++nt) {
+                    const float* sp = ss + (k0 + 4 * q4) * CBP + nt * 8 + g8;
+                    const float b0[2] = {sp[0], sp[CBP]}, b1[2] = {sp[2 * CBP], sp[3 * CBP]};
+                    mma3(acc[nt], a0, b0);
+                    mma3(acc[nt], a1, b1);
+                }
+            }
+            if (!is_q) {
+                // delta = U - W S (rows past the window: 0)
+#pragma unroll
+                for (int nt = 0; nt < NT8; ++nt) {
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const int t = r0 + g8 + 8 * hf, col = nt * 8 + 2 * q4;
+                        float2 d2 = make_float2(0.0f, 0.0f);
+                        if (t < n) {
+                            const float2 u2 =
+                                *reinterpret_cast<const float2*>(U + ((rbase + t) * HV + h) * D + cb * CB + col);
+                            d2 = make_float2(u2.x - acc[nt][2 * hf], u2.y - acc[nt][2 * hf + 1]);
+                        }
+                        *reinterpret_cast<float2*>(dl + t * CBP + col) = d2;
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        // P2: o = ((gamma q) S + M delta) / sqrt(d) for the Q warps' rows
+        if (has_tile && is_q && r0 < n) {
+            const bool lo_ok = r0 + g8 < n, hi_ok = r0 + g8 + 8 < n;
+            const float* ml = M + ((rbase + r0 + g8) * HV + h) * L + 4 * q4;
+            const float* mh = ml + (size_t)8 * HV * L;
+#pragma unroll
+            for (int k0 = 0; k0 < L; k0 += 16) {
+                const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                const float4 al = lo_ok ? *reinterpret_cast<const float4*>(ml + k0) : zero4;
+                const float4 ah = hi_ok ? *reinterpret_cast<const float4*>(mh + k0) : zero4;
+                const float a0[4] = {al.x, ah.x, al.y, ah.y}, a1[4] = {al.z, ah.z, al.w, ah.w};
+#pragma unroll
+                for (int nt = 0; nt < NT8; ++nt) {
+                    const float* dp = dl + (k0 + 4 * q4) * CBP + nt * 8 + g8;
+                    const float b0[2] = {dp[0], dp[CBP]}, b1[2] = {dp[2 * CBP], dp[3 * CBP]};
+                    mma3(acc[nt], a0, b0);
+                    mma3(acc[nt], a1, b1);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT8; ++nt) {
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int t = r0 + g8 + 8 * hf, col = nt * 8 + 2 * q4;
+                    if (t < n)
+                        *reinterpret_cast<float2*>(O + ((rbase + t) * HV + h) * D + cb * CB + col) =
+                            make_float2(acc[nt][2 * hf] * inv_sqrt_d, acc[nt][2 * hf + 1] * inv_sqrt_d);
+                }
+            }
+        }
+        // P3: the state after the chunk (into the other buffer) and at a commit point inside it (to the pool):
+        // upd(m) = gamma_{m-1} S + sum_{s<m} (D[m-1][s] k_s) delta_s, the terms past m exactly 0 (both operands)
+        const int items = (D / 16) * ((int)need_upd + (int)need_commit);
+        for (int it = warp; it < items; it += NT_STATE / 32) {
+            const bool cm = !need_upd || it >= D / 16;  // this item is the commit point's
+            const int i0 = (it % (D / 16)) * 16;
+            const int m = cm ? ncommit : n;
+            const float* dv = cm ? decc : dec;
+            const float gm = gam_s[cm ? 1 : 0];
+            float u[NT8][4];
+#pragma unroll
+            for (int nt = 0; nt < NT8; ++nt) {
+                const int col = nt * 8 + 2 * q4;
+                u[nt][0] = gm * ss[(i0 + g8) * CBP + col];
+                u[nt][1] = gm * ss[(i0 + g8) * CBP + col + 1];
+                u[nt][2] = gm * ss[(i0 + g8 + 8) * CBP + col];
+                u[nt][3] = gm * ss[(i0 + g8 + 8) * CBP + col + 1];
+            }
+            const float* kb = K + (rbase * HV + h) * D + i0 + g8;
+            for (int s0 = 0; s0 < m; s0 += 16) {
+                float a[8], bm[4];
+#pragma unroll
+                for (int x = 0; x < 4; ++x) {
+                    const int s = s0 + 4 * q4 + x;
+                    const bool ok = s < m;
+                    const float ds = ok ? dv[s] : 0.0f;
+                    a[2 * x] = ok ? ds * kb[(size_t)s * HV * D] : 0.0f;          // row i0 + g8
+                    a[2 * x + 1] = ok ? ds * kb[(size_t)s * HV * D + 8] : 0.0f;  // row i0 + g8 + 8
+                    bm[x] = ok ? 1.0f : 0.0f;
+                }
+                const float a0[4] = {a[0], a[1], a[2], a[3]}, a1[4] = {a[4], a[5], a[6], a[7]};
+#pragma unroll
+                for (int nt = 0; nt < NT8; ++nt) {
+                    const float* dp = dl + (s0 + 4 * q4) * CBP + nt * 8 + g8;
+                    const float b0[2] = {bm[0] != 0.0f ? dp[0] : 0.0f, bm[1] != 0.0f ? dp[CBP] : 0.0f};
+                    const float b1[2] = {bm[2] != 0.0f ? dp[2 * CBP] : 0.0f, bm[3] != 0.0f ? dp[3 * CBP] : 0.0f};
+                    mma3(u[nt], a0, b0);
+                    mma3(u[nt], a1, b1);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT8; ++nt) {
+                const int col = nt * 8 + 2 * q4;
+#pragma unroll
+                for (int x = 0; x < 4; ++x) {
+                    const int i = i0 + g8 + (x >> 1) * 8, cc = col + (x & 1);
+                    if (cm) sbase[SIDX(i, cb * CB + cc)] = ES::st(u[nt][x]);
+                    else sn[i * CBP + cc] = u[nt][x];
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    // the conv history after the commit token: the last three of (old history, the window's raw inputs)
+    if (commit > 0 && cb == 0) {
+        float* hh = hist + ((size_t)slot * HV + h) * (3 * D * 3);
+        for (int e = tid; e < 3 * D; e += NT_STATE) {
+            const int ch = channel(h, e);
+            const float o0 = hh[e * 3], o1 = hh[e * 3 + 1], o2 = hh[e * 3 + 2];
+            float nv[3];
+#pragma unroll
+            for (int m = 0; m < 3; ++m) {
+                const int u = commit - 3 + m;
+                const int oi = m + commit;
+                nv[m] = u >= 0 ? EQ::ld(qkv[((size_t)start + u) * C_ALL + ch]) : (oi == 0 ? o0 : oi == 1 ? o1 : o2);
+            }
+            hh[e * 3] = nv[0];
+            hh[e * 3 + 1] = nv[1];
+            hh[e * 3 + 2] = nv[2];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The gated RMS norm, y, planes and group sums of one chunk of one value head: a warp a token.
+extern "C" __global__ void __launch_bounds__(NT_OUT) gdn_chunk_out(
+    const EZ::T* __restrict__ z, const float* __restrict__ gamma, EO::T* __restrict__ out, long long plane,
+    const int* __restrict__ plan, int n_seqs, int cap_long, float eps, const float* __restrict__ scr,
+    long long rc) {
+#if GDN_PLANES
+    __shared__ float ys[NT_OUT / 32][D];
+#endif
+    const int ent = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (ent >= plan[1]) return;
+#if GDN_PLANES == 0
+    (void)plane;
+#endif
+    const int* e2 = plan + PLAN_ENT(n_seqs, cap_long) + 2 * ent;
+    const int li = e2[0], c = e2[1];
+    const int* inf = plan + PLAN_LONG(n_seqs) + 4 * li;
+    const int start = inf[1], len = inf[2];
+    const int t0 = c * L;
+    const int n = min(L, len - t0);
+    const float* const O = scr + 4 * (size_t)rc * HV * D;
+    for (int t = warp; t < n; t += NT_OUT / 32) {
+        const size_t r = (size_t)start + t0 + t;
+        const float* o = O + (r * HV + h) * D;
+        float acc = 0.0f;
+        for (int j = lane; j < D; j += 32) acc = fmaf(o[j], o[j], acc);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        const float rs = rsqrtf(acc / (float)D + eps);
+        for (int j = lane; j < D; j += 32) {
+            const float zt = EZ::ld(z[r * N_OUT + h * D + j]);
+#if GDN_SILU
+            const float act = zt * sigmoid_f(zt);
+#else
+            const float act = sigmoid_f(zt);
+#endif
+            const float yv = ((rs * o[j]) * gamma[j]) * act;
+            const size_t yi = r * N_OUT + h * D + j;
+            out[yi] = EO::st(yv);
+#if GDN_PLANES
+            const int jj = j & 15;
+            out[plane + yi] = EO::st(yv * __int_as_float((127 - 2 * (jj & 7)) << 23));
+            out[2 * plane + yi] = EO::st(yv * __int_as_float((127 - 8 * (jj & 3)) << 23));
+            out[3 * plane + yi] = EO::st((jj & 1) ? yv * 0.00390625f : yv);
+            ys[warp][j] = yv;
+#endif
+        }
+#if GDN_PLANES
+        __syncwarp();
+        for (int q = lane; q < D / 16; q += 32) {
+            float s_even = 0.0f, s_odd = 0.0f;
+#pragma unroll
+            for (int e = 0; e < 16; e += 2) {
+                s_even += ys[warp][16 * q + e];
+                s_odd += ys[warp][16 * q + e + 1];
+            }
+            out[4 * plane + r * (N_OUT / 16) + (h * D) / 16 + q] = EO::st(s_even + s_odd);
+        }
+        __syncwarp();
+#endif
+    }
+}
