@@ -3,6 +3,7 @@
 //! the token-serial one and (at `--oracle-t`) against the float64 oracle.
 //!
 //! `cargo run --release -p gdn-wgpu --example prefill [-- --t 16,32,64,128,256,512,4096] [--columns 8,16,32]
+//! [--len 32,64]
 //! [--io f32|bf16] [--state f32|bf16] [--oracle-t 512] [--budget 20000]` (tokens a timed round: iterations
 //! are budget / T, 1 to 50). `GDN_WGPU_ADAPTER=nvidia` picks an adapter by name (read
 //! here and passed in: the library reads no environment).
@@ -29,6 +30,7 @@ fn run() -> gdn::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let mut ts = vec![16usize, 32, 64, 128, 256, 512, 4096];
     let mut columns = vec![8usize, 16, 32];
+    let mut lens = vec![32usize];
     let mut io = DType::F32;
     let mut options = PoolOptions::default();
     let mut oracle_t = 512usize;
@@ -39,6 +41,7 @@ fn run() -> gdn::Result<()> {
         match args[i].as_str() {
             "--t" => ts = list(v),
             "--columns" => columns = list(v),
+            "--len" => lens = list(v),
             "--io" => io = v.map_or("", |s| s.as_str()).parse()?,
             "--state" => options.state = v.map_or("", |s| s.as_str()).parse()?,
             "--oracle-t" => oracle_t = list(v).first().copied().unwrap_or(0),
@@ -56,15 +59,20 @@ fn run() -> gdn::Result<()> {
     let adapter = std::env::var("GDN_WGPU_ADAPTER")
         .ok()
         .filter(|s| !s.is_empty());
-    let make = |chunk_from, chunk_columns| {
+    let make = |chunk_from, chunk_len, chunk_columns| {
         Wgpu::with_options(Options {
             adapter: adapter.clone(),
             chunk_from: Some(chunk_from),
+            chunk_len,
             chunk_columns,
             ..Options::default()
         })
     };
-    let serial = make(usize::MAX, 16)?;
+    let serial = make(usize::MAX, 32, 16)?;
+    let variants: Vec<(usize, usize)> = lens
+        .iter()
+        .flat_map(|&l| columns.iter().map(move |&c| (l, c)))
+        .collect();
     println!(
         "{}; seed shape, B 1, commit all, {} state, {} activations and output",
         serial.name(),
@@ -78,8 +86,8 @@ fn run() -> gdn::Result<()> {
     let tmax = ts.iter().copied().max().unwrap_or(1);
     let b = rng.batch(&layer, 1, tmax);
     let mut header = format!("{:>6} {:>12}", "T", "serial us");
-    for c in &columns {
-        header.push_str(&format!(" {:>13} {:>7}", format!("chunk{c} us"), "x"));
+    for (l, c) in &variants {
+        header.push_str(&format!(" {:>13} {:>7}", format!("L{l}/{c} us"), "x"));
     }
     header.push_str("  chunked vs serial y, vs oracle y / S");
     let mut table = vec![header];
@@ -121,8 +129,8 @@ fn run() -> gdn::Result<()> {
         let (ys, ss, us_s) = once(&serial)?;
         let mut line = format!("{t:>6} {us_s:>12.1}");
         let mut errs = String::new();
-        for (k, &c) in columns.iter().enumerate() {
-            let (yc, sc, us_c) = once(&make(1, c)?)?;
+        for (k, &(l, c)) in variants.iter().enumerate() {
+            let (yc, sc, us_c) = once(&make(1, l, c)?)?;
             line.push_str(&format!(" {us_c:>13.1} {:>6.2}x", us_s / us_c));
             if k == 0 {
                 let e = gdn::relative_error(&yc, &ys.iter().map(|&x| x as f64).collect::<Vec<_>>());

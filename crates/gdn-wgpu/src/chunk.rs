@@ -8,12 +8,45 @@ use crate::kernel::{expand, paste_includes, wgsl_f32, KernelKey};
 /// The template (see the comment at its top).
 pub const TEMPLATE: &str = include_str!("chunk.wgsl");
 
-/// Tokens of a chunk.
-pub const L: usize = 32;
+/// Tokens of a chunk by default (`Options::chunk_len`: 16, 32 or 64).
+pub const DEFAULT_LEN: usize = 32;
 
-/// Floats of a chunk's block per value head: its decayed q.k products P [L][L], then gamma, the end decays of
-/// the chunk's last row and those of the commit row.
-pub const PB: usize = L * L + 3 * L;
+/// A pool's chunk geometry: tokens a chunk (L) and state columns a `chunk_run` workgroup (BV).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Geom {
+    pub l: usize,
+    pub bv: usize,
+}
+
+impl Geom {
+    /// The geometry for head dim d from the caller's preferences: L one of 16, 32, 64 (else 32); BV the preferred
+    /// count where it divides d and fills whole thread rows (L BV and d BV multiples of NT), else the first of 16,
+    /// 32, 8 that does.
+    pub fn new(d: usize, len: usize, columns: usize) -> Geom {
+        let l = if [16, 32, 64].contains(&len) {
+            len
+        } else {
+            DEFAULT_LEN
+        };
+        let ok = |bv: usize| {
+            bv >= 2
+                && d.is_multiple_of(bv)
+                && (d * bv).is_multiple_of(NT)
+                && (l * bv).is_multiple_of(NT)
+        };
+        let bv = [columns, 16, 32, 8]
+            .into_iter()
+            .find(|&bv| ok(bv))
+            .unwrap_or(32);
+        Geom { l, bv }
+    }
+
+    /// Floats of a chunk's block per value head: its decayed q.k products P [L][L], then gamma, the end decays
+    /// of the chunk's last row and those of the commit row.
+    pub fn pb(&self) -> usize {
+        self.l * self.l + 3 * self.l
+    }
+}
 
 /// Threads of every chunked kernel's workgroup (WebGPU's default limit).
 pub const NT: usize = 256;
@@ -45,47 +78,34 @@ impl Entry {
 /// Columns of the state one `chunk_run` workgroup carries by default (`Options::chunk_columns`).
 pub const DEFAULT_COLUMNS: usize = 16;
 
-/// The column block for head dim d: `preferred` where it divides d and fills whole thread rows (a multiple of
-/// NT / L, with d times it a multiple of NT), else the first of 16, 32, 8 that does.
-pub fn column_block(d: usize, preferred: usize) -> usize {
-    let ok = |bv: usize| {
-        bv >= 2
-            && d.is_multiple_of(bv)
-            && (d * bv).is_multiple_of(NT)
-            && (L * bv).is_multiple_of(NT)
-    };
-    [preferred, 16, 32, 8]
-        .into_iter()
-        .find(|&bv| ok(bv))
-        .unwrap_or(16)
-}
-
 /// Bytes of workgroup memory the largest entry point uses (each counts only the variables it uses).
-pub fn workgroup_bytes(d: usize, bv: usize) -> usize {
+pub fn workgroup_bytes(d: usize, g: Geom) -> usize {
+    let (l, bv) = (g.l, g.bv);
     let pre = 2 * d + 2 * d / 16;
-    let wy = 2 * L * L + 3 * L;
-    let run = d * bv + L * bv + 3 * L;
+    let wy = l * l + 3 * l;
+    let run = d * bv + l * bv + 3 * l;
     let out = 2 * d + d / 16;
     4 * pre.max(wy).max(run).max(out)
 }
 
 /// The WGSL of the chunked kernels for a pipeline key (its d, state, layout and dtypes; subgroups and row blocks
 /// do not apply).
-pub fn source(key: &KernelKey, bv: usize) -> String {
+pub fn source(key: &KernelKey, g: Geom) -> String {
     let d = key.d;
+    let (l, bv) = (g.l, g.bv);
     let consts: [(&str, usize); 12] = [
         ("D", d),
-        ("L", L),
+        ("L", l),
         ("BV", bv),
         ("NCB", d / bv),
         ("NT", NT),
-        ("RO", L * bv / NT),
+        ("RO", l * bv / NT),
         ("RSN", d * bv / NT),
         ("CP1", (2 * d).div_ceil(NT)),
         ("CP2", (2 * d).div_ceil(NT)),
         ("CPE", d.div_ceil(NT)),
         ("GW", key.group_width()),
-        ("PB", PB),
+        ("PB", g.pb()),
     ];
     let mut header = String::new();
     for (name, v) in consts {
@@ -110,10 +130,11 @@ pub fn source(key: &KernelKey, bv: usize) -> String {
 }
 
 impl KernelKey {
-    /// The WGSL of the chunked kernels for this key's d, state, layout and dtypes, with the column block the
-    /// backend picks for `columns` ([`crate::Options::chunk_columns`]); entry points [`CHUNK_ENTRIES`].
-    pub fn chunk_source(&self, columns: usize) -> String {
-        source(self, column_block(self.d, columns))
+    /// The WGSL of the chunked kernels for this key's d, state, layout and dtypes, with the chunk length and
+    /// column block the backend picks for `len` and `columns` ([`crate::Options::chunk_len`],
+    /// [`crate::Options::chunk_columns`]); entry points [`CHUNK_ENTRIES`].
+    pub fn chunk_source(&self, len: usize, columns: usize) -> String {
+        source(self, Geom::new(self.d, len, columns))
     }
 }
 
@@ -122,17 +143,17 @@ pub const CHUNK_ENTRIES: [&str; 4] = ["chunk_pre", "chunk_wy", "chunk_run", "chu
 
 /// Floats of the scratch regions for `tokens` tokens in `chunks` chunks, in `CParams` order (q, k, U, W, o, gates,
 /// write strengths, products); None where a count overflows.
-pub fn regions(sh: &Shape, tokens: usize, chunks: usize) -> Option<[usize; 8]> {
+pub fn regions(sh: &Shape, g: Geom, tokens: usize, chunks: usize) -> Option<[usize; 8]> {
     let qk = tokens.checked_mul(sh.h_k)?.checked_mul(sh.d)?;
     let v = tokens.checked_mul(sh.h_v)?.checked_mul(sh.d)?;
-    let g = tokens.checked_mul(sh.h_v)?;
-    let p = chunks.checked_mul(sh.h_v)?.checked_mul(PB)?;
-    Some([qk, qk, v, v, v, g, g, p])
+    let gt = tokens.checked_mul(sh.h_v)?;
+    let p = chunks.checked_mul(sh.h_v)?.checked_mul(g.pb())?;
+    Some([qk, qk, v, v, v, gt, gt, p])
 }
 
 /// Floats of scratch a window of `len` tokens needs; None on overflow.
-pub fn scratch_floats(sh: &Shape, len: usize) -> Option<usize> {
-    regions(sh, len, len.div_ceil(L))?
+pub fn scratch_floats(sh: &Shape, g: Geom, len: usize) -> Option<usize> {
+    regions(sh, g, len, len.div_ceil(g.l))?
         .iter()
         .try_fold(0usize, |a, &x| a.checked_add(x))
 }
@@ -172,6 +193,7 @@ pub struct Round {
 /// count fits `max_groups` workgroups in y; a window that alone does not fit is an error naming it.
 pub fn plan(
     sh: &Shape,
+    g: Geom,
     lens: &[usize],
     max_floats: usize,
     max_groups: usize,
@@ -179,8 +201,8 @@ pub fn plan(
     let mut rounds = Vec::new();
     let mut cur = Round::default();
     for (i, &len) in lens.iter().enumerate() {
-        let chunks = len.div_ceil(L);
-        let floats = scratch_floats(sh, len).unwrap_or(usize::MAX);
+        let chunks = len.div_ceil(g.l);
+        let floats = scratch_floats(sh, g, len).unwrap_or(usize::MAX);
         if floats > max_floats || chunks > max_groups {
             return Err(Error::Backend(format!(
                 "a window of {len} tokens needs {} bytes of scratch and {chunks} chunks on the chunked path; \
@@ -191,7 +213,7 @@ pub fn plan(
             )));
         }
         let (t, c) = (cur.tokens + len, cur.chunks + chunks);
-        let fits = regions(sh, t, c)
+        let fits = regions(sh, g, t, c)
             .and_then(|r| r.iter().try_fold(0usize, |a, &x| a.checked_add(x)))
             .is_some_and(|f| f <= max_floats)
             && c <= max_groups;
@@ -210,8 +232,8 @@ pub fn plan(
 }
 
 /// Checks the chunked kernels against the adapter's limits.
-pub fn check_limits(d: usize, bv: usize, limits: &wgpu::Limits) -> Result<()> {
-    let bytes = workgroup_bytes(d, bv);
+pub fn check_limits(d: usize, g: Geom, limits: &wgpu::Limits) -> Result<()> {
+    let bytes = workgroup_bytes(d, g);
     if NT as u32 > limits.max_compute_invocations_per_workgroup
         || NT as u32 > limits.max_compute_workgroup_size_x
         || bytes > limits.max_compute_workgroup_storage_size as usize
@@ -243,7 +265,7 @@ mod tests {
                     inputs: [DType::Bf16, DType::F32, DType::F16, DType::F32],
                     ..KernelKey::plain(d)
                 };
-                let src = source(&key, column_block(d, 8));
+                let src = source(&key, Geom::new(d, 64, 8));
                 let module = naga::front::wgsl::parse_str(&src)
                     .unwrap_or_else(|e| panic!("d {d}: {}", e.emit_to_string(&src)));
                 naga::valid::Validator::new(
@@ -259,15 +281,20 @@ mod tests {
     #[test]
     fn rounds_split_by_scratch_and_refuse_what_cannot_fit() {
         let sh = Shape::new(16, 1, 2).unwrap();
-        let one = scratch_floats(&sh, 100).unwrap();
-        let r = plan(&sh, &[100, 100, 100], 2 * one + 10, 65535).unwrap();
+        let g = Geom::new(16, 32, 16);
+        assert_eq!(g, Geom { l: 32, bv: 16 });
+        assert_eq!(Geom::new(16, 16, 8), Geom { l: 16, bv: 16 });
+        assert_eq!(Geom::new(128, 64, 8), Geom { l: 64, bv: 8 });
+        assert_eq!(Geom::new(48, 7, 32), Geom { l: 32, bv: 16 });
+        let one = scratch_floats(&sh, g, 100).unwrap();
+        let r = plan(&sh, g, &[100, 100, 100], 2 * one + 10, 65535).unwrap();
         assert_eq!(r.len(), 2);
         assert_eq!(r[0].windows, (0, 2));
         assert_eq!(r[1].windows, (2, 3));
         assert_eq!(r[1].tokens, 100);
-        let err = plan(&sh, &[100, 1000], 2 * one, 65535).unwrap_err();
+        let err = plan(&sh, g, &[100, 1000], 2 * one, 65535).unwrap_err();
         assert!(err.to_string().contains("1000 tokens"), "{err}");
-        assert!(plan(&sh, &[33], usize::MAX, 1).is_err());
-        assert_eq!(scratch_floats(&sh, usize::MAX), None);
+        assert!(plan(&sh, g, &[33], usize::MAX, 1).is_err());
+        assert_eq!(scratch_floats(&sh, g, usize::MAX), None);
     }
 }

@@ -211,7 +211,7 @@ fn chunk_pre(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
 // ---------------------------------------------------------------------------------------------------------------
 // chunk_wy
 
-var<workgroup> wkk: array<f32, L * L>;
+// k_r . k_s, then A in place
 var<workgroup> wam: array<f32, L * L>;
 var<workgroup> wgs: array<f32, L>;
 var<workgroup> wbs: array<f32, L>;
@@ -235,7 +235,7 @@ fn chunk_wy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
         wgs[tid] = cs[prm.o_g + at];
         wbs[tid] = cs[prm.o_b + at];
     }
-    // k_r . k_s (s < r) into wkk; q_r . k_s (s <= r) straight into P, decayed below
+    // k_r . k_s (s < r) into wam; q_r . k_s (s <= r) straight into P in the scratch, decayed below
     for (var idx = tid; idx < L * L; idx += NT) {
         let r = idx / L;
         let s = idx % L;
@@ -250,21 +250,22 @@ fn chunk_wy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
                 kd = fma(cs[kr + i], kv, kd);
                 qd = fma(cs[qr + i], kv, qd);
             }
-            wkk[idx] = kd;
-            wam[idx] = qd;
+            wam[idx] = kd;
+            cs[pbase + idx] = qd;
         }
     }
+    // the products in the scratch are read back by other threads of the workgroup
+    storageBarrier();
     workgroupBarrier();
     // the decays: column s walks down its rows, G = g_{s+1} ... g_r; gamma_r = g_0 ... g_r
     if (tid < nl) {
         let s = tid;
         var gd = 1.0;
-        cs[pbase + s * L + s] = wam[s * L + s];
         for (var r = s + 1u; r < nl; r++) {
             gd = gd * wgs[r];
             let bs = wbs[r];
-            cs[pbase + r * L + s] = gd * wam[r * L + s];
-            wam[r * L + s] = bs * (gd * wkk[r * L + s]);
+            cs[pbase + r * L + s] = gd * cs[pbase + r * L + s];
+            wam[r * L + s] = bs * (gd * wam[r * L + s]);
         }
     }
     // gamma_r, and the end decays g_{s+1} ... g_e of the chunk's last row and of the commit row where the window

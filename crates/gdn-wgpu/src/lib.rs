@@ -73,10 +73,15 @@ pub struct Options {
     /// State columns one workgroup of the chunked recurrence carries (8, 16 or 32; lowered or raised to one that
     /// divides d): fewer columns, more workgroups in flight a window. [`DEFAULT_CHUNK_COLUMNS`] by default.
     pub chunk_columns: usize,
+    /// Tokens of a chunk (16, 32 or 64; another value means 32). [`DEFAULT_CHUNK_LEN`] by default.
+    pub chunk_len: usize,
     /// The most bytes of scratch one round of chunked windows binds (`None`: the adapter's binding limit). A call's
     /// chunked windows are grouped into rounds under it; a window that alone needs more is refused.
     pub chunk_scratch_bytes: Option<u64>,
 }
+
+/// [`Options::chunk_len`] by default.
+pub const DEFAULT_CHUNK_LEN: usize = chunk::DEFAULT_LEN;
 
 /// [`Options::chunk_columns`] by default.
 pub const DEFAULT_CHUNK_COLUMNS: usize = chunk::DEFAULT_COLUMNS;
@@ -95,6 +100,7 @@ impl Default for Options {
             keep_bytes: DEFAULT_KEEP_BYTES,
             chunk_from: None,
             chunk_columns: DEFAULT_CHUNK_COLUMNS,
+            chunk_len: DEFAULT_CHUNK_LEN,
             chunk_scratch_bytes: None,
         }
     }
@@ -112,6 +118,7 @@ pub struct Wgpu {
     keep_bytes: u64,
     chunk_from: Option<usize>,
     chunk_columns: usize,
+    chunk_len: usize,
     chunk_scratch_bytes: Option<u64>,
 }
 
@@ -136,7 +143,8 @@ pub(crate) struct Gpu {
     pipelines: Mutex<HashMap<KernelKey, Arc<wgpu::ComputePipeline>>>,
     /// The chunked kernels' pipelines, per key (its d, state and dtypes) and entry point.
     #[allow(clippy::type_complexity)]
-    chunk_pipelines: Mutex<HashMap<(KernelKey, usize, chunk::Entry), Arc<wgpu::ComputePipeline>>>,
+    chunk_pipelines:
+        Mutex<HashMap<(KernelKey, chunk::Geom, chunk::Entry), Arc<wgpu::ComputePipeline>>>,
     copy: OnceLock<Arc<wgpu::ComputePipeline>>,
     /// Errors wgpu reported outside an error scope (the device's uncaptured-error handler).
     uncaptured: Arc<Mutex<Vec<String>>>,
@@ -176,6 +184,7 @@ impl Wgpu {
             keep_bytes: options.keep_bytes,
             chunk_from: options.chunk_from,
             chunk_columns: options.chunk_columns,
+            chunk_len: options.chunk_len,
             chunk_scratch_bytes: options.chunk_scratch_bytes,
         })
     }
@@ -210,6 +219,7 @@ impl Wgpu {
                 keep_bytes: self.keep_bytes,
                 chunk_from: self.chunk_from(),
                 chunk_columns: self.chunk_columns,
+                chunk_len: self.chunk_len,
                 chunk_scratch_bytes: self.chunk_scratch_bytes,
             },
         )
@@ -421,7 +431,7 @@ impl Gpu {
     pub(crate) fn chunk_pipeline(
         &self,
         key: KernelKey,
-        columns: usize,
+        geom: chunk::Geom,
         entry: chunk::Entry,
     ) -> Result<Arc<wgpu::ComputePipeline>> {
         // subgroups and row blocks do not apply to the chunked kernels: one pipeline whatever they are
@@ -434,13 +444,13 @@ impl Gpu {
             .chunk_pipelines
             .lock()
             .map_err(|_| Error::Backend("pipeline cache poisoned".into()))?;
-        if let Some(p) = cache.get(&(key, columns, entry)) {
+        if let Some(p) = cache.get(&(key, geom, entry)) {
             return Ok(p.clone());
         }
-        chunk::check_limits(key.d, columns, &self.limits)?;
-        let source = chunk::source(&key, columns);
+        chunk::check_limits(key.d, geom, &self.limits)?;
+        let source = chunk::source(&key, geom);
         let pipeline = Arc::new(self.build(source, entry.name(), key.checked)?);
-        cache.insert((key, columns, entry), pipeline.clone());
+        cache.insert((key, geom, entry), pipeline.clone());
         Ok(pipeline)
     }
 

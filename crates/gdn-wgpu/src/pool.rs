@@ -45,6 +45,7 @@ pub(crate) struct Settings {
     pub keep_bytes: u64,
     pub chunk_from: usize,
     pub chunk_columns: usize,
+    pub chunk_len: usize,
     pub chunk_scratch_bytes: Option<u64>,
 }
 
@@ -282,8 +283,8 @@ pub struct WgpuPool {
     /// The chunked path (`chunk.rs`): the crossover (windows of at least this many tokens to their commit
     /// point), the call's chunked windows and chunk entries, their device buffers and bind group.
     chunk_from: usize,
-    /// State columns a workgroup of the chunked recurrence carries.
-    chunk_bv: usize,
+    /// Tokens a chunk and state columns a workgroup of the chunked recurrence carries.
+    geom: chunk::Geom,
     /// The caller's cap on a round's scratch bytes.
     chunk_scratch: Option<u64>,
     chunked: Chunked,
@@ -379,8 +380,8 @@ impl WgpuPool {
             .write_buffer(&weights_buf, 0, bytemuck::cast_slice(&weights));
         let rw = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
         // the chunked kernels where the adapter runs them (else every window runs token by token)
-        let chunk_bv = chunk::column_block(sh.d, settings.chunk_columns);
-        let chunk_from = if chunk::check_limits(sh.d, chunk_bv, &gpu.limits).is_ok() {
+        let geom = chunk::Geom::new(sh.d, settings.chunk_len, settings.chunk_columns);
+        let chunk_from = if chunk::check_limits(sh.d, geom, &gpu.limits).is_ok() {
             settings.chunk_from
         } else {
             usize::MAX
@@ -419,7 +420,7 @@ impl WgpuPool {
             job_list: Vec::new(),
             scratch: Vec::new(),
             chunk_from,
-            chunk_bv,
+            geom,
             chunk_scratch: settings.chunk_scratch_bytes,
             chunked_base: (0, [0; 4]),
             chunked: Chunked {
@@ -558,7 +559,7 @@ impl WgpuPool {
         }
         let l = &self.gpu.limits;
         let sh = self.layer.shape();
-        let blocks = sh.h_v * (sh.d / self.chunk_bv);
+        let blocks = sh.h_v * (sh.d / self.geom.bv);
         if blocks > l.max_compute_workgroups_per_dimension as usize {
             return Err(Error::Backend(format!(
                 "the chunked path needs {blocks} workgroups in x; the adapter dispatches at most {}",
@@ -570,6 +571,7 @@ impl WgpuPool {
             .min(u32::MAX as u64) as usize;
         chunk::plan(
             sh,
+            self.geom,
             lens,
             max_floats,
             l.max_compute_workgroups_per_dimension as usize,
@@ -639,11 +641,11 @@ impl WgpuPool {
                 // within u32: the round's scratch (tokens times floats a token) fits u32 elements
                 self.chunked.windows[w][4] = tok0 as u32;
                 self.chunked.windows[w][5] = chunk0 as u32;
-                for c in 0..len.div_ceil(chunk::L) {
+                for c in 0..len.div_ceil(self.geom.l) {
                     entries.push([w as u32, c as u32, 0, 0]);
                 }
                 tok0 += len;
-                chunk0 += len.div_ceil(chunk::L);
+                chunk0 += len.div_ceil(self.geom.l);
             }
         }
         // longest windows first: the GPU starts workgroups roughly in order, so a long window (a prefill chunk in
@@ -719,7 +721,7 @@ impl WgpuPool {
         let floats = c
             .rounds
             .iter()
-            .filter_map(|r| chunk::regions(&sh, r.tokens, r.chunks))
+            .filter_map(|r| chunk::regions(&sh, self.geom, r.tokens, r.chunks))
             .map(|r| r.iter().sum::<usize>())
             .max()
             .unwrap_or(0);
@@ -771,7 +773,7 @@ impl WgpuPool {
         let sh = *self.layer.shape();
         let c = &self.chunked;
         let round = &c.rounds[r];
-        let regions = chunk::regions(&sh, round.tokens, round.chunks)
+        let regions = chunk::regions(&sh, self.geom, round.tokens, round.chunks)
             .ok_or_else(|| Error::Backend("the chunked scratch overflows".into()))?;
         let mut offs = [0u32; 8];
         let mut at = 0usize;
@@ -809,10 +811,10 @@ impl WgpuPool {
     fn chunk_pipelines(&self, key: KernelKey) -> Result<[Arc<wgpu::ComputePipeline>; 4]> {
         let g = &self.gpu;
         Ok([
-            g.chunk_pipeline(key, self.chunk_bv, Entry::Pre)?,
-            g.chunk_pipeline(key, self.chunk_bv, Entry::Wy)?,
-            g.chunk_pipeline(key, self.chunk_bv, Entry::Run)?,
-            g.chunk_pipeline(key, self.chunk_bv, Entry::Out)?,
+            g.chunk_pipeline(key, self.geom, Entry::Pre)?,
+            g.chunk_pipeline(key, self.geom, Entry::Wy)?,
+            g.chunk_pipeline(key, self.geom, Entry::Run)?,
+            g.chunk_pipeline(key, self.geom, Entry::Out)?,
         ])
     }
 
@@ -829,7 +831,7 @@ impl WgpuPool {
         let chunks = round.chunks as u32;
         let windows = (round.windows.1 - round.windows.0) as u32;
         let (h_k, h_v) = (sh.h_k as u32, sh.h_v as u32);
-        let blocks = (sh.d / self.chunk_bv) as u32;
+        let blocks = (sh.d / self.geom.bv) as u32;
         pass.set_bind_group(0, self.chunked.bind_group.as_ref(), &[]);
         let grid = [
             (h_k + h_v, chunks),
@@ -1365,6 +1367,17 @@ impl LayerPool for WgpuPool {
 }
 
 impl WgpuPool {
+    /// The crossover this pool uses: `usize::MAX` where the adapter cannot run the chunked kernels (or never
+    /// chunking was asked for).
+    pub fn chunk_from(&self) -> usize {
+        self.chunk_from
+    }
+
+    /// Tokens of a chunk and state columns of a chunked workgroup this pool uses.
+    pub fn chunk_geometry(&self) -> (usize, usize) {
+        (self.geom.l, self.geom.bv)
+    }
+
     /// The pool's state layout (what `read_slot` and `write_slot` take).
     pub fn state_layout(&self) -> StateLayout {
         self.options.layout

@@ -14,7 +14,17 @@ use gdn::{
 use gdn_wgpu::{Options, Wgpu};
 
 fn backend(chunk_from: usize) -> Option<Wgpu> {
+    backend_with(
+        chunk_from,
+        gdn_wgpu::DEFAULT_CHUNK_LEN,
+        gdn_wgpu::DEFAULT_CHUNK_COLUMNS,
+    )
+}
+
+fn backend_with(chunk_from: usize, chunk_len: usize, chunk_columns: usize) -> Option<Wgpu> {
     let options = Options {
+        chunk_len,
+        chunk_columns,
         adapter: std::env::var("GDN_WGPU_ADAPTER")
             .ok()
             .filter(|s| !s.is_empty()),
@@ -179,12 +189,30 @@ fn y_rows(sh: &Shape, seqs: &[Seq]) -> Vec<usize> {
 
 #[test]
 fn long_windows_match_the_oracle() {
-    let Some(b) = backend(1) else { return };
     let shape = Shape::new(16, 2, 4).unwrap();
-    for (k, len) in [1usize, 2, 5, 31, 32, 33, 100, 1000, 3000]
+    let cases = [1usize, 2, 5, 31, 32, 33, 100, 1000, 3000]
         .into_iter()
-        .enumerate()
-    {
+        .map(|t| (t, 32, 16))
+        .chain([
+            (17, 16, 16),
+            (100, 16, 32),
+            (63, 64, 8),
+            (65, 64, 16),
+            (1000, 64, 8),
+        ]);
+    for (k, (len, l, cols)) in cases.enumerate() {
+        let Some(b) = backend_with(1, l, cols) else {
+            return;
+        };
+        let probe = b
+            .pool(&layer(0, shape, false), 1, PoolOptions::default())
+            .unwrap();
+        assert_eq!(
+            probe.chunk_from(),
+            1,
+            "the adapter runs the chunked kernels"
+        );
+        assert_eq!(probe.chunk_geometry().0, l);
         let c = case(k as u64, shape, len, 1, [DType::F32; 4]);
         let seqs = [seq(0, 0, len, Commit::All)];
         let (y, st) = run(&b, &c, PoolOptions::default(), &seqs, false, DType::F32);
@@ -192,7 +220,7 @@ fn long_windows_match_the_oracle() {
         let ey = gdn::relative_error(&y, &want);
         let es = gdn::relative_error(&st[0].0, &ost[0].s);
         let eh = gdn::relative_error(&st[0].1, &ost[0].h);
-        eprintln!("T {len}: y {ey:.2e}, state {es:.2e}, hist {eh:.1e}");
+        eprintln!("T {len} (L {l}, BV {cols}): y {ey:.2e}, state {es:.2e}, hist {eh:.1e}");
         assert!(
             ey < BOUND && es < BOUND && eh == 0.0,
             "T {len}: y {ey:.2e} state {es:.2e} hist {eh:.2e}"
@@ -227,7 +255,16 @@ fn chunked_and_token_serial_agree_at_the_seed_shape() {
 
 #[test]
 fn commit_first_k_is_the_k_token_window_bitwise_and_verify_writes_nothing() {
-    let Some(b) = backend(1) else { return };
+    for (l, c) in [(32, 16), (16, 16), (64, 8)] {
+        let Some(b) = backend_with(1, l, c) else {
+            return;
+        };
+        commit_first_k(&b, l);
+    }
+}
+
+fn commit_first_k(b: &Wgpu, l: usize) {
+    let b = b.clone();
     let shape = Shape::new(16, 1, 2).unwrap();
     let total = 200;
     for options in [
@@ -249,7 +286,7 @@ fn commit_first_k_is_the_k_token_window_bitwise_and_verify_writes_nothing() {
             [DType::Bf16, DType::F32, DType::F16, DType::Bf16],
         );
         let sh = *c.layer.shape();
-        for k in [1usize, 2, 3, 31, 32, 33, 64, 100, 199, 200] {
+        for k in [1usize, 2, 3, l - 1, l, l + 1, 2 * l, 100, 199, 200] {
             let (y1, s1) = run(
                 &b,
                 &c,

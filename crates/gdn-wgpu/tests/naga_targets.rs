@@ -452,7 +452,10 @@ fn msl_hlsl_chunked_kernels() {
     let mut n = 0;
     for d in DIMS {
         let mut blocks: Vec<String> = Vec::new();
-        for columns in [8, 16, 32] {
+        for (len, columns) in [16, 32, 64]
+            .into_iter()
+            .flat_map(|l| [8, 16, 32].map(|c| (l, c)))
+        {
             for state in [DType::F32, DType::Bf16] {
                 for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
                     for (k, out) in DTYPES.into_iter().enumerate() {
@@ -463,7 +466,7 @@ fn msl_hlsl_chunked_kernels() {
                             inputs: std::array::from_fn(|m| DTYPES[(k + m) % 3]),
                             ..KernelKey::plain(d)
                         };
-                        let src = key.chunk_source(columns);
+                        let src = key.chunk_source(len, columns);
                         // a column count the backend lowers to one already covered gives the same text
                         if blocks.contains(&src) {
                             continue;
@@ -472,9 +475,9 @@ fn msl_hlsl_chunked_kernels() {
                         for entry in gdn_wgpu::CHUNK_ENTRIES {
                             match translate(&src, entry, &STEP_LAYOUT, false, false) {
                                 Ok(m) => made += m,
-                                Err(e) => {
-                                    failed.push(format!("d {d} {columns} {key:?} {entry}:\n{e}"))
-                                }
+                                Err(e) => failed.push(format!(
+                                    "d {d} L {len} BV {columns} {key:?} {entry}:\n{e}"
+                                )),
                             }
                         }
                         blocks.push(src);
