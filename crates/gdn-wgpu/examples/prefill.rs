@@ -3,7 +3,7 @@
 //! the token-serial one and (at `--oracle-t`) against the float64 oracle.
 //!
 //! `cargo run --release -p gdn-wgpu --example prefill [-- --t 16,32,64,128,256,512,4096] [--columns 8,16,32]
-//! [--len 32,64]
+//! [--len 32,64] [--crossover 16,24,32,48,64,96,128]
 //! [--io f32|bf16] [--state f32|bf16] [--oracle-t 512] [--budget 20000]` (tokens a timed round: iterations
 //! are budget / T, 1 to 50). `GDN_WGPU_ADAPTER=nvidia` picks an adapter by name (read
 //! here and passed in: the library reads no environment).
@@ -35,6 +35,7 @@ fn run() -> gdn::Result<()> {
     let mut options = PoolOptions::default();
     let mut oracle_t = 512usize;
     let mut budget = 20000usize;
+    let mut crossover: Vec<usize> = Vec::new();
     let mut i = 1;
     while i < args.len() {
         let v = args.get(i + 1);
@@ -42,6 +43,8 @@ fn run() -> gdn::Result<()> {
             "--t" => ts = list(v),
             "--columns" => columns = list(v),
             "--len" => lens = list(v),
+            // lengths at which Wgpu::measure_crossover times both paths (with the default chunk geometry)
+            "--crossover" => crossover = list(v),
             "--io" => io = v.map_or("", |s| s.as_str()).parse()?,
             "--state" => options.state = v.map_or("", |s| s.as_str()).parse()?,
             "--oracle-t" => oracle_t = list(v).first().copied().unwrap_or(0),
@@ -153,5 +156,16 @@ fn run() -> gdn::Result<()> {
         table.push(line);
     }
     println!("\n{}", table.join("\n"));
+    if !crossover.is_empty() {
+        let c = serial.measure_crossover(&layer, &crossover, 10)?;
+        for (t, a, b) in &c.points {
+            println!(
+                "crossover T {t}: serial {:.1} us, chunked {:.1} us",
+                a * 1e6,
+                b * 1e6
+            );
+        }
+        println!("measured crossover: chunk_from = {}", c.chunk_from);
+    }
     Ok(())
 }

@@ -236,6 +236,83 @@ impl Wgpu {
     }
 }
 
+/// What [`Wgpu::measure_crossover`] measured.
+#[derive(Clone, Debug)]
+pub struct Crossover {
+    /// (window length, token-serial seconds a call, chunked seconds a call) for each length tried.
+    pub points: Vec<(usize, f64, f64)>,
+    /// The shortest length tried from which the chunked form was faster at that and every longer length tried
+    /// (`usize::MAX`: at none), and at least one more than the longest held window (`step_spec` runs held windows
+    /// token by token, so a lower crossover would make its bits differ from the two-pass flow's).
+    pub chunk_from: usize,
+}
+
+impl Wgpu {
+    /// Measures the crossover to the chunked form on this adapter for `layer`'s shape: one window of each length
+    /// in `lens`, commit all, f32, timed with `time_varlen` (`iters` calls a round) on both paths. Pass the
+    /// result's `chunk_from` to [`Wgpu::with_chunk_from`]; the bits of a window depend on its path, so choose it
+    /// once, not per call.
+    pub fn measure_crossover(
+        &self,
+        layer: &Layer,
+        lens: &[usize],
+        iters: usize,
+    ) -> Result<Crossover> {
+        let sh = *layer.shape();
+        let mut rng = gdn::synth::Synth::new(1);
+        let (st, h) = rng.seq_state(layer);
+        let tmax = lens.iter().copied().max().unwrap_or(0);
+        let b = rng.batch(layer, 1, tmax);
+        let mut points = Vec::new();
+        for &t in lens.iter().filter(|&&t| t > 0) {
+            let seqs = [gdn::Seq {
+                slot: 0,
+                start: 0,
+                len: t,
+                commit: gdn::Commit::All,
+            }];
+            let step = gdn::Step {
+                rows: gdn::step::Rows {
+                    qkv: gdn::Tensor::F32(&b.qkv[..t * sh.channels()]),
+                    alpha: gdn::Tensor::F32(&b.alpha[..t * sh.h_v]),
+                    beta: gdn::Tensor::F32(&b.beta[..t * sh.h_v]),
+                    z: gdn::Tensor::F32(&b.z[..t * sh.n()]),
+                },
+                seqs: &seqs,
+                plane_stride: None,
+            };
+            let mut secs = [0.0; 2];
+            for (k, from) in [usize::MAX, 1].into_iter().enumerate() {
+                let mut pool = self.clone().with_chunk_from(from).pool(
+                    layer,
+                    1,
+                    gdn::PoolOptions::default(),
+                )?;
+                pool.write_slot(0, &st, &h)?;
+                secs[k] = pool
+                    .time_varlen(&step, gdn::DType::F32, iters)?
+                    .per_call
+                    .as_secs_f64();
+            }
+            points.push((t, secs[0], secs[1]));
+        }
+        points.sort_by_key(|p| p.0);
+        // the shortest length from which chunked wins at every longer length tried
+        let mut chunk_from = usize::MAX;
+        for &(t, serial, chunked) in points.iter().rev() {
+            if chunked < serial {
+                chunk_from = t;
+            } else {
+                break;
+            }
+        }
+        if chunk_from != usize::MAX {
+            chunk_from = chunk_from.max(kernel::HOLD + 1);
+        }
+        Ok(Crossover { points, chunk_from })
+    }
+}
+
 impl Gpu {
     async fn open(options: &Options) -> Result<Gpu> {
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();

@@ -499,3 +499,15 @@ fn rounds_split_the_scratch_and_a_window_too_long_is_refused() {
         assert_eq!(bits(&a.1), bits(&z.1));
     }
 }
+
+/// The crossover measured on this adapter: both paths timed per length, the result at least 17 or never.
+#[test]
+fn the_crossover_is_measured() {
+    let Some(b) = backend(usize::MAX) else { return };
+    let layer = layer(2, Shape::new(16, 1, 2).unwrap(), false);
+    let c = b.measure_crossover(&layer, &[16, 64, 256], 1).unwrap();
+    eprintln!("{:?}", c);
+    assert_eq!(c.points.len(), 3);
+    assert!(c.points.iter().all(|p| p.1 > 0.0 && p.2 > 0.0));
+    assert!(c.chunk_from == usize::MAX || c.chunk_from >= 17);
+}
