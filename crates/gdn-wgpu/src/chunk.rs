@@ -52,7 +52,8 @@ impl Geom {
 pub const NT: usize = 256;
 
 /// Windows of at least this many tokens (counted to the commit point where the window commits) run chunked by
-/// default; measured on the H200 (NOTES.md "Chunked windows").
+/// default on a GPU adapter. An estimate, not yet measured on a GPU (NOTES.md "Chunked windows");
+/// `Wgpu::measure_crossover` measures it on the adapter at hand.
 pub const DEFAULT_CHUNK_FROM: usize = 64;
 
 /// The four entry points, in dispatch order.

@@ -7,8 +7,10 @@
 //! dispatch: one workgroup per (sequence, value head), each reading its sequence's slot, rows, length and commit
 //! point from a job list, the head's state in registers for the whole window, the conv, norms, delta rule,
 //! readout, gated RMS norm, planes and group sums fused. Two reduction paths: subgroup operations where the
-//! adapter has them (any subgroup size), workgroup memory where it has none. The library reads no environment
-//! variables: everything is in [`Options`].
+//! adapter has them (any subgroup size), workgroup memory where it has none. Long windows (from
+//! [`Options::chunk_from`] tokens to their commit point) run in the chunked WY / UT form instead (`chunk.wgsl`:
+//! four dispatches, the state in column blocks in workgroup memory; [`Wgpu::measure_crossover`] measures where it
+//! pays). The library reads no environment variables: everything is in [`Options`].
 //!
 //! ```no_run
 //! use gdn::Backend;
