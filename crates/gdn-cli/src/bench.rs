@@ -59,10 +59,11 @@ pub struct Args {
     /// prefix) on the same backend. With --rotate-mib the calls rotate among slot sets as above.
     #[arg(long, value_delimiter = ',')]
     spec: Option<Vec<usize>>,
-    /// Time the layer's out_proj over quantized weights (n -> this hidden size) instead, at each batch size (one
-    /// token per sequence): the product that reads the step's planes and group sums beside the same product
-    /// from y with shifts and its own group-sum pass, for every packing, against the weight bytes over the copy
-    /// ceiling (CPU only).
+    /// Time the layer's out_proj over quantized weights (n -> this hidden size) and the layer's tail instead, at
+    /// each batch size and window length (default B 1,64 and T 1,8): the product that reads the step's planes
+    /// and group sums beside the same product from y with shifts and its own group-sum pass and beside a plain
+    /// bf16 out_proj, alone and after the step, for every packing; bytes moved over the copy ceiling. CPU and
+    /// CUDA; the products rotate over weight copies spanning --rotate-mib (default 256).
     #[arg(long)]
     out_proj: Option<usize>,
 }
@@ -166,6 +167,7 @@ fn seqs(slots: &[i32], len: usize) -> Vec<Seq> {
 pub fn run(args: Args) -> Result<()> {
     let backend = backends::make(&args.backend)?;
     let device = backends::is_device(&args.backend);
+    let (args_batch_given, args_tokens_given) = (args.batch.is_some(), args.tokens.is_some());
     let batches = args.batch.unwrap_or_else(|| {
         if device {
             vec![1, 8, 32, 128, 256]
@@ -203,7 +205,7 @@ pub fn run(args: Args) -> Result<()> {
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let cuda_rotation = args.backend == "cuda" && args.rotate_mib > 0;
-    if device && args.rotate_mib > 0 && !cuda_rotation {
+    if device && args.rotate_mib > 0 && !cuda_rotation && args.out_proj.is_none() {
         return Err(gdn::Error::Param {
             name: "rotate-mib",
             why: "rotation is implemented for the CPU and CUDA backends only".into(),
@@ -217,7 +219,32 @@ pub fn run(args: Args) -> Result<()> {
     }
     if let Some(hidden) = args.out_proj {
         progress.finish_and_clear();
-        return run_out_proj(backend.as_ref(), &layer, hidden, &batches, args.round_ms);
+        // the cases unless asked otherwise: B 1 and 64, T 1 and 8
+        let batches = if args_batch_given {
+            batches
+        } else {
+            vec![1, 64]
+        };
+        let tokens = if args_tokens_given {
+            tokens
+        } else {
+            vec![1, 8]
+        };
+        let rotate = if args.rotate_mib > 0 {
+            args.rotate_mib as usize
+        } else {
+            256
+        };
+        return run_out_proj(
+            &args.backend,
+            backend.as_ref(),
+            &layer,
+            hidden,
+            &batches,
+            &tokens,
+            args.round_ms,
+            rotate,
+        );
     }
     if let Some(windows) = &args.spec {
         progress.finish_and_clear();
@@ -438,78 +465,302 @@ fn time_mixed(
     Ok(out)
 }
 
-/// `gdn bench --out-proj`: the quantized out_proj, planes path and shift path, per packing and batch.
+/// Median of 5 rounds of about `round_ms` each (at least 3 calls a round), seconds per call of `f`, host clock.
+fn host_time(round_ms: u64, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut rounds = Vec::new();
+    for _ in 0..5 {
+        let t0 = std::time::Instant::now();
+        let mut k = 0;
+        while k < 3 || t0.elapsed() < Duration::from_millis(round_ms) {
+            f()?;
+            k += 1;
+        }
+        rounds.push(t0.elapsed().as_secs_f64() / k as f64);
+    }
+    rounds.sort_by(f64::total_cmp);
+    Ok(rounds[rounds.len() / 2])
+}
+
+/// Seconds per call of one tail case: each out_proj alone and each tail (step + out_proj).
+struct Tail {
+    planes: f64,
+    shift: f64,
+    bf16: f64,
+    tail_planes: f64,
+    tail_shift: f64,
+    tail_bf16: f64,
+    step: f64,
+    step_planes: f64,
+    /// Device only: an empty kernel in the same kind of graph, and the weight copies rotated over.
+    empty: Option<f64>,
+    copies: usize,
+    planes_vs_shift: f64,
+}
+
+/// The tail on the CPU backend at `b` sequences of `t` tokens (host clock).
+#[allow(clippy::too_many_arguments)]
+fn cpu_tail(
+    backend: &dyn gdn::Backend,
+    layer: &gdn::Layer,
+    q: &gdn::quant::QuantWeights,
+    bf: &gdn::quant::Bf16Weights,
+    b: usize,
+    t: usize,
+    rng: &mut Synth,
+    round_ms: u64,
+    rotate_bytes: usize,
+) -> Result<Tail> {
+    let sh = *layer.shape();
+    let (n, rows, hidden) = (sh.n(), b * t, q.rows);
+    // copies of the weights spanning `rotate_bytes`, one per call in turn: the weights come from memory, not
+    // from the L3 that kept them since the last call (32 MiB here: the 2-bit weights would fit)
+    let copies = rotate_bytes.div_ceil(q.bytes()).max(1);
+    let bf_copies = rotate_bytes.div_ceil(bf.bytes()).max(1);
+    let qs: Vec<gdn::quant::QuantWeights> = (0..copies).map(|_| q.clone()).collect();
+    let bfs: Vec<gdn::quant::Bf16Weights> = (0..bf_copies).map(|_| bf.clone()).collect();
+    let (mut qi, mut bi) = (0usize, 0usize);
+    let mut pool = backend.create_pool(layer, b)?;
+    for s in 0..b {
+        let (st, h) = rng.seq_state(layer);
+        pool.write_slot(s, &st, &h)?;
+    }
+    let data = random_rows(rng, layer, rows, DType::F32);
+    let seq = seqs(&(0..b as i32).collect::<Vec<_>>(), t);
+    let lay = gdn::OutputLayout::for_rows(&sh, rows, Some(rows * n))?;
+    let mut with = vec![0.0f32; lay.len()];
+    let mut plain = vec![0.0f32; rows * n];
+    let mut out = vec![0.0f32; rows * hidden];
+    let planes_step = Step {
+        rows: data.view(),
+        seqs: &seq,
+        plane_stride: Some(rows * n),
+    };
+    let plain_step = Step {
+        rows: data.view(),
+        seqs: &seq,
+        plane_stride: None,
+    };
+    // the same pool steps on and on: a state's values stay bounded (decays below 1), so every call does the
+    // same work
+    pool.step_varlen(&planes_step, gdn::TensorMut::F32(&mut with))?;
+    let mut a = vec![0.0f32; rows * hidden];
+    q.product_planes(&with, &lay, &mut a)?;
+    q.product_shift(&with[..rows * n], rows, &mut out)?;
+    let wide: Vec<f64> = out.iter().map(|&v| v as f64).collect();
+    let planes_vs_shift = gdn::relative_error(&a, &wide);
+    let p = pool.as_mut();
+    let step_planes = host_time(round_ms, &mut || {
+        p.step_varlen(&planes_step, gdn::TensorMut::F32(&mut with))
+    })?;
+    let step = host_time(round_ms, &mut || {
+        p.step_varlen(&plain_step, gdn::TensorMut::F32(&mut plain))
+    })?;
+    let mut nq = || {
+        qi += 1;
+        &qs[qi % copies]
+    };
+    let planes = host_time(round_ms, &mut || nq().product_planes(&with, &lay, &mut out))?;
+    let shift = host_time(round_ms, &mut || nq().product_shift(&plain, rows, &mut out))?;
+    let tail_planes = host_time(round_ms, &mut || {
+        p.step_varlen(&planes_step, gdn::TensorMut::F32(&mut with))?;
+        nq().product_planes(&with, &lay, &mut out)
+    })?;
+    let tail_shift = host_time(round_ms, &mut || {
+        p.step_varlen(&plain_step, gdn::TensorMut::F32(&mut plain))?;
+        nq().product_shift(&plain, rows, &mut out)
+    })?;
+    let mut nb = || {
+        bi += 1;
+        &bfs[bi % bf_copies]
+    };
+    let bf16 = host_time(round_ms, &mut || nb().product(&plain, rows, &mut out))?;
+    let tail_bf16 = host_time(round_ms, &mut || {
+        p.step_varlen(&plain_step, gdn::TensorMut::F32(&mut plain))?;
+        nb().product(&plain, rows, &mut out)
+    })?;
+    Ok(Tail {
+        planes,
+        shift,
+        bf16,
+        tail_planes,
+        tail_shift,
+        tail_bf16,
+        step,
+        step_planes,
+        empty: None,
+        copies,
+        planes_vs_shift,
+    })
+}
+
+/// `gdn bench --out-proj`: the quantized out_proj (every packing) and the layer's tail, step + out_proj, three
+/// ways: the product that reads the step's planes and group sums, the same product from y with shifts and its
+/// own group-sum pass, and a plain bf16 out_proj; at each batch size and window length; bytes moved and their
+/// rate against the backend's copy ceiling. CPU and CUDA.
+#[allow(clippy::too_many_arguments)]
 fn run_out_proj(
+    backend_name: &str,
     backend: &dyn gdn::Backend,
     layer: &gdn::Layer,
     hidden: usize,
     batches: &[usize],
+    tokens: &[usize],
     round_ms: u64,
+    rotate_mib: usize,
 ) -> Result<()> {
-    use gdn::quant::{Packing, QuantWeights};
+    use gdn::quant::{Bf16Weights, Packing, QuantWeights};
     let sh = *layer.shape();
     let n = sh.n();
+    let device = backends::is_device(backend_name);
+    let cuda = if backend_name == "cuda" {
+        Some(gdn_cuda::Cuda::new()?)
+    } else if device {
+        return Err(gdn::Error::Unsupported(format!(
+            "--out-proj is benchmarked on the CPU and CUDA backends, not {backend_name}"
+        )));
+    } else {
+        None
+    };
     let mut rng = Synth::new(5);
     let w = rng.uniform(hidden * n, -0.02, 0.02);
+    let bf = Bf16Weights::new(&w, hidden, n)?;
+    let rotate = rotate_mib << 20;
+    // one ceiling for the run: a GPU copy of 1 GiB; on the CPU a copy of the rotation's footprint (from memory,
+    // as the rotated weights are)
+    let ceiling = backend.copy_ceiling(if device { 1 << 30 } else { rotate })?;
     println!(
-        "out_proj {n} -> {hidden} over quantized weights on {} (affine groups of 16; one token per sequence); us per call",
-        backend.name()
+        "the layer's tail on {}: step (seed shape, f32, commit all) + out_proj {n} -> {hidden} (affine groups of 16); copy ceiling {:.0} GB/s{}",
+        backend.name(),
+        ceiling / 1e9,
+        if device {
+            format!("; each product rotates over copies of its weights spanning {rotate_mib} MiB (weights from memory, not L2); CUDA graphs of calls, events")
+        } else {
+            format!("; each product rotates over copies of its weights spanning {rotate_mib} MiB (from memory, not L3); host clock, median of 5 rounds")
+        }
     );
-    println!();
-    println!("| packing | B | weight MB | planes us | shift us | planes / shift | floor us (weights / copy ceiling) | planes / floor |");
-    println!("|---|---|---|---|---|---|---|---|");
+    let mut products = Vec::new();
+    let mut tails = Vec::new();
     for p in Packing::ALL {
         let q = QuantWeights::quantize(&w, hidden, n, p)?;
         for &b in batches {
-            // a step's output with planes, for b rows
-            let mut pool = backend.create_pool(layer, b)?;
-            let data = random_rows(&mut rng, layer, b, DType::F32);
-            let seq = seqs(&(0..b as i32).collect::<Vec<_>>(), 1);
-            let lay = gdn::OutputLayout::for_rows(&sh, b, Some(b * n))?;
-            let mut buf = vec![0.0f32; lay.len()];
-            pool.step_varlen(
-                &Step {
-                    rows: data.view(),
-                    seqs: &seq,
-                    plane_stride: Some(b * n),
-                },
-                gdn::TensorMut::F32(&mut buf),
-            )?;
-            let mut out = vec![0.0f32; b * hidden];
-            let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
-                f()?;
-                let mut best = Vec::new();
-                for _ in 0..5 {
-                    let t0 = std::time::Instant::now();
-                    let mut k = 0;
-                    while k < 3 || t0.elapsed() < Duration::from_millis(round_ms) {
-                        f()?;
-                        k += 1;
+            for &t in tokens {
+                let r = match &cuda {
+                    Some(c) => {
+                        let x = gdn_cuda::quant::time_tail(c, layer, &q, &bf, b, t, rotate)?;
+                        Tail {
+                            planes: x.planes,
+                            shift: x.shift,
+                            bf16: x.bf16,
+                            tail_planes: x.tail_planes,
+                            tail_shift: x.tail_shift,
+                            tail_bf16: x.tail_bf16,
+                            step: x.step,
+                            step_planes: x.step_planes,
+                            empty: Some(x.empty),
+                            copies: x.copies,
+                            planes_vs_shift: x.planes_vs_shift,
+                        }
                     }
-                    best.push(t0.elapsed().as_secs_f64() / k as f64);
-                }
-                best.sort_by(f64::total_cmp);
-                Ok(best[best.len() / 2])
-            };
-            let planes = time(&mut || q.product_planes(&buf, &lay, &mut out))?;
-            let y = buf[..b * n].to_vec();
-            let shift = time(&mut || q.product_shift(&y, b, &mut out))?;
-            let bytes = q.bytes();
-            let floor = bytes as f64 / backend.copy_ceiling(bytes)?;
-            println!(
-                "| {} | {b} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.2} |",
-                p.name(),
-                bytes as f64 / 1e6,
-                planes * 1e6,
-                shift * 1e6,
-                planes / shift,
-                floor * 1e6,
-                planes / floor
-            );
+                    None => cpu_tail(backend, layer, &q, &bf, b, t, &mut rng, round_ms, rotate)?,
+                };
+                let rows = b * t;
+                // bytes a product must move: weights, its activations (plane or y, group sums), its output
+                let act = 4 * rows * (n + n / 16) + 4 * rows * hidden;
+                let q_bytes = (q.bytes() + act) as f64;
+                // the step's own bytes; with planes it writes 3 planes and the group sums beside y; the shift
+                // path's group-sum pass reads y and writes the sums
+                let dt = Dtypes {
+                    state: DType::F32,
+                    io: DType::F32,
+                };
+                let step_bytes = bytes_moved(&sh, dt, b, t);
+                let planes_extra = (4 * rows * (3 * n + n / 16)) as f64;
+                let gsum_pass = (4 * rows * (n + n / 16)) as f64;
+                let bf_bytes = (bf.bytes() + 4 * rows * (n + hidden)) as f64;
+                products.push((
+                    p,
+                    b,
+                    t,
+                    q.bytes(),
+                    q.field_bytes(),
+                    r.planes,
+                    r.shift,
+                    r.bf16,
+                    r.empty,
+                    r.copies,
+                    r.planes_vs_shift,
+                ));
+                tails.push((
+                    p,
+                    b,
+                    t,
+                    r.step,
+                    r.step_planes,
+                    r.tail_planes,
+                    r.tail_shift,
+                    r.tail_bf16,
+                    step_bytes + planes_extra + q_bytes,
+                    step_bytes + gsum_pass + q_bytes,
+                    step_bytes + bf_bytes,
+                ));
+            }
         }
     }
     println!();
-    println!("floor: the weights' bytes (fields, scales and zero terms) over the copy ceiling measured in this run (one in-place read-modify-write pass, counting read + write bytes), so a product that only reads them could at best reach it");
+    println!("out_proj alone, us per call (rows = B x T); floor = bytes to read / copy ceiling");
+    println!();
+    println!("| packing | rows | weight MB (fields + scales) | planes us | shift + group sums us | planes / shift | bf16 us ({:.1} MB) | floor us | planes / floor | fields-only floor us | empty kernel us | planes vs shift rel. diff |", bf.bytes() as f64 / 1e6);
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for &(p, b, t, bytes, fields, planes, shift, bf16, empty, _copies, diff) in &products {
+        let floor = bytes as f64 / ceiling;
+        println!(
+            "| {} | {} | {:.1} ({:.1} + {:.1}) | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | {:.2} | {:.1} | {} | {:.1e} |",
+            p.name(),
+            b * t,
+            bytes as f64 / 1e6,
+            fields as f64 / 1e6,
+            (bytes - fields) as f64 / 1e6,
+            planes * 1e6,
+            shift * 1e6,
+            planes / shift,
+            bf16 * 1e6,
+            floor * 1e6,
+            planes / floor,
+            fields as f64 / ceiling * 1e6,
+            empty.map_or("-".into(), |e| format!("{:.2}", e * 1e6)),
+            diff,
+        );
+    }
+    println!();
+    println!("the tail, step + out_proj, us per call; MB moved by the planes tail (step incl. its planes, weights, activations) and its rate over the copy ceiling");
+    println!();
+    println!("| packing | B | T | step us (with planes) | step + planes out_proj us | step + shift + group sums us | step + bf16 out_proj us | planes / shift | planes / bf16 | MB moved (planes, shift, bf16) | % copy (planes, shift, bf16) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for &(p, b, t, step, step_planes, tp, ts, tb, bp, bs, bb) in &tails {
+        println!(
+            "| {} | {b} | {t} | {:.1} ({:.1}) | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.1}, {:.1}, {:.1} | {:.0}%, {:.0}%, {:.0}% |",
+            p.name(),
+            step * 1e6,
+            step_planes * 1e6,
+            tp * 1e6,
+            ts * 1e6,
+            tb * 1e6,
+            tp / ts,
+            tp / tb,
+            bp / 1e6,
+            bs / 1e6,
+            bb / 1e6,
+            100.0 * bp / tp / ceiling,
+            100.0 * bs / ts / ceiling,
+            100.0 * bb / tb / ceiling,
+        );
+    }
+    println!();
+    println!("copy ceiling: {}; % copy = bytes moved / time / ceiling (bytes count each tensor read or written once)", if device { "a device copy of 1 GiB, read + write bytes" } else { "one in-place read-modify-write pass over the rotation's footprint, read + write bytes" });
+    if let Some((.., copies, _)) = products.first() {
+        println!("weights rotated over (first packing): {copies} copies");
+    }
     Ok(())
 }
 

@@ -33,6 +33,111 @@ pub struct Args {
     window: usize,
     #[arg(long, default_value_t = 7)]
     seed: u64,
+    /// Also show the layer's tail: a decode step with planes and the out_proj (6144 -> 5120) over quantized
+    /// weights reading them, 2-bit (eight to a u16) or 8-bit (four to a u32 and two to a u16), checked and timed.
+    #[arg(long, value_parser = ["2bit", "8bit"])]
+    out_proj: Option<String>,
+}
+
+/// The backend as a quantized out_proj runs on it.
+fn quant_backend(name: &str) -> Result<Box<dyn gdn::quant::QuantBackend>> {
+    Ok(match name {
+        "cpu" => Box::new(gdn::Cpu::new()),
+        "cuda" => Box::new(gdn_cuda::Cuda::new()?),
+        "wgpu" => Box::new(gdn_wgpu::Wgpu::new()?),
+        other => {
+            return Err(Error::Unavailable(format!(
+                "no quantized out_proj on '{other}'"
+            )))
+        }
+    })
+}
+
+/// The tail: every sequence's next token through the step with planes (verify: the states stay as they are),
+/// then the out_proj over quantized weights from the planes and group sums; checked against the dequantized
+/// weights' product in float64 and against the shift path, and timed beside it.
+fn show_tail(
+    backend: &str,
+    pool: &mut dyn gdn::LayerPool,
+    rng: &mut Synth,
+    bits: &str,
+) -> Result<()> {
+    use gdn::quant::{Packing, QuantWeights};
+    let qb = quant_backend(backend)?;
+    let layer = pool.layer().clone();
+    let sh = *layer.shape();
+    let (n, b, hidden) = (sh.n(), pool.slots(), 5120);
+    let (rows, seqs) = windows(rng, &layer, &vec![1; b], &vec![Commit::Verify; b]);
+    let stride = b * n;
+    let layout = gdn::OutputLayout::for_rows(&sh, b, Some(stride))?;
+    let step = Step {
+        rows: rows.view(),
+        seqs: &seqs,
+        plane_stride: Some(stride),
+    };
+    let mut buf = TensorData::filled(layout.len(), 0.0, DType::F32);
+    pool.step_varlen(&step, buf.view_mut())?;
+    let out_buf = buf.to_f32();
+    let y = &out_buf[..b * n];
+    let w = rng.uniform(hidden * n, -0.02, 0.02);
+    let packings: &[Packing] = if bits == "2bit" {
+        &[Packing::Q2U16]
+    } else {
+        &[Packing::Q8U32, Packing::Q8U16]
+    };
+    let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        f()?;
+        let t0 = Instant::now();
+        let k = 10;
+        for _ in 0..k {
+            f()?;
+        }
+        Ok(t0.elapsed().as_secs_f64() / k as f64)
+    };
+    println!(
+        "the tail: a decode step of {b} sequences with planes, then out_proj {n} -> {hidden} over quantized weights (affine groups of 16) reading the planes and group sums"
+    );
+    for &p in packings {
+        let q = QuantWeights::quantize(&w, hidden, n, p)?;
+        let dq = q.dequantized();
+        let want: Vec<f64> = (0..b)
+            .flat_map(|r| {
+                let (y, dq) = (&y, &dq);
+                (0..hidden).map(move |o| {
+                    (0..n)
+                        .map(|m| dq[o * n + m] * y[r * n + m] as f64)
+                        .sum::<f64>()
+                })
+            })
+            .collect();
+        let mut prod = qb.load_out_proj(&q)?;
+        let mut a = vec![0.0f32; b * hidden];
+        let mut c = vec![0.0f32; b * hidden];
+        prod.product_planes(&out_buf, &layout, &mut a)?;
+        prod.product_shift(y, b, &mut c)?;
+        let e_planes = relative_error(&a, &want);
+        let e_shift = relative_error(&c, &want);
+        if e_planes >= 1e-5 || e_shift >= 1e-5 {
+            return Err(Error::Backend(format!(
+                "out_proj ({}): relative error planes {e_planes:.2e}, shift {e_shift:.2e} against float64",
+                p.name()
+            )));
+        }
+        let wide: Vec<f64> = c.iter().map(|&v| v as f64).collect();
+        let e_ps = relative_error(&a, &wide);
+        let t_step = time(&mut || pool.step_varlen(&step, buf.view_mut()))?;
+        let t_planes = time(&mut || prod.product_planes(&out_buf, &layout, &mut a))?;
+        let t_shift = time(&mut || prod.product_shift(y, b, &mut c))?;
+        println!(
+            "  {}: {:.1} MB of weights; out against the dequantized weights' product in float64: planes {e_planes:.1e}, shift path {e_shift:.1e}, planes against shift {e_ps:.1e}; step {:.1} us + out_proj {:.1} us (planes) or {:.1} us (shifts + group-sum pass), host clock, host slices in and out",
+            p.name(),
+            q.bytes() as f64 / 1e6,
+            t_step * 1e6,
+            t_planes * 1e6,
+            t_shift * 1e6
+        );
+    }
+    Ok(())
 }
 
 /// Random packed rows for windows of these lengths, and their sequences (slot s, rows end to end).
@@ -265,6 +370,9 @@ pub fn run(args: Args) -> Result<()> {
             two_time.as_secs_f64() * 1e6 / rounds
         ),
         Err(e) => return Err(e),
+    }
+    if let Some(bits) = &args.out_proj {
+        show_tail(&args.backend, pool.as_mut(), &mut rng, bits)?;
     }
     Ok(())
 }

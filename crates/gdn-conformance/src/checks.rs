@@ -688,6 +688,12 @@ pub fn bad_input_is_rejected_and_changes_nothing(backend: &dyn Backend) {
 /// Instantiates every check as a `#[test]` for one backend.
 #[macro_export]
 macro_rules! conformance_tests {
+    // with a quantized out_proj (`|| -> gdn::Result<Box<dyn gdn::quant::QuantBackend>>`): its checks too
+    ($make:expr, quant: $qmake:expr) => {
+        $crate::conformance_tests!($make);
+        $crate::conformance_tests!(@quant $qmake, out_proj_matches_the_dequantized_product, $crate::quant::out_proj_matches_the_dequantized_product);
+        $crate::conformance_tests!(@quant $qmake, bad_out_proj_input_is_rejected, $crate::quant::bad_out_proj_input_is_rejected);
+    };
     ($make:expr) => {
         $crate::conformance_tests!(@one $make, matches_oracle_on_random_cases, |b| $crate::checks::matches_oracle_on_random_cases(b, 48));
         $crate::conformance_tests!(@one $make, matches_oracle_at_seed_shape, $crate::checks::matches_oracle_at_seed_shape);
@@ -714,6 +720,15 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!(@one $make, shards_side_by_side_equal_the_unsharded_step, $crate::varlen::shards_side_by_side_equal_the_unsharded_step);
         $crate::conformance_tests!(@one $make, speculative_steps_match_the_two_pass_flow, $crate::spec::speculative_steps_match_the_two_pass_flow);
         $crate::conformance_tests!(@one $make, bad_speculative_input_is_rejected, $crate::spec::bad_speculative_input_is_rejected);
+    };
+    (@quant $make:expr, $name:ident, $check:expr) => {
+        #[test]
+        fn $name() {
+            if let Some(b) = $crate::quant::quant_or_skip($make, stringify!($name)) {
+                let check: &dyn Fn(&dyn $crate::gdn::quant::QuantBackend) = &$check;
+                check(b.as_ref());
+            }
+        }
     };
     (@one $make:expr, $name:ident, $check:expr) => {
         #[test]

@@ -4,6 +4,7 @@
 //! `gdn::Result<Box<dyn gdn::Backend>>`; an `Error::Unavailable` skips each test with a message on stderr.
 
 pub mod fixtures;
+pub mod quant;
 pub mod spec;
 
 pub use gdn;

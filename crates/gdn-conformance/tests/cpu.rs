@@ -1,5 +1,5 @@
 //! The conformance suite on the CPU backend.
-gdn_conformance::conformance_tests!(|| Ok(Box::new(gdn::Cpu::new())));
+gdn_conformance::conformance_tests!(|| Ok(Box::new(gdn::Cpu::new())), quant: || Ok(Box::new(gdn::Cpu::new())));
 
 /// The whole suite again with the calling thread in the backend's pool (each test runs on its own thread).
 mod calling_thread {

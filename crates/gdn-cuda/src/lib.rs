@@ -68,6 +68,7 @@
 pub mod chunk;
 pub mod external;
 pub mod pool;
+pub mod quant;
 
 /// The cudarc this crate is built on (an engine on cudarc passes its streams and device addresses).
 pub use cudarc;
@@ -81,6 +82,7 @@ use gdn::{Backend, Error, Layer, LayerPool, Result};
 
 pub use external::{CudaLayer, ExternalKind, RawConv, RawState, RawStep, RawTensor, SeqRows};
 pub use pool::{empty_kernel_time, CudaPool, DeviceStep, DeviceTensor, DeviceTensorMut, StepKind};
+pub use quant::{CudaBf16OutProj, CudaOutProj};
 pub use spec::{Io, Plan, Spec, Tune};
 
 pub(crate) fn drv(e: DriverError) -> Error {

@@ -1,7 +1,8 @@
 //! The whole conformance suite on the CUDA backend, and the CUDA-specific checks; without a GPU, driver or
 //! libnvrtc every test is skipped with a message on stderr.
 gdn_conformance::conformance_tests!(
-    || gdn_cuda::Cuda::new().map(|c| Box::new(c) as Box<dyn gdn::Backend>)
+    || gdn_cuda::Cuda::new().map(|c| Box::new(c) as Box<dyn gdn::Backend>),
+    quant: || gdn_cuda::Cuda::new().map(|c| Box::new(c) as Box<dyn gdn::quant::QuantBackend>)
 );
 
 use gdn::synth::Synth;
@@ -646,6 +647,85 @@ fn speculative_steps_are_bitwise_the_two_pass_flow_in_every_pool_kind() {
             read(&mut native),
             read(&mut flow),
             "{what}: slots after the plain step"
+        );
+    }
+}
+
+/// The quantized out_proj's device entries give the host path's bits, and a row's bits do not depend on the
+/// rest of the call (a decode call's one-token tile against the eight-token tile of a larger call): every
+/// packing, both paths, at n 6144 over 9 rows (a tile and a remainder).
+#[test]
+fn quant_device_entries_and_tiles_agree_bitwise() {
+    use gdn::quant::{OutProj, Packing, QuantWeights};
+    let Some(cuda) = cuda_or_skip("quant_device_entries_and_tiles_agree_bitwise") else {
+        return;
+    };
+    let sh = Shape::SEED;
+    let (n, hidden, rows) = (sh.n(), 200, 9);
+    let mut rng = Synth::new(31);
+    let y = rng.uniform(rows * n, -2.0, 2.0);
+    let w = rng.uniform(hidden * n, -0.05, 0.05);
+    // a step output with planes built from y (SPEC's scales), stride rows n
+    let lay = gdn::OutputLayout::for_rows(&sh, rows, Some(rows * n)).unwrap();
+    let mut buf = vec![0.0f32; lay.len()];
+    let p = rows * n;
+    for (i, &v) in y.iter().enumerate() {
+        buf[i] = v;
+        for k in 1..4 {
+            buf[k * p + i] = v * gdn::plane_scale(k, i % n);
+        }
+    }
+    let gs = gdn::quant::group_sums(&y);
+    buf[4 * p..4 * p + gs.len()].copy_from_slice(&gs);
+    let s = cuda.stream();
+    for pk in Packing::ALL {
+        let q = QuantWeights::quantize(&w, hidden, n, pk).unwrap();
+        let mut prod = cuda.load_out_proj(&q).unwrap();
+        let mut all = vec![0.0f32; rows * hidden];
+        prod.product_planes(&buf, &lay, &mut all).unwrap();
+        let mut all_shift = vec![0.0f32; rows * hidden];
+        prod.product_shift(&y, rows, &mut all_shift).unwrap();
+        for r in [0, 4, 8] {
+            let one_lay = gdn::OutputLayout::for_rows(&sh, 1, Some(n)).unwrap();
+            let mut one = vec![0.0f32; one_lay.len()];
+            one[..n].copy_from_slice(&y[r * n..(r + 1) * n]);
+            for k in 1..4 {
+                one[k * n..(k + 1) * n].copy_from_slice(&buf[k * p + r * n..k * p + (r + 1) * n]);
+            }
+            one[4 * n..4 * n + n / 16].copy_from_slice(&gs[r * (n / 16)..(r + 1) * (n / 16)]);
+            let mut o = vec![0.0f32; hidden];
+            prod.product_planes(&one, &one_lay, &mut o).unwrap();
+            assert_eq!(
+                bits(&o),
+                bits(&all[r * hidden..(r + 1) * hidden]),
+                "{pk:?} row {r}: alone against inside the call"
+            );
+            prod.product_shift(&y[r * n..(r + 1) * n], 1, &mut o)
+                .unwrap();
+            assert_eq!(
+                bits(&o),
+                bits(&all_shift[r * hidden..(r + 1) * hidden]),
+                "{pk:?} row {r}: shift path alone against inside the call"
+            );
+        }
+        // the device entries on device buffers
+        let dbuf = s.clone_htod(&buf).unwrap();
+        let mut dout = s.alloc_zeros::<f32>(rows * hidden).unwrap();
+        prod.product_planes_device(&dbuf.as_view(), &lay, &mut dout.as_view_mut())
+            .unwrap();
+        assert_eq!(
+            bits(&s.clone_dtoh(&dout).unwrap()),
+            bits(&all),
+            "{pk:?}: device planes"
+        );
+        prod.reserve(rows).unwrap();
+        let dy = dbuf.slice(0..rows * n);
+        prod.product_shift_device(&dy, rows, &mut dout.as_view_mut())
+            .unwrap();
+        assert_eq!(
+            bits(&s.clone_dtoh(&dout).unwrap()),
+            bits(&all_shift),
+            "{pk:?}: device shift"
         );
     }
 }

@@ -357,6 +357,35 @@ fn plain_specialisations_have_no_speculative_macro() {
         .staged());
 }
 
+/// The quantized out_proj's kernels compile for sm_90 without spilling (ptxas's report printed).
+#[test]
+fn quant_kernels_compile() {
+    if !nvrtc_or_skip("quant_kernels_compile") {
+        return;
+    }
+    for tt in gdn_cuda::quant::TILES {
+        let c = gdn_cuda::quant::compiled_quant((9, 0), tt).unwrap();
+        eprintln!("TT {tt}:");
+        let report: Vec<&str> =
+            c.1.lines()
+                .filter(|l| {
+                    l.contains("Compiling entry") || l.contains("registers") || l.contains("spill")
+                })
+                .collect();
+        eprintln!("{}", report.join("\n"));
+        // ptxas may park a word or two on the stack; more would mean the tiles are too large for the registers
+        for l in c.1.lines().filter(|l| l.contains("spill stores")) {
+            let bytes: usize = l
+                .split("bytes spill stores")
+                .next()
+                .and_then(|h| h.rsplit(',').next())
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(usize::MAX);
+            assert!(bytes <= 16, "quant kernels spill: {l}");
+        }
+    }
+}
+
 /// The memory hints (L2 prefetch ahead, own-state prefetch before the wait) on every state dtype and layout, the
 /// staged and the register path, the external and the speculative kernels, and a cluster split.
 #[test]

@@ -22,6 +22,7 @@
 mod chunk;
 mod kernel;
 mod pool;
+pub mod quant;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -32,6 +33,7 @@ use gdn::{Backend, Error, Layer, LayerPool, Result};
 pub use chunk::{CHUNK_ENTRIES, DEFAULT_CHUNK_FROM};
 pub use kernel::KernelKey;
 pub use pool::WgpuPool;
+pub use quant::WgpuOutProj;
 
 /// Whether the kernel uses subgroup operations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -148,6 +150,8 @@ pub(crate) struct Gpu {
     chunk_pipelines:
         Mutex<HashMap<(KernelKey, chunk::Geom, chunk::Entry), Arc<wgpu::ComputePipeline>>>,
     copy: OnceLock<Arc<wgpu::ComputePipeline>>,
+    /// The quantized out_proj's pipelines by (packing, shift path, group-sum pass), built on first use.
+    pub(crate) quant: quant::PipelineCache,
     /// Errors wgpu reported outside an error scope (the device's uncaptured-error handler).
     uncaptured: Arc<Mutex<Vec<String>>>,
 }
@@ -445,6 +449,7 @@ impl Gpu {
             pipelines: Mutex::new(HashMap::new()),
             chunk_pipelines: Mutex::new(HashMap::new()),
             copy: OnceLock::new(),
+            quant: Default::default(),
             uncaptured,
         };
         gpu.take_errors()?;

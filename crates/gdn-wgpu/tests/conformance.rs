@@ -1,6 +1,6 @@
-//! The conformance suite on the wgpu backend, once per reduction path and once with long windows chunked. Without an adapter (or, for the first
-//! module, without subgroup operations) every test is skipped with a message on stderr, unless
-//! `GDN_WGPU_REQUIRE=1` (CI with lavapipe installed), which turns a missing adapter into a failure.
+//! The conformance suite on the wgpu backend, once per reduction path and once with long windows chunked. Without
+//! an adapter (or, for the first module, without subgroup operations) every test is skipped with a message on
+//! stderr, unless `GDN_WGPU_REQUIRE=1` (CI with lavapipe installed), which turns a missing adapter into a failure.
 //! `GDN_WGPU_ADAPTER` (a part of the adapter's name) and `GDN_WGPU_CHECKS=1` (wgpu's runtime checks kept in the
 //! kernel) are read here and passed in as options: the library reads no environment.
 
@@ -8,6 +8,17 @@ fn make(
     subgroups: gdn_wgpu::Subgroups,
     chunk_from: Option<usize>,
 ) -> gdn::Result<Box<dyn gdn::Backend>> {
+    make_wgpu(subgroups, chunk_from).map(|b| Box::new(b) as Box<dyn gdn::Backend>)
+}
+
+fn make_quant(subgroups: gdn_wgpu::Subgroups) -> gdn::Result<Box<dyn gdn::quant::QuantBackend>> {
+    make_wgpu(subgroups, None).map(|b| Box::new(b) as Box<dyn gdn::quant::QuantBackend>)
+}
+
+fn make_wgpu(
+    subgroups: gdn_wgpu::Subgroups,
+    chunk_from: Option<usize>,
+) -> gdn::Result<gdn_wgpu::Wgpu> {
     let options = gdn_wgpu::Options {
         subgroups,
         chunk_from,
@@ -18,7 +29,7 @@ fn make(
         ..Default::default()
     };
     match gdn_wgpu::Wgpu::with_options(options) {
-        Ok(b) => Ok(Box::new(b)),
+        Ok(b) => Ok(b),
         Err(gdn::Error::Unavailable(why))
             if std::env::var("GDN_WGPU_REQUIRE").is_ok_and(|v| v == "1") =>
         {
@@ -35,7 +46,10 @@ mod subgroups {
 }
 
 mod workgroup_memory {
-    gdn_conformance::conformance_tests!(|| super::make(gdn_wgpu::Subgroups::Off, None));
+    gdn_conformance::conformance_tests!(
+        || super::make(gdn_wgpu::Subgroups::Off, None),
+        quant: || super::make_quant(gdn_wgpu::Subgroups::Off)
+    );
 }
 
 // every window of 17 tokens or more (to its commit point) in the chunked form, whatever the adapter's default: the

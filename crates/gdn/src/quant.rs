@@ -7,6 +7,11 @@
 //! times the group's sum of y, read from the step's group sums. [`QuantWeights::product_planes`] is that path;
 //! [`QuantWeights::product_shift`] computes the same product from y alone (a shift per field and its own pass
 //! for the group sums), for comparison.
+//!
+//! Every backend runs the product behind one trait, [`QuantBackend::load_out_proj`] -> [`OutProj`] (weights
+//! uploaded once; the CPU's is [`QuantWeights`] itself, gdn-cuda's and gdn-wgpu's upload them), so the
+//! conformance suite checks them all with the same cases; [`check_planes`] and [`check_shift`] are the argument
+//! checks they share. [`Bf16Weights`] is the plain bf16 out_proj the tail benchmark compares against.
 
 use multiversion::multiversion;
 use rayon::prelude::*;
@@ -179,19 +184,50 @@ impl QuantWeights {
             + 8 * self.scale.len()
     }
 
-    fn check_out(&self, rows: usize, out: &[f32]) -> Result<()> {
-        let want = rows.checked_mul(self.rows).ok_or_else(|| Error::Param {
-            name: "out",
-            why: "rows x hidden overflows".into(),
-        })?;
-        if out.len() != want {
-            return Err(Error::Length {
-                name: "out",
-                expected: want,
-                got: out.len(),
-            });
+    /// Where a planes product reads in the step's output buffer of `step_len` elements laid out as `layout`
+    /// (which must have planes and the weights' n): the offsets of the packing's plane and of the group sums,
+    /// after checking `out_len` (= rows x hidden). Every backend's product checks its arguments with this.
+    pub fn check_planes(
+        &self,
+        step_len: usize,
+        layout: &OutputLayout,
+        out_len: usize,
+    ) -> Result<(usize, usize)> {
+        check_planes(self.shape(), step_len, layout, out_len)
+    }
+
+    /// Checks a shift-path call: y `[rows][cols]` of `y_len` elements, `out_len` = rows x hidden.
+    pub fn check_shift(&self, y_len: usize, rows: usize, out_len: usize) -> Result<()> {
+        check_shift(self.shape(), y_len, rows, out_len)
+    }
+
+    /// The packing, hidden size (rows) and n (columns).
+    pub fn shape(&self) -> (Packing, usize, usize) {
+        (self.packing, self.rows, self.cols)
+    }
+
+    /// The packed fields as little-endian bytes, row-major (`rows x cols / fields` words of `word_bytes`): what
+    /// a device backend uploads.
+    pub fn word_bytes_le(&self) -> Vec<u8> {
+        match &self.words {
+            Words::U16(w) => w.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Words::U32(w) => w.iter().flat_map(|v| v.to_le_bytes()).collect(),
         }
-        Ok(())
+    }
+
+    /// The per-group scales `[rows][cols / 16]`.
+    pub fn scales(&self) -> &[f32] {
+        &self.scale
+    }
+
+    /// The per-group zero terms (scale times zero point) `[rows][cols / 16]`.
+    pub fn zero_terms(&self) -> &[f32] {
+        &self.zs
+    }
+
+    /// Bytes of the packed fields alone (without scales and zero terms).
+    pub fn field_bytes(&self) -> usize {
+        self.rows * self.cols / self.packing.fields() * self.packing.word_bytes()
     }
 
     /// `out [R][rows] = y W^T` from the step's output buffer `step_out` (f32, laid out as `layout`, which must
@@ -202,31 +238,10 @@ impl QuantWeights {
         layout: &OutputLayout,
         out: &mut [f32],
     ) -> Result<()> {
-        let p = layout.plane_stride.ok_or_else(|| Error::Param {
-            name: "layout",
-            why: "the step's output has no planes (plane_stride None)".into(),
-        })?;
-        if layout.n != self.cols {
-            return Err(Error::Param {
-                name: "layout",
-                why: format!(
-                    "the step's n = {} is not the weights' {} columns",
-                    layout.n, self.cols
-                ),
-            });
-        }
-        if step_out.len() != layout.len() {
-            return Err(Error::Length {
-                name: "step_out",
-                expected: layout.len(),
-                got: step_out.len(),
-            });
-        }
-        let r_n = layout.rows;
-        self.check_out(r_n, out)?;
-        let n = self.cols;
-        let plane = &step_out[self.packing.plane() * p..self.packing.plane() * p + r_n * n];
-        let gsum = &step_out[4 * p..4 * p + r_n * (n / 16)];
+        let (at_plane, at_gsum) = self.check_planes(step_out.len(), layout, out.len())?;
+        let (r_n, n) = (layout.rows, self.cols);
+        let plane = &step_out[at_plane..at_plane + r_n * n];
+        let gsum = &step_out[at_gsum..at_gsum + r_n * (n / 16)];
         self.product(plane, gsum, r_n, out, false);
         Ok(())
     }
@@ -234,30 +249,8 @@ impl QuantWeights {
     /// The same product from y `[R][cols]` alone: each field shifted down before it is used, and the group sums
     /// computed in a pass of their own (what a consumer without the planes does).
     pub fn product_shift(&self, y: &[f32], rows: usize, out: &mut [f32]) -> Result<()> {
-        let n = self.cols;
-        let want = rows.checked_mul(n).ok_or_else(|| Error::Param {
-            name: "y",
-            why: "rows x cols overflows".into(),
-        })?;
-        if y.len() != want {
-            return Err(Error::Length {
-                name: "y",
-                expected: want,
-                got: y.len(),
-            });
-        }
-        self.check_out(rows, out)?;
-        let gsum: Vec<f32> = y
-            .chunks_exact(16)
-            .map(|g| {
-                let (mut even, mut odd) = (0.0f32, 0.0f32);
-                for e in (0..16).step_by(2) {
-                    even += g[e];
-                    odd += g[e + 1];
-                }
-                even + odd
-            })
-            .collect();
+        self.check_shift(y.len(), rows, out.len())?;
+        let gsum = group_sums(y);
         self.product(y, &gsum, rows, out, true);
         Ok(())
     }
@@ -352,6 +345,233 @@ impl QuantWeights {
                 out[r * hidden + o] = tmp[o * r_n + r];
             }
         }
+    }
+}
+
+fn check_out(hidden: usize, rows: usize, out_len: usize) -> Result<()> {
+    let want = rows.checked_mul(hidden).ok_or_else(|| Error::Param {
+        name: "out",
+        why: "rows x hidden overflows".into(),
+    })?;
+    if out_len != want {
+        return Err(Error::Length {
+            name: "out",
+            expected: want,
+            got: out_len,
+        });
+    }
+    Ok(())
+}
+
+/// [`QuantWeights::check_planes`] for weights of this `(packing, hidden, n)` (a device backend keeps no host
+/// copy of the weights): the offsets of the packing's plane and of the group sums in the step's output.
+pub fn check_planes(
+    (packing, hidden, n): (Packing, usize, usize),
+    step_len: usize,
+    layout: &OutputLayout,
+    out_len: usize,
+) -> Result<(usize, usize)> {
+    let p = layout.plane_stride.ok_or_else(|| Error::Param {
+        name: "layout",
+        why: "the step's output has no planes (plane_stride None)".into(),
+    })?;
+    if layout.n != n {
+        return Err(Error::Param {
+            name: "layout",
+            why: format!(
+                "the step's n = {} is not the weights' {n} columns",
+                layout.n
+            ),
+        });
+    }
+    if step_len != layout.len() {
+        return Err(Error::Length {
+            name: "step_out",
+            expected: layout.len(),
+            got: step_len,
+        });
+    }
+    check_out(hidden, layout.rows, out_len)?;
+    // OutputLayout::for_rows checked that 4P + rows n / 16 fits
+    Ok((packing.plane() * p, 4 * p))
+}
+
+/// [`QuantWeights::check_shift`] for weights of this `(packing, hidden, n)`.
+pub fn check_shift(
+    (_, hidden, n): (Packing, usize, usize),
+    y_len: usize,
+    rows: usize,
+    out_len: usize,
+) -> Result<()> {
+    let want = rows.checked_mul(n).ok_or_else(|| Error::Param {
+        name: "y",
+        why: "rows x cols overflows".into(),
+    })?;
+    if y_len != want {
+        return Err(Error::Length {
+            name: "y",
+            expected: want,
+            got: y_len,
+        });
+    }
+    check_out(hidden, rows, out_len)
+}
+
+/// The group sums of y `[R][n]` as the step writes them (per 16 columns: the even columns' sum plus the odd
+/// columns', each in increasing column order): the shift path's own pass.
+pub fn group_sums(y: &[f32]) -> Vec<f32> {
+    y.chunks_exact(16)
+        .map(|g| {
+            let (mut even, mut odd) = (0.0f32, 0.0f32);
+            for e in (0..16).step_by(2) {
+                even += g[e];
+                odd += g[e + 1];
+            }
+            even + odd
+        })
+        .collect()
+}
+
+/// The quantized out_proj on one backend, its weights already where the backend computes (uploaded once by
+/// [`QuantBackend::load_out_proj`]). Host slices in and out; device backends also have entries on their own
+/// buffers.
+pub trait OutProj {
+    /// The weights' packing, hidden size (output rows) and n (input columns).
+    fn shape(&self) -> (Packing, usize, usize);
+    /// As [`QuantWeights::product_planes`]: `out [R][hidden]` from the step's output (y, planes, group sums).
+    fn product_planes(
+        &mut self,
+        step_out: &[f32],
+        layout: &OutputLayout,
+        out: &mut [f32],
+    ) -> Result<()>;
+    /// As [`QuantWeights::product_shift`]: the same product from y `[rows][n]` alone.
+    fn product_shift(&mut self, y: &[f32], rows: usize, out: &mut [f32]) -> Result<()>;
+}
+
+/// A backend that runs the quantized out_proj (every backend of the workspace: the conformance suite checks
+/// them all the same way).
+pub trait QuantBackend: crate::Backend {
+    fn load_out_proj(&self, weights: &QuantWeights) -> Result<Box<dyn OutProj>>;
+}
+
+impl OutProj for QuantWeights {
+    fn shape(&self) -> (Packing, usize, usize) {
+        QuantWeights::shape(self)
+    }
+    fn product_planes(
+        &mut self,
+        step_out: &[f32],
+        layout: &OutputLayout,
+        out: &mut [f32],
+    ) -> Result<()> {
+        QuantWeights::product_planes(self, step_out, layout, out)
+    }
+    fn product_shift(&mut self, y: &[f32], rows: usize, out: &mut [f32]) -> Result<()> {
+        QuantWeights::product_shift(self, y, rows, out)
+    }
+}
+
+/// The CPU runs the product on rayon's global pool.
+impl QuantBackend for crate::Cpu {
+    fn load_out_proj(&self, weights: &QuantWeights) -> Result<Box<dyn OutProj>> {
+        Ok(Box::new(weights.clone()))
+    }
+}
+
+/// Plain bf16 out_proj weights `[rows][cols]`, the unquantized tail the benchmark compares against.
+#[derive(Clone, Debug)]
+pub struct Bf16Weights {
+    pub rows: usize,
+    pub cols: usize,
+    pub w: Vec<half::bf16>,
+}
+
+impl Bf16Weights {
+    /// `w` rounded to bf16 (nearest even).
+    pub fn new(w: &[f32], rows: usize, cols: usize) -> Result<Bf16Weights> {
+        let len = rows.checked_mul(cols).ok_or_else(|| Error::Param {
+            name: "rows",
+            why: "rows x cols overflows".into(),
+        })?;
+        if w.len() != len {
+            return Err(Error::Length {
+                name: "weights",
+                expected: len,
+                got: w.len(),
+            });
+        }
+        Ok(Bf16Weights {
+            rows,
+            cols,
+            w: w.iter().map(|&v| half::bf16::from_f32(v)).collect(),
+        })
+    }
+
+    pub fn bytes(&self) -> usize {
+        2 * self.w.len()
+    }
+
+    /// `out [R][rows] = y W^T`, y `[R][cols]`, in f32.
+    pub fn product(&self, y: &[f32], r_n: usize, out: &mut [f32]) -> Result<()> {
+        let (n, hidden) = (self.cols, self.rows);
+        let want_y = r_n.checked_mul(n).ok_or_else(|| Error::Param {
+            name: "y",
+            why: "rows x cols overflows".into(),
+        })?;
+        let want_out = r_n.checked_mul(hidden).ok_or_else(|| Error::Param {
+            name: "out",
+            why: "rows x hidden overflows".into(),
+        })?;
+        if y.len() != want_y || out.len() != want_out {
+            return Err(Error::Length {
+                name: if y.len() != want_y { "y" } else { "out" },
+                expected: if y.len() != want_y { want_y } else { want_out },
+                got: if y.len() != want_y {
+                    y.len()
+                } else {
+                    out.len()
+                },
+            });
+        }
+        const CHUNK: usize = 64;
+        let mut tmp = vec![0.0f32; hidden * r_n];
+        let bits: &[u16] = bytemuck::cast_slice(&self.w);
+        tmp.par_chunks_mut(CHUNK * r_n)
+            .enumerate()
+            .for_each(|(c, block)| {
+                for (i, acc) in block.chunks_exact_mut(r_n).enumerate() {
+                    let o = c * CHUNK + i;
+                    bf16_row(&bits[o * n..(o + 1) * n], y, acc);
+                }
+            });
+        for o in 0..hidden {
+            for r in 0..r_n {
+                out[r * hidden + o] = tmp[o * r_n + r];
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One bf16 weight row against every token (the bf16 bits widened by a shift, 16 lanes of partial sums).
+#[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+fn bf16_row(w: &[u16], x: &[f32], acc: &mut [f32]) {
+    let n = w.len();
+    for (r, a) in acc.iter_mut().enumerate() {
+        let xr = &x[r * n..(r + 1) * n];
+        let mut total = [0.0f32; 16];
+        for (wc, xc) in w.chunks_exact(16).zip(xr.chunks_exact(16)) {
+            for e in 0..16 {
+                total[e] = f32::from_bits((wc[e] as u32) << 16).mul_add(xc[e], total[e]);
+            }
+        }
+        let mut t: f32 = total.iter().sum();
+        let full = n / 16 * 16;
+        for m in full..n {
+            t = f32::from_bits((w[m] as u32) << 16).mul_add(xr[m], t);
+        }
+        *a = t;
     }
 }
 
@@ -552,26 +772,40 @@ mod avx512 {
         unsafe {
             let idx = _mm512_loadu_si512(idx.as_ptr().cast());
             let mask = _mm512_loadu_si512(mask.as_ptr().cast());
-            let mut a = [_mm512_setzero_ps(); NB];
-            for g in gr {
-                let src = w.as_ptr().add(g * gb);
-                let raw = if gb == 4 {
-                    _mm512_set1_epi32(std::ptr::read_unaligned(src.cast::<i32>()))
-                } else {
-                    _mm512_permutexvar_epi32(
-                        idx,
-                        _mm512_castsi128_si512(_mm_loadu_si128(src.cast())),
-                    )
-                };
-                let f = _mm512_cvtepu32_ps(_mm512_and_si512(raw, mask));
-                let v = _mm512_mul_ps(f, _mm512_set1_ps(*scale.get_unchecked(g)));
-                for (t, at) in a.iter_mut().enumerate() {
-                    let xv = _mm512_loadu_ps(x.as_ptr().add((rb + t) * n + 16 * g));
-                    *at = _mm512_fmadd_ps(v, xv, *at);
+            // a token's accumulator is one FMA chain over the groups: with fewer than 4 tokens the chains alone
+            // would bound the loop by the FMA's latency (4 cycles a group at B 1), so each token gets 4 / NB
+            // chains taking the groups in turn (WAYS is a constant per NB; the inner loop unrolls to fixed
+            // indices)
+            let ways = if NB >= 4 { 1 } else { 4 / NB };
+            let mut a = [[_mm512_setzero_ps(); 4]; NB];
+            let mut g0 = gr.start;
+            while g0 < gr.end {
+                for u in 0..4 {
+                    let g = g0 + u;
+                    if u >= ways || g >= gr.end {
+                        break;
+                    }
+                    let src = w.as_ptr().add(g * gb);
+                    let raw = if gb == 4 {
+                        _mm512_set1_epi32(std::ptr::read_unaligned(src.cast::<i32>()))
+                    } else {
+                        _mm512_permutexvar_epi32(
+                            idx,
+                            _mm512_castsi128_si512(_mm_loadu_si128(src.cast())),
+                        )
+                    };
+                    let f = _mm512_cvtepu32_ps(_mm512_and_si512(raw, mask));
+                    let v = _mm512_mul_ps(f, _mm512_set1_ps(*scale.get_unchecked(g)));
+                    for (t, at) in a.iter_mut().enumerate() {
+                        let xv = _mm512_loadu_ps(x.as_ptr().add((rb + t) * n + 16 * g));
+                        at[u] = _mm512_fmadd_ps(v, xv, at[u]);
+                    }
                 }
+                g0 += ways;
             }
             for (t, at) in a.iter().enumerate() {
-                acc[rb + t] += _mm512_reduce_add_ps(*at);
+                let s = _mm512_add_ps(_mm512_add_ps(at[0], at[1]), _mm512_add_ps(at[2], at[3]));
+                acc[rb + t] += _mm512_reduce_add_ps(s);
             }
         }
         NB
@@ -660,5 +894,49 @@ mod tests {
         let sh = Shape::new(16, 1, 1).unwrap();
         let lay = OutputLayout::for_rows(&sh, 1, None).unwrap();
         assert!(q.product_planes(&[0.0; 16], &lay, &mut out).is_err());
+    }
+}
+
+/// `cargo test --release -p gdn --lib quant::timing -- --ignored --nocapture`: the planes product at B 1 and 2,
+/// n 6144 -> 5120, one and two threads, the fastest of 40 calls (a minimum is what survives neighbours on a shared
+/// machine).
+#[cfg(test)]
+mod timing {
+    use super::*;
+    use crate::synth::Synth;
+
+    #[test]
+    #[ignore]
+    fn planes_product_at_b1_one_thread() {
+        let (n, hidden) = (6144, 5120);
+        let mut rng = Synth::new(5);
+        let w = rng.uniform(hidden * n, -0.02, 0.02);
+        for (threads, rows) in [(1, 1usize), (1, 2), (2, 1), (2, 2)] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let sh = crate::Shape::new(128, 16, 48).unwrap();
+            let lay = OutputLayout::for_rows(&sh, rows, Some(rows * n)).unwrap();
+            let buf = rng.uniform(lay.len(), -1.0, 1.0);
+            for p in Packing::ALL {
+                let q = QuantWeights::quantize(&w, hidden, n, p).unwrap();
+                let mut out = vec![0.0f32; rows * hidden];
+                let best = pool.install(|| {
+                    (0..40)
+                        .map(|_| {
+                            let t0 = std::time::Instant::now();
+                            q.product_planes(&buf, &lay, &mut out).unwrap();
+                            t0.elapsed().as_secs_f64()
+                        })
+                        .fold(f64::INFINITY, f64::min)
+                });
+                eprintln!(
+                    "threads {threads} rows {rows} {}: {:.0} us",
+                    p.name(),
+                    best * 1e6
+                );
+            }
+        }
     }
 }
