@@ -2,6 +2,12 @@
 # gdn-wgpu's chunked long windows on the H200 through NVIDIA's Vulkan driver (issue 14 item 4): the chunked tests,
 # the conformance suite's module with windows from 17 tokens chunked, after the prefill timings (token-serial vs chunked per T and column block, seed shape, B 1). A copy of this script is
 # crates/gdn-wgpu/h200-chunk-run.sh.
+# Prepare here: cargo test --release --no-run -p gdn-wgpu (builds the example too); copy the newest
+#   target/release/deps/{chunked,conformance}-* and target/release/examples/prefill into /work/main/.devbin/chunk-wgpu/,
+#   strip and xz them (chunked.xz, conformance.xz, prefill.xz), and this script as run.sh there.
+# Device run (about 1.5 min of work after the start), carry [".devbin/chunk-wgpu", ".gl"]:
+#   for f in .gl/*.deb; do dpkg -x $f /; done; ldconfig; bash .devbin/chunk-wgpu/run.sh
+# The last table: token-serial vs chunked per T, L and BV (with the speed-up), the measured crossover, bf16 runs.
 set -u
 S=.devbin/chunk-wgpu
 D=/tmp/chunk-wgpu
