@@ -149,7 +149,9 @@ pub fn regions(sh: &Shape, g: Geom, tokens: usize, chunks: usize) -> Option<[usi
     let v = tokens.checked_mul(sh.h_v)?.checked_mul(sh.d)?;
     let gt = tokens.checked_mul(sh.h_v)?;
     let p = chunks.checked_mul(sh.h_v)?.checked_mul(g.pb())?;
-    Some([qk, qk, v, v, v, gt, gt, p])
+    // o has no region of its own: chunk_run writes each readout over the U element it read (the same thread,
+    // after the read; no other workgroup reads that column block's U)
+    Some([qk, qk, v, v, 0, gt, gt, p])
 }
 
 /// Floats of scratch a window of `len` tokens needs; None on overflow.

@@ -33,8 +33,9 @@ struct CParams {
     eps: f32,
     // where the chunk entries start in `jobs` (vectors)
     centry: u32,
-    // scratch regions in `cs` (floats): normalized q [tok][h_k][D], normalized k, v then U [tok][h_v][D], W, the
-    // readouts o, the gates [tok][h_v], the write strengths, the decayed q.k products [chunk][h_v][L][L]
+    // scratch regions in `cs` (floats): normalized q [tok][h_k][D], normalized k, v then U then the readouts o
+    // [tok][h_v][D] (o_o == o_u), W, the gates [tok][h_v], the write strengths, per chunk and value head the
+    // decayed q.k products [L][L] and three decay vectors
     o_qh: u32,
     o_kh: u32,
     o_u: u32,

@@ -781,6 +781,8 @@ impl WgpuPool {
             *o = index(at, "the chunked scratch")?;
             at += len;
         }
+        // the readouts over U (see `chunk::regions`)
+        offs[4] = offs[2];
         let first_entry: usize = c.rounds[..r].iter().map(|x| x.chunks).sum();
         let (plane, io) = self.chunked_base;
         let p = CParams {

@@ -456,8 +456,8 @@ fn crossover_is_set_through_the_builder() {
 fn rounds_split_the_scratch_and_a_window_too_long_is_refused() {
     let Some(b) = backend(1) else { return };
     let shape = Shape::new(16, 1, 2).unwrap();
-    // one 100-token window's scratch: 100 (2 h_k d + 3 h_v d + 2 h_v) + 4 chunks h_v (L^2 + 3 L) floats
-    let one = 4 * (100 * (2 * 16 + 3 * 2 * 16 + 4) + 4 * 2 * (32 * 32 + 96)) as u64;
+    // one 100-token window's scratch: 100 (2 h_k d + 2 h_v d + 2 h_v) + 4 chunks h_v (L^2 + 3 L) floats
+    let one = 4 * (100 * (2 * 16 + 2 * 2 * 16 + 4) + 4 * 2 * (32 * 32 + 96)) as u64;
     let capped = Wgpu::with_options(Options {
         adapter: std::env::var("GDN_WGPU_ADAPTER")
             .ok()
