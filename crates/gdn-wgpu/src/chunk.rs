@@ -79,10 +79,15 @@ impl Entry {
 /// Columns of the state one `chunk_run` workgroup carries by default (`Options::chunk_columns`).
 pub const DEFAULT_COLUMNS: usize = 16;
 
+/// Tokens `chunk_pre` normalises together: as many as 4096 floats of conv outputs hold (16 at d 128), at most L.
+pub fn tb(d: usize, l: usize) -> usize {
+    (4096 / (2 * d)).clamp(1, l)
+}
+
 /// Bytes of workgroup memory the largest entry point uses (each counts only the variables it uses).
 pub fn workgroup_bytes(d: usize, g: Geom) -> usize {
     let (l, bv) = (g.l, g.bv);
-    let pre = 2 * d + 2 * d / 16;
+    let pre = tb(d, l) * (2 * d + 2 * d / 16);
     let wy = l * l + 3 * l;
     let run = d * bv + l * bv + 3 * l;
     let out = 2 * d + d / 16;
@@ -94,7 +99,7 @@ pub fn workgroup_bytes(d: usize, g: Geom) -> usize {
 pub fn source(key: &KernelKey, g: Geom) -> String {
     let d = key.d;
     let (l, bv) = (g.l, g.bv);
-    let consts: [(&str, usize); 12] = [
+    let consts: [(&str, usize); 13] = [
         ("D", d),
         ("L", l),
         ("BV", bv),
@@ -107,6 +112,7 @@ pub fn source(key: &KernelKey, g: Geom) -> String {
         ("CPE", d.div_ceil(NT)),
         ("GW", key.group_width()),
         ("PB", g.pb()),
+        ("TB", tb(d, l)),
     ];
     let mut header = String::new();
     for (name, v) in consts {

@@ -84,8 +84,9 @@ fn first_head(g: u32) -> u32 {
 // ---------------------------------------------------------------------------------------------------------------
 // chunk_pre
 
-var<workgroup> pv: array<f32, 2 * D>;
-var<workgroup> pparts: array<f32, 2 * D / 16>;
+// conv outputs of TB tokens, [TB][2 D], and their 16-value partial sums of squares
+var<workgroup> pv: array<f32, TB * 2 * D>;
+var<workgroup> pparts: array<f32, TB * 2 * D / 16>;
 
 @compute @workgroup_size(NT)
 fn chunk_pre(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
@@ -150,58 +151,68 @@ fn chunk_pre(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         cs[prm.o_g + at] = decay(ld_alpha(row * h_v + h), dt_h, a_h);
         cs[prm.o_b + at] = sigmoid(ld_beta(row * h_v + h));
     }
-    for (var t = 0u; t < nl; t++) {
-        let row = row0 + t0 + t;
-        for (var m = 0u; m < CP1; m++) {
-            let cl = tid + m * NT;
-            if (cl < nch) {
-                let x = xn[m];
-                if (t + 1u < nl) {
-                    xn[m] = ld_qkv((row + 1u) * cc + chan[m]);
-                }
-                let w = cw[m];
-                var s = fma(h0[m], w.x, 0.0);
-                s = fma(h1[m], w.y, s);
-                s = fma(h2[m], w.z, s);
-                s = fma(x, w.w, s);
-                let cv = s / (1.0 + exp(-s));
-                h0[m] = h1[m];
-                h1[m] = h2[m];
-                h2[m] = x;
-                if (is_qk) {
-                    pv[cl] = cv;
-                } else {
-                    cs[prm.o_u + ((tokb + t) * h_v + h) * D + cl] = cv;
+    // TB tokens at a time: their conv outputs into workgroup memory, then all their partial sums of squares at
+    // once, then the normalised values (three barriers a batch, not a token)
+    for (var tb = 0u; tb < nl; tb += TB) {
+        let nb = min(TB, nl - tb);
+        for (var u = 0u; u < nb; u++) {
+            let t = tb + u;
+            let row = row0 + t0 + t;
+            for (var m = 0u; m < CP1; m++) {
+                let cl = tid + m * NT;
+                if (cl < nch) {
+                    let x = xn[m];
+                    if (t + 1u < nl) {
+                        xn[m] = ld_qkv((row + 1u) * cc + chan[m]);
+                    }
+                    let w = cw[m];
+                    var s = fma(h0[m], w.x, 0.0);
+                    s = fma(h1[m], w.y, s);
+                    s = fma(h2[m], w.z, s);
+                    s = fma(x, w.w, s);
+                    let cv = s / (1.0 + exp(-s));
+                    h0[m] = h1[m];
+                    h1[m] = h2[m];
+                    h2[m] = x;
+                    if (is_qk) {
+                        pv[u * (2u * D) + cl] = cv;
+                    } else {
+                        cs[prm.o_u + ((tokb + t) * h_v + h) * D + cl] = cv;
+                    }
                 }
             }
         }
         if (is_qk) {
             workgroupBarrier();
-            // 16-value partial sums of squares of q (first D / 16) and k, then each sum in order
-            if (tid < 2u * D / 16u) {
+            // 16-value partial sums of squares: token u's q partials, then its k partials
+            for (var p = tid; p < nb * (2u * D / 16u); p += NT) {
+                let u = p / (2u * D / 16u);
+                let q = p % (2u * D / 16u);
                 var acc = 0.0;
                 for (var e = 0u; e < 16u; e++) {
-                    let x = pv[16u * tid + e];
+                    let x = pv[u * (2u * D) + 16u * q + e];
                     acc = fma(x, x, acc);
                 }
-                pparts[tid] = acc;
+                pparts[p] = acc;
             }
             workgroupBarrier();
             for (var m = 0u; m < CP1; m++) {
                 let cl = tid + m * NT;
                 if (cl < 2u * D) {
                     let role = cl / D;
-                    var ss = 0.0;
-                    for (var p = 0u; p < D / 16u; p++) {
-                        ss += pparts[role * (D / 16u) + p];
-                    }
-                    let r = inverseSqrt(ss / f32(D) + prm.eps / f32(D));
-                    let xh = (r * pv[cl]) * SCALE;
                     var base = prm.o_qh;
                     if (role == 1u) {
                         base = prm.o_kh;
                     }
-                    cs[base + ((tokb + t) * h_k + g) * D + cl % D] = xh;
+                    for (var u = 0u; u < nb; u++) {
+                        var ss = 0.0;
+                        for (var p = 0u; p < D / 16u; p++) {
+                            ss += pparts[u * (2u * D / 16u) + role * (D / 16u) + p];
+                        }
+                        let r = inverseSqrt(ss / f32(D) + prm.eps / f32(D));
+                        let xh = (r * pv[u * (2u * D) + cl]) * SCALE;
+                        cs[base + ((tokb + tb + u) * h_k + g) * D + cl % D] = xh;
+                    }
                 }
             }
             workgroupBarrier();
