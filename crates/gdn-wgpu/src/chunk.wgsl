@@ -542,16 +542,18 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
 // ---------------------------------------------------------------------------------------------------------------
 // chunk_out
 
-var<workgroup> eo: array<f32, D>;
-var<workgroup> ey: array<f32, D>;
-var<workgroup> eparts: array<f32, D / 16>;
+// readouts and outputs of TB tokens, [TB][D], and their partial sums of squares
+var<workgroup> eo: array<f32, TB * D>;
+var<workgroup> ey: array<f32, TB * D>;
+var<workgroup> eparts: array<f32, TB * D / 16>;
 
-fn egroup_sum(q: u32) -> f32 {
+// group sum q of the token whose y starts at ey[b]: even and odd partials in increasing order, then added
+fn egroup_sum(b: u32, q: u32) -> f32 {
     var s0 = 0.0;
     var s1 = 0.0;
     for (var e = 0u; e < 16u; e += 2u) {
-        s0 += ey[16u * q + e];
-        s1 += ey[16u * q + e + 1u];
+        s0 += ey[b + 16u * q + e];
+        s1 += ey[b + 16u * q + e + 1u];
     }
     return s0 + s1;
 }
@@ -566,97 +568,87 @@ fn chunk_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
     let h = wg.x;
     let n = prm.n;
     let plane = prm.plane;
-    // the next token's readout and gate input, loaded a token ahead
-    var on: array<f32, CPE>;
-    var zn: array<f32, CPE>;
-    for (var m = 0u; m < CPE; m++) {
-        let j = tid + m * NT;
-        if (j < D) {
-            on[m] = cs[prm.o_o + (tokb * prm.h_v + h) * D + j];
-            zn[m] = ld_z((job.y + t0) * n + h * D + j);
-        }
-    }
-    for (var t = 0u; t < nl; t++) {
-        let row = job.y + t0 + t;
-        var zt: array<f32, CPE>;
-        for (var m = 0u; m < CPE; m++) {
-            let j = tid + m * NT;
-            if (j < D) {
-                eo[j] = on[m];
-                zt[m] = zn[m];
-                if (t + 1u < nl) {
-                    on[m] = cs[prm.o_o + ((tokb + t + 1u) * prm.h_v + h) * D + j];
-                    zn[m] = ld_z((row + 1u) * n + h * D + j);
-                }
-            }
+    // TB tokens at a time, every step over all of them at once (four barriers a batch)
+    for (var tb = 0u; tb < nl; tb += TB) {
+        let nb = min(TB, nl - tb);
+        for (var e = tid; e < nb * D; e += NT) {
+            eo[e] = cs[prm.o_o + ((tokb + tb + e / D) * prm.h_v + h) * D + e % D];
         }
         workgroupBarrier();
-        if (tid < D / 16u) {
+        for (var p = tid; p < nb * (D / 16u); p += NT) {
+            let b = (p / (D / 16u)) * D + 16u * (p % (D / 16u));
             var acc = 0.0;
             for (var e = 0u; e < 16u; e++) {
-                let x = eo[16u * tid + e];
+                let x = eo[b + e];
                 acc = fma(x, x, acc);
             }
-            eparts[tid] = acc;
+            eparts[p] = acc;
         }
         workgroupBarrier();
-        var sso = 0.0;
-        for (var p = 0u; p < D / 16u; p++) {
-            sso += eparts[p];
-        }
-        let rs = inverseSqrt(sso / f32(D) + prm.eps);
-        for (var m = 0u; m < CPE; m++) {
-            let j = tid + m * NT;
-            if (j < D) {
-                let zz = zt[m];
-                var act = sigmoid(zz);
-                if (prm.silu != 0u) {
-                    act = zz * act;
-                }
-                let gam = lw[4u * prm.c + 2u * prm.h_v + j];
-                let y = ((rs * eo[j]) * gam) * act;
-                ey[j] = y;
+        for (var e = tid; e < nb * D; e += NT) {
+            let u = e / D;
+            let j = e % D;
+            let row = job.y + t0 + tb + u;
+            var sso = 0.0;
+            for (var p = 0u; p < D / 16u; p++) {
+                sso += eparts[u * (D / 16u) + p];
+            }
+            let rs = inverseSqrt(sso / f32(D) + prm.eps);
+            let zz = ld_z(row * n + h * D + j);
+            var act = sigmoid(zz);
+            if (prm.silu != 0u) {
+                act = zz * act;
+            }
+            let gam = lw[4u * prm.c + 2u * prm.h_v + j];
+            let y = ((rs * eo[e]) * gam) * act;
+            ey[e] = y;
 //#if !OUT16
-                let at = row * n + h * D + j;
-                out[at] = bitcast<u32>(y);
-                if (plane != 0u) {
-                    out[plane + at] = bitcast<u32>(y * pow2_neg(2u * (j % 8u)));
-                    out[2u * plane + at] = bitcast<u32>(y * pow2_neg(8u * (j % 4u)));
-                    out[3u * plane + at] = bitcast<u32>(y * pow2_neg(8u * (j % 2u)));
-                }
-//#endif
+            let at = row * n + h * D + j;
+            out[at] = bitcast<u32>(y);
+            if (plane != 0u) {
+                out[plane + at] = bitcast<u32>(y * pow2_neg(2u * (j % 8u)));
+                out[2u * plane + at] = bitcast<u32>(y * pow2_neg(8u * (j % 4u)));
+                out[3u * plane + at] = bitcast<u32>(y * pow2_neg(8u * (j % 2u)));
             }
+//#endif
         }
         workgroupBarrier();
-        let gs_at = 4u * plane + (row * prm.h_v + h) * GW;
 //#if OUT16
-        for (var m = 0u; m < CPE; m++) {
-            let p = tid + m * NT;
-            if (p < D / 2u) {
-                let j = 2u * p;
-                let y0 = ey[j];
-                let y1 = ey[j + 1u];
-                let at = (row * n + h * D) / 2u + p;
-                out[at] = enc16(y0) | (enc16(y1) << 16u);
-                if (plane != 0u) {
-                    let pw = plane / 2u;
-                    out[pw + at] = enc16(y0 * pow2_neg(2u * (j % 8u))) | (enc16(y1 * pow2_neg(2u * ((j + 1u) % 8u))) << 16u);
-                    out[2u * pw + at] = enc16(y0 * pow2_neg(8u * (j % 4u))) | (enc16(y1 * pow2_neg(8u * ((j + 1u) % 4u))) << 16u);
-                    out[3u * pw + at] = enc16(y0) | (enc16(y1 * pow2_neg(8u)) << 16u);
-                }
+        for (var p = tid; p < nb * (D / 2u); p += NT) {
+            let u = p / (D / 2u);
+            let j = 2u * (p % (D / 2u));
+            let row = job.y + t0 + tb + u;
+            let y0 = ey[u * D + j];
+            let y1 = ey[u * D + j + 1u];
+            let at = (row * n + h * D + j) / 2u;
+            out[at] = enc16(y0) | (enc16(y1) << 16u);
+            if (plane != 0u) {
+                let pw = plane / 2u;
+                out[pw + at] = enc16(y0 * pow2_neg(2u * (j % 8u))) | (enc16(y1 * pow2_neg(2u * ((j + 1u) % 8u))) << 16u);
+                out[2u * pw + at] = enc16(y0 * pow2_neg(8u * (j % 4u))) | (enc16(y1 * pow2_neg(8u * ((j + 1u) % 4u))) << 16u);
+                out[3u * pw + at] = enc16(y0) | (enc16(y1 * pow2_neg(8u)) << 16u);
             }
         }
-        if (plane != 0u && tid < GW / 2u) {
-            let s0 = egroup_sum(2u * tid);
-            var s1 = 0.0;
-            if (2u * tid + 1u < D / 16u) {
-                s1 = egroup_sum(2u * tid + 1u);
+        if (plane != 0u) {
+            for (var p = tid; p < nb * (GW / 2u); p += NT) {
+                let u = p / (GW / 2u);
+                let q2 = p % (GW / 2u);
+                let row = job.y + t0 + tb + u;
+                let s0 = egroup_sum(u * D, 2u * q2);
+                var s1 = 0.0;
+                if (2u * q2 + 1u < D / 16u) {
+                    s1 = egroup_sum(u * D, 2u * q2 + 1u);
+                }
+                out[(4u * plane + (row * prm.h_v + h) * GW) / 2u + q2] = enc16(s0) | (enc16(s1) << 16u);
             }
-            out[gs_at / 2u + tid] = enc16(s0) | (enc16(s1) << 16u);
         }
 //#else
-        if (plane != 0u && tid < D / 16u) {
-            out[gs_at + tid] = bitcast<u32>(egroup_sum(tid));
+        if (plane != 0u) {
+            for (var p = tid; p < nb * (D / 16u); p += NT) {
+                let u = p / (D / 16u);
+                let row = job.y + t0 + tb + u;
+                out[4u * plane + (row * prm.h_v + h) * GW + p % (D / 16u)] = bitcast<u32>(egroup_sum(u * D, p % (D / 16u)));
+            }
         }
 //#endif
         workgroupBarrier();

@@ -511,3 +511,20 @@ fn the_crossover_is_measured() {
     assert!(c.points.iter().all(|p| p.1 > 0.0 && p.2 > 0.0));
     assert!(c.chunk_from == usize::MAX || c.chunk_from >= 17);
 }
+
+/// The chunked epilogue's 16-bit outputs (y, planes, group sums) are its f32 outputs rounded once to nearest even.
+#[test]
+fn chunked_16_bit_outputs_are_the_f32_outputs_rounded() {
+    let Some(b) = backend(1) else { return };
+    // d 48: three group sums a head, padded to four on the device for 16-bit outputs
+    for shape in [Shape::new(16, 1, 2).unwrap(), Shape::new(48, 1, 3).unwrap()] {
+        let c = case(31, shape, 75, 1, [DType::Bf16; 4]);
+        let seqs = [seq(0, 0, 75, Commit::Verify)];
+        let (y32, _) = run(&b, &c, PoolOptions::default(), &seqs, true, DType::F32);
+        for dt in [DType::Bf16, DType::F16] {
+            let (y16, _) = run(&b, &c, PoolOptions::default(), &seqs, true, dt);
+            let want = TensorData::from_f32(&y32, dt).to_f32();
+            assert_eq!(bits(&y16), bits(&want), "d {} {dt:?}", shape.d);
+        }
+    }
+}
