@@ -79,9 +79,10 @@ impl Entry {
 /// Columns of the state one `chunk_run` workgroup carries by default (`Options::chunk_columns`).
 pub const DEFAULT_COLUMNS: usize = 16;
 
-/// Tokens `chunk_pre` normalises together: as many as 4096 floats of conv outputs hold (16 at d 128), at most L.
+/// Tokens `chunk_pre` and `chunk_out` take together: as many as 2048 floats of conv outputs hold (8 at d 128), at
+/// most L, so that every chunked kernel fits WebGPU's default 16 KB of workgroup memory at d 128.
 pub fn tb(d: usize, l: usize) -> usize {
-    (4096 / (2 * d)).clamp(1, l)
+    (2048 / (2 * d)).clamp(1, l)
 }
 
 /// Bytes of workgroup memory the largest entry point uses (each counts only the variables it uses).
@@ -285,6 +286,15 @@ mod tests {
                 .unwrap_or_else(|e| panic!("d {d}: {e:?}"));
             }
         }
+    }
+
+    #[test]
+    fn d_128_fits_webgpu_default_workgroup_memory() {
+        let web = wgpu::Limits::default();
+        for l in [16, 32] {
+            assert!(check_limits(128, Geom::new(128, l, 16), &web).is_ok());
+        }
+        assert!(check_limits(128, Geom::new(128, 32, 32), &web).is_err());
     }
 
     #[test]
