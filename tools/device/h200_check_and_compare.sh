@@ -11,7 +11,7 @@ mkdir -p /work && ln -sfn "$PWD" /work/main
 stamp "cuda tests"
 for x in .devbin/side/tests/*.xz; do
   t=${x%.xz}; xz -dkf "$x"; chmod +x "$t"; name=$(basename "$t")
-  timeout 150 "$t" --test-threads 8 >"$OUT/test_$name.log" 2>&1
+  timeout ${TEST_TIMEOUT:-150} "$t" --test-threads 8 >"$OUT/test_$name.log" 2>&1
   echo "test $name rc $? $(grep 'test result' "$OUT/test_$name.log" | tail -1)" | tee -a "$S"
   grep -E "FAILED|panicked" "$OUT/test_$name.log" | head -5 | tee -a "$S"
 done
@@ -21,3 +21,6 @@ stamp "compute-sanitizer memcheck on the chunked path's tests"
 echo "memcheck chunk rc $? $(grep -E 'ERROR SUMMARY|test result' "$OUT/san_chunk.log" | tr '\n' ' ')" | tee -a "$S"
 bash tools/device/h200_side_by_side.sh "$@"
 echo "===== summary"; cat "$S"
+# at most 8 files come back: everything in one archive beside the summary
+(cd "$OUT" && tar czf /tmp/all_logs.tgz --exclude summary.txt . && find . -mindepth 1 ! -name summary.txt -delete \
+  && mv /tmp/all_logs.tgz .)

@@ -66,6 +66,11 @@ pub struct Args {
     /// CUDA; the products rotate over weight copies spanning --rotate-mib (default 256).
     #[arg(long)]
     out_proj: Option<usize>,
+    /// Time one long window (prefill) instead, for each of these lengths: a sequence of T tokens committed in
+    /// full, at the seed's shape, on the backend's own path (on the CPU the chunked path, forced on), with the
+    /// CPU's token-serial path beside it up to T 4096; each case timed in 3 rounds (best and spread shown).
+    #[arg(long, value_delimiter = ',')]
+    prefill: Option<Vec<usize>>,
 }
 
 /// `B:T` for `--mixed`.
@@ -165,6 +170,9 @@ fn seqs(slots: &[i32], len: usize) -> Vec<Seq> {
 }
 
 pub fn run(args: Args) -> Result<()> {
+    if let Some(lens) = &args.prefill {
+        return run_prefill(&args, lens);
+    }
     let backend = backends::make(&args.backend)?;
     let device = backends::is_device(&args.backend);
     let (args_batch_given, args_tokens_given) = (args.batch.is_some(), args.tokens.is_some());
@@ -1018,4 +1026,157 @@ pub fn print_table(
             c / 1e9
         );
     }
+}
+
+/// The longest window `gdn bench --prefill` also times on the CPU's token-serial path.
+const PREFILL_SERIAL_UP_TO: usize = 4096;
+
+/// Best and worst of 3 rounds of one case, each of enough calls to last about `round_ms` (at least one).
+fn prefill_rounds(
+    pool: &mut dyn LayerPool,
+    step: &Step<'_>,
+    io: DType,
+    round_ms: u64,
+) -> Result<(f64, f64)> {
+    let probe = pool
+        .time_varlen(step, io, 1)?
+        .per_call
+        .as_secs_f64()
+        .max(1e-7);
+    let iters = ((round_ms as f64 / 1000.0) / probe).clamp(1.0, 1000.0) as usize;
+    let mut times = Vec::new();
+    for _ in 0..3 {
+        times.push(pool.time_varlen(step, io, iters)?.per_call.as_secs_f64());
+    }
+    let best = times.iter().copied().fold(f64::INFINITY, f64::min);
+    let worst = times.iter().copied().fold(0.0, f64::max);
+    Ok((best, worst))
+}
+
+/// `gdn bench --prefill`: one window of T tokens per call at the seed's shape, beside the FMA ceiling; on the CPU
+/// the automatic path (chunked from the pool's crossover) and the token-serial path.
+fn run_prefill(args: &Args, lens: &[usize]) -> Result<()> {
+    if let Some(&t) = lens.iter().find(|&&t| t == 0) {
+        return Err(gdn::Error::Param {
+            name: "prefill",
+            why: format!("a window has at least 1 token, got {t}"),
+        });
+    }
+    let cpu = args.backend == "cpu";
+    // the CPU backend as `backends::make` builds it, kept concrete so that its token-serial twin can be made
+    let (backend, serial): (Box<dyn gdn::Backend>, Option<Box<dyn gdn::Backend>>) = if cpu {
+        let threads = std::env::var("RAYON_NUM_THREADS")
+            .ok()
+            .and_then(|n| n.parse().ok())
+            .filter(|&n: &usize| n > 0)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        let c = gdn::Cpu::with_calling_thread(threads).unwrap_or_default();
+        (
+            Box::new(c.clone().chunked_from(2)),
+            Some(Box::new(c.chunked_from(usize::MAX))),
+        )
+    } else {
+        (backends::make(&args.backend)?, None)
+    };
+    let shape = Shape::SEED;
+    let config = Config {
+        shape,
+        head_map: args.head_map,
+        gate: args.gate,
+        eps: 1e-6,
+    };
+    let mut rng = Synth::new(2026);
+    let layer = rng.layer(config)?;
+    let options = PoolOptions {
+        state: args.state,
+        layout: args.layout,
+    };
+    let fma = backend.fma_ceiling()?;
+    let (st, h) = rng.seq_state(&layer);
+    let mut pool = backend.create_pool_with(&layer, 1, options)?;
+    pool.write_slot(0, &st, &h)?;
+    let mut serial_pool = match &serial {
+        Some(b) => {
+            let mut p = b.create_pool_with(&layer, 1, options)?;
+            p.write_slot(0, &st, &h)?;
+            Some(p)
+        }
+        None => None,
+    };
+    println!(
+        "gdn bench --prefill: {}; d {} h_k {} h_v {}, {} map, {} gate, one window per call, commit all; {} state, {} activations{}",
+        backend.name(),
+        shape.d,
+        shape.h_k,
+        shape.h_v,
+        config.head_map.name(),
+        config.gate.name(),
+        args.state.name(),
+        args.io.name(),
+        if cpu {
+            let from = gdn::cpu::chunked::CHUNKED_FROM;
+            format!(
+                "; the chunked path (chunks of {}) beside the token-serial one; the pool's default takes the chunked path {}",
+                gdn::cpu::chunked::CHUNK,
+                if from == usize::MAX {
+                    "never (measured slower)".to_string()
+                } else {
+                    format!("from T {from}")
+                }
+            )
+        } else {
+            String::new()
+        }
+    );
+    println!(
+        "{:>6} {:>11} {:>7} {:>11} {:>8} {:>6} {:>13} {:>7} {:>8}",
+        "T", "ms/call", "spread", "tokens/s", "GFLOP/s", "% FMA", "serial ms", "spread", "speedup"
+    );
+    for &t in lens {
+        let data = random_rows(&mut rng, &layer, t, args.io);
+        let seqs = [Seq {
+            slot: 0,
+            start: 0,
+            len: t,
+            commit: Commit::All,
+        }];
+        let step = Step {
+            rows: data.view(),
+            seqs: &seqs,
+            plane_stride: None,
+        };
+        let (best, worst) = prefill_rounds(pool.as_mut(), &step, args.io, args.round_ms)?;
+        let serial = match serial_pool.as_mut() {
+            Some(p) if t <= PREFILL_SERIAL_UP_TO => {
+                Some(prefill_rounds(p.as_mut(), &step, args.io, args.round_ms)?)
+            }
+            _ => None,
+        };
+        let rate = flops(&shape, 1, t) / best;
+        println!(
+            "{:>6} {:>11.3} {:>6.1}% {:>11.0} {:>8.1} {:>6} {:>13} {:>7} {:>8}",
+            t,
+            best * 1e3,
+            100.0 * (worst / best - 1.0),
+            t as f64 / best,
+            rate / 1e9,
+            fma.map_or_else(|| "-".to_string(), |c| format!("{:.1}%", 100.0 * rate / c)),
+            serial.map_or_else(|| "-".to_string(), |(b, _)| format!("{:.3}", b * 1e3)),
+            serial.map_or_else(
+                || "-".to_string(),
+                |(b, w)| format!("{:.1}%", 100.0 * (w / b - 1.0))
+            ),
+            serial.map_or_else(|| "-".to_string(), |(b, _)| format!("{:.2}x", b / best)),
+        );
+    }
+    println!(
+        "ms/call: the best of 3 rounds (median call of each round); spread: the worst round over the best. GFLOP/s counts 7 d^2 FLOP per value head and token as `gdn bench` does (the chunked form executes 6 d^2 + 4 L d with L = 32: the same count at d 128; the token-serial path 6 d^2)"
+    );
+    if let Some(c) = fma {
+        println!(
+            "% FMA is over an FMA ceiling measured in this run: {:.1} GFLOP/s, all threads issuing independent FMAs",
+            c / 1e9
+        );
+    }
+    Ok(())
 }

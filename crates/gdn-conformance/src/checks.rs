@@ -720,6 +720,8 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!(@one $make, shards_side_by_side_equal_the_unsharded_step, $crate::varlen::shards_side_by_side_equal_the_unsharded_step);
         $crate::conformance_tests!(@one $make, speculative_steps_match_the_two_pass_flow, $crate::spec::speculative_steps_match_the_two_pass_flow);
         $crate::conformance_tests!(@one $make, bad_speculative_input_is_rejected, $crate::spec::bad_speculative_input_is_rejected);
+        $crate::conformance_tests!(@one $make, prefill_long_windows_match_oracle, $crate::prefill::prefill_long_windows_match_oracle);
+        $crate::conformance_tests!(@one $make, prefill_invariants_hold, $crate::prefill::prefill_invariants_hold);
     };
     (@quant $make:expr, $name:ident, $check:expr) => {
         #[test]

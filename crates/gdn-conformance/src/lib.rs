@@ -289,4 +289,5 @@ pub fn check_against_oracle(backend: &dyn Backend, case: &Case) -> (f64, f64, f6
 }
 
 pub mod checks;
+pub mod prefill;
 pub mod varlen;

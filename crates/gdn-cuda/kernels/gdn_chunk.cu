@@ -1,7 +1,7 @@
 // gdn_chunk.cu: the GDN window step (SPEC.md) of long windows in the chunked (WY / UT) form (see NOTES.md,
 // "Chunked windows"). Four kernels, launched in this order on one stream:
-//   gdn_chunk_plan   one block: splits the call's sequences by length (below GDN_MIN_LEN: left to the
-//                    token-serial kernel, whose slot array it writes with the long ones skipped), checks the
+//   gdn_chunk_plan   one block: splits the call's sequences by length and commit point (below min_len: left
+//                    to the token-serial kernel, whose slot array it writes with the long ones skipped), checks the
 //                    long ones and lists them and their chunks of L tokens
 //   gdn_chunk_prep   one block a (chunk, value head): conv + SiLU (with the history), L2 norms, gates, the
 //                    chunk's decays, A = strictly-lower(b_t D[t][s] k_t . k_s), M = lower(D[t][s] q_t . k_s),
@@ -126,6 +126,18 @@ __device__ __forceinline__ int channel(int h, int e) {
 // is outside 0..=len is skipped (its commit, for the last) and reported in the fault word, as the token-serial
 // kernel does for the others. More long sequences or chunks than the caps (only possible with overlapping rows,
 // which the host path rejects) are dropped and reported as rows outside the step's.
+// A window runs chunked when it has at least min_len tokens and so has its commit point, if it commits inside
+// the window: a commit after k < min_len tokens keeps the whole window token-serial, so its committed state is
+// bitwise that of a k-token window (which runs token-serial). A commit point outside 0..=len runs chunked and is
+// reported below.
+__device__ __forceinline__ bool runs_chunked(const int* seq_commit, int commits, int s, int slot, int len,
+                                             int min_len) {
+    if (slot < 0 || len < min_len) return false;
+    if (!commits) return true;
+    const int c = seq_commit[s];
+    return c <= 0 || c > len || c >= min_len;
+}
+
 extern "C" __global__ void __launch_bounds__(1024) gdn_chunk_plan(
     const int* __restrict__ seq_slot, const int* __restrict__ seq_start, const int* __restrict__ seq_len,
     const int* __restrict__ seq_commit, int commits, int n_seqs, int n_slots, int n_rows, int min_len,
@@ -140,7 +152,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_chunk_plan(
     // pass 1: count (and write the token-serial slot array)
     for (int s = s0; s < s1; ++s) {
         const int slot = seq_slot[s], len = seq_len[s];
-        const bool is_long = slot >= 0 && len >= min_len;
+        const bool is_long = runs_chunked(seq_commit, commits, s, slot, len, min_len);
         plan[PLAN_SLOT + s] = is_long ? -1 : slot;
         if (!is_long) continue;
         const int start = seq_start[s];
@@ -189,7 +201,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_chunk_plan(
     int* const ents = plan + PLAN_ENT(n_seqs, cap_long);
     for (int s = s0; s < s1; ++s) {
         const int slot = seq_slot[s], len = seq_len[s];
-        if (!(slot >= 0 && len >= min_len)) continue;
+        if (!runs_chunked(seq_commit, commits, s, slot, len, min_len)) continue;
         const int start = seq_start[s];
         if (slot >= n_slots || start < 0 || start > n_rows - len) continue;
         const int nch = (len + L - 1) / L;

@@ -1,8 +1,10 @@
 //! The chunked (WY / UT) form of long windows (`kernels/gdn_chunk.cu`, NOTES.md "Chunked windows").
 //!
-//! A sequence whose window has at least [`CudaPool::chunk_min_len`] tokens runs in chunks of L tokens: the
-//! rank-1 updates of a chunk become small matrix products, and only the chunk boundaries are sequential. The
-//! choice is per sequence, from its own length only. The pool's launch hands the call to four kernels (plan,
+//! A sequence whose window has at least [`CudaPool::chunk_min_len`] tokens runs in chunks of L tokens (unless it
+//! commits after fewer than that many: then the whole window stays token-serial, so its committed state is
+//! bitwise a k-token window's, which is token-serial too): the rank-1 updates of a chunk become small matrix
+//! products, and only the chunk boundaries are sequential. The choice is per sequence, from its own length and
+//! commit point only. The pool's launch hands the call to four kernels (plan,
 //! prep, state, out) and the token-serial kernel gets the short sequences (the long ones' slots set to -1 in a
 //! copy of the slot array), so one call may mix both paths.
 //!
@@ -431,7 +433,9 @@ impl CudaPool {
         // float* scr, long long rc): z and the output hold `rows` rows in the spec's dtypes and the output
         // layout of plane_stride (checked by the callers); the scratch as above.
         unsafe { launch(&cuda, &fns.out, (grid_ent, sh.h_v as u32), 128, 0, &mut p)? };
-        if lo >= min_len {
+        // every window chunked: nothing is left for the token-serial kernel, unless a commit point below
+        // min_len keeps its window there (the plan kernel decides on the device)
+        if lo >= min_len && !kind.commits {
             return Ok(None);
         }
         Ok(Some(Operands {
