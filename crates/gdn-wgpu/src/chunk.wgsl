@@ -481,8 +481,12 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
             let r = rt + m * (NT / BV);
             if (r < nl) {
                 var o = rgam[r] * qs[m];
-                for (var s = 0u; s <= r; s++) {
-                    o = fma(cs[pbase + r * L + s], dl[s * BV + j], o);
+                // constant trip counts here and below (a guard inside): lavapipe limits each loop of an
+                // invocation to 65535 iterations in all, counted across re-entries, unless it is unrolled
+                for (var s = 0u; s < L; s++) {
+                    if (s <= r) {
+                        o = fma(cs[pbase + r * L + s], dl[s * BV + j], o);
+                    }
                 }
                 cs[prm.o_o + ((tokb + r) * h_v + h) * D + jj] = o * SCALE;
             }
@@ -499,24 +503,28 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         for (var m = 0u; m < RSN; m++) {
             nsv[m] = rgam[nl - 1u] * sv[tid + m * NT];
         }
-        for (var s = 0u; s < nl; s++) {
-            let dv = dl[s * BV + j];
-            let ge = rend[s];
-            let kb = kb0 + s * h_k * D;
-            for (var m = 0u; m < RSN; m++) {
-                nsv[m] = fma(ge * cs[kb + m * (NT / BV)], dv, nsv[m]);
+        for (var s = 0u; s < L; s++) {
+            if (s < nl) {
+                let dv = dl[s * BV + j];
+                let ge = rend[s];
+                let kb = kb0 + s * h_k * D;
+                for (var m = 0u; m < RSN; m++) {
+                    nsv[m] = fma(ge * cs[kb + m * (NT / BV)], dv, nsv[m]);
+                }
             }
         }
         if (inner) {
             for (var m = 0u; m < RSN; m++) {
                 csv[m] = rgam[pe] * sv[tid + m * NT];
             }
-            for (var s = 0u; s <= pe; s++) {
-                let dv = dl[s * BV + j];
-                let ge = rendc[s];
-                let kb = kb0 + s * h_k * D;
-                for (var m = 0u; m < RSN; m++) {
-                    csv[m] = fma(ge * cs[kb + m * (NT / BV)], dv, csv[m]);
+            for (var s = 0u; s < L; s++) {
+                if (s <= pe) {
+                    let dv = dl[s * BV + j];
+                    let ge = rendc[s];
+                    let kb = kb0 + s * h_k * D;
+                    for (var m = 0u; m < RSN; m++) {
+                        csv[m] = fma(ge * cs[kb + m * (NT / BV)], dv, csv[m]);
+                    }
                 }
             }
         }

@@ -70,9 +70,8 @@ pub struct Options {
     /// Windows of at least this many tokens run in the chunked form (WY / UT, `chunk.wgsl`), shorter ones token
     /// by token. A window is counted to its commit point where it commits (all of it where it verifies), so a
     /// `commit first k` window runs on the path of the k-token window it must equal bitwise. `Some(usize::MAX)`:
-    /// never chunked. `None` (the default): the crossover measured for the adapter's kind (NOTES.md): on a GPU
-    /// [`DEFAULT_CHUNK_FROM`] tokens; on a CPU adapter (lavapipe) never, where the chunked form measured slower at
-    /// every length.
+    /// never chunked. `None` (the default): the crossover for the adapter's kind (NOTES.md): on a GPU
+    /// [`DEFAULT_CHUNK_FROM`] tokens; on a CPU adapter (lavapipe) [`CPU_CHUNK_FROM`].
     pub chunk_from: Option<usize>,
     /// State columns one workgroup of the chunked recurrence carries (8, 16 or 32; lowered or raised to one that
     /// divides d): fewer columns, more workgroups in flight a window. [`DEFAULT_CHUNK_COLUMNS`] by default.
@@ -83,6 +82,12 @@ pub struct Options {
     /// chunked windows are grouped into rounds under it; a window that alone needs more is refused.
     pub chunk_scratch_bytes: Option<u64>,
 }
+
+/// The crossover on a CPU adapter (lavapipe): the chunked form is slower there (0.8-0.9x), but lavapipe stops
+/// every loop of an invocation after 65535 iterations in all, so the token kernel's loop over a window's tokens
+/// cannot finish windows that long (its subgroup path stopped after 21845 tokens); the chunked kernels' loops
+/// run at most a window's chunk count (or are unrolled).
+pub const CPU_CHUNK_FROM: usize = 16384;
 
 /// [`Options::chunk_len`] by default.
 pub const DEFAULT_CHUNK_LEN: usize = chunk::DEFAULT_LEN;
@@ -206,10 +211,15 @@ impl Wgpu {
     pub fn chunk_from(&self) -> usize {
         self.chunk_from
             .unwrap_or(if self.gpu.info.device_type == wgpu::DeviceType::Cpu {
-                usize::MAX
+                CPU_CHUNK_FROM
             } else {
                 DEFAULT_CHUNK_FROM
             })
+    }
+
+    /// The adapter's limits the backend runs under.
+    pub fn limits(&self) -> &wgpu::Limits {
+        &self.gpu.limits
     }
 
     /// A pool as its concrete type (what [`Backend::create_pool_with`] boxes).

@@ -443,7 +443,7 @@ fn crossover_is_set_through_the_builder() {
     assert_eq!(Options::default().chunk_from, None);
     let default = backend_default();
     let want = if default.adapter_info().device_type == wgpu::DeviceType::Cpu {
-        usize::MAX
+        gdn_wgpu::CPU_CHUNK_FROM
     } else {
         gdn_wgpu::DEFAULT_CHUNK_FROM
     };
@@ -527,4 +527,24 @@ fn chunked_16_bit_outputs_are_the_f32_outputs_rounded() {
             assert_eq!(bits(&y16), bits(&want), "d {} {dt:?}", shape.d);
         }
     }
+}
+
+/// A window of 65536 tokens: past lavapipe's 65535 iterations a loop, which the chunked kernels never reach
+/// (their loops over a chunk's rows have constant trip counts), against the oracle.
+#[test]
+fn a_window_of_65536_tokens() {
+    let Some(b) = backend(1) else { return };
+    let shape = Shape::new(16, 1, 2).unwrap();
+    let c = case(5, shape, 65536, 1, [DType::F32; 4]);
+    let seqs = [seq(0, 0, 65536, Commit::First(65000))];
+    let (y, st) = run(&b, &c, PoolOptions::default(), &seqs, false, DType::F32);
+    let (want, ost) = oracle_run(&c, PoolOptions::default(), &seqs, false, DType::F32);
+    let ey = gdn::relative_error(&y, &want);
+    let es = gdn::relative_error(&st[0].0, &ost[0].s);
+    let eh = gdn::relative_error(&st[0].1, &ost[0].h);
+    eprintln!("T 65536: y {ey:.2e}, S {es:.2e}, H {eh:.1e}");
+    assert!(
+        ey < BOUND && es < BOUND && eh == 0.0,
+        "y {ey:.2e} S {es:.2e} H {eh:.2e}"
+    );
 }
