@@ -137,6 +137,32 @@ impl KernelKey {
         Ok(())
     }
 
+    /// The input loaders (`ld_qkv`, `ld_alpha`, `ld_beta`, `ld_z`: element i of the tensor, widened to f32,
+    /// exact) and `enc16` for this key's dtypes.
+    pub fn loaders(&self) -> String {
+        let mut header = String::new();
+        for (name, dt) in ["qkv", "alpha", "beta", "z"].iter().zip(self.inputs) {
+            let body = match dt {
+                DType::F32 => format!("return bitcast<f32>(inp[prm.{name}_off + i]);"),
+                DType::Bf16 => format!(
+                    "let w = inp[prm.{name}_off + (i >> 1u)]; \
+                     return select(bf16_lo(w), bf16_hi(w), (i & 1u) != 0u);"
+                ),
+                DType::F16 => format!(
+                    "let w = inp[prm.{name}_off + (i >> 1u)]; \
+                     return f16_f32(select(w & 0xffffu, w >> 16u, (i & 1u) != 0u));"
+                ),
+            };
+            header.push_str(&format!("fn ld_{name}(i: u32) -> f32 {{ {body} }}\n"));
+        }
+        let enc = match self.out {
+            DType::F16 => "f16_bits",
+            _ => "bf16_bits",
+        };
+        header.push_str(&format!("fn enc16(x: f32) -> u32 {{ return {enc}(x); }}\n"));
+        header
+    }
+
     /// The WGSL source of this specialisation.
     pub fn source(&self) -> String {
         let d = self.d;
@@ -167,26 +193,7 @@ impl KernelKey {
             header.push_str(&format!("const {name}: u32 = {v}u;\n"));
         }
         header.push_str(&format!("const SCALE: f32 = {};\n", wgsl_f32(scale)));
-        // one loader per input, for its dtype: element i of the tensor, widened to f32 (exact)
-        for (name, dt) in ["qkv", "alpha", "beta", "z"].iter().zip(self.inputs) {
-            let body = match dt {
-                DType::F32 => format!("return bitcast<f32>(inp[prm.{name}_off + i]);"),
-                DType::Bf16 => format!(
-                    "let w = inp[prm.{name}_off + (i >> 1u)]; \
-                     return select(bf16_lo(w), bf16_hi(w), (i & 1u) != 0u);"
-                ),
-                DType::F16 => format!(
-                    "let w = inp[prm.{name}_off + (i >> 1u)]; \
-                     return f16_f32(select(w & 0xffffu, w >> 16u, (i & 1u) != 0u));"
-                ),
-            };
-            header.push_str(&format!("fn ld_{name}(i: u32) -> f32 {{ {body} }}\n"));
-        }
-        let enc = match self.out {
-            DType::F16 => "f16_bits",
-            _ => "bf16_bits",
-        };
-        header.push_str(&format!("fn enc16(x: f32) -> u32 {{ return {enc}(x); }}\n"));
+        header.push_str(&self.loaders());
         let flags = [
             ("SUBGROUPS", self.subgroups),
             ("VMAJOR", self.layout == StateLayout::ValueMajor),
@@ -199,7 +206,7 @@ impl KernelKey {
 }
 
 /// An f32 as a WGSL literal that parses back to the same value.
-fn wgsl_f32(x: f32) -> String {
+pub(crate) fn wgsl_f32(x: f32) -> String {
     // `{:e}` always writes an exponent, so WGSL reads the literal as a float
     format!("{x:e}")
 }

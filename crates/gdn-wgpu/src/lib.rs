@@ -7,8 +7,10 @@
 //! dispatch: one workgroup per (sequence, value head), each reading its sequence's slot, rows, length and commit
 //! point from a job list, the head's state in registers for the whole window, the conv, norms, delta rule,
 //! readout, gated RMS norm, planes and group sums fused. Two reduction paths: subgroup operations where the
-//! adapter has them (any subgroup size), workgroup memory where it has none. The library reads no environment
-//! variables: everything is in [`Options`].
+//! adapter has them (any subgroup size), workgroup memory where it has none. Long windows (from
+//! [`Options::chunk_from`] tokens to their commit point) run in the chunked WY / UT form instead (`chunk.wgsl`:
+//! four dispatches, the state in column blocks in workgroup memory; [`Wgpu::measure_crossover`] measures where it
+//! pays). The library reads no environment variables: everything is in [`Options`].
 //!
 //! ```no_run
 //! use gdn::Backend;
@@ -17,6 +19,7 @@
 //! # Ok::<(), gdn::Error>(())
 //! ```
 
+mod chunk;
 mod kernel;
 mod pool;
 pub mod quant;
@@ -27,6 +30,7 @@ use std::time::Instant;
 
 use gdn::{Backend, Error, Layer, LayerPool, Result};
 
+pub use chunk::{CHUNK_ENTRIES, DEFAULT_CHUNK_FROM};
 pub use kernel::KernelKey;
 pub use pool::WgpuPool;
 pub use quant::WgpuOutProj;
@@ -63,7 +67,33 @@ pub struct Options {
     /// A pool keeps its per-call buffers (inputs, output, job list, readback) between calls up to this many
     /// bytes each; a call that needs a larger one gets it for that call only (released when it returns).
     pub keep_bytes: u64,
+    /// Windows of at least this many tokens run in the chunked form (WY / UT, `chunk.wgsl`), shorter ones token
+    /// by token. A window is counted to its commit point where it commits (all of it where it verifies), so a
+    /// `commit first k` window runs on the path of the k-token window it must equal bitwise. `Some(usize::MAX)`:
+    /// never chunked. `None` (the default): the crossover for the adapter's kind (NOTES.md): on a GPU
+    /// [`DEFAULT_CHUNK_FROM`] tokens; on a CPU adapter (lavapipe) [`CPU_CHUNK_FROM`].
+    pub chunk_from: Option<usize>,
+    /// State columns one workgroup of the chunked recurrence carries (8, 16 or 32; lowered or raised to one that
+    /// divides d): fewer columns, more workgroups in flight a window. [`DEFAULT_CHUNK_COLUMNS`] by default.
+    pub chunk_columns: usize,
+    /// Tokens of a chunk (16, 32 or 64; another value means 32). [`DEFAULT_CHUNK_LEN`] by default.
+    pub chunk_len: usize,
+    /// The most bytes of scratch one round of chunked windows binds (`None`: the adapter's binding limit). A call's
+    /// chunked windows are grouped into rounds under it; a window that alone needs more is refused.
+    pub chunk_scratch_bytes: Option<u64>,
 }
+
+/// The crossover on a CPU adapter (lavapipe): the chunked form is slower there (0.8-0.9x), but lavapipe stops
+/// every loop of an invocation after 65535 iterations in all, so the token kernel's loop over a window's tokens
+/// cannot finish windows that long (its subgroup path stopped after 21845 tokens); the chunked kernels' loops
+/// run at most a window's chunk count (or are unrolled).
+pub const CPU_CHUNK_FROM: usize = 16384;
+
+/// [`Options::chunk_len`] by default.
+pub const DEFAULT_CHUNK_LEN: usize = chunk::DEFAULT_LEN;
+
+/// [`Options::chunk_columns`] by default.
+pub const DEFAULT_CHUNK_COLUMNS: usize = chunk::DEFAULT_COLUMNS;
 
 /// [`Options::keep_bytes`] by default: a B 256 decode step at the seed shape (10 MiB of f32 inputs) stays
 /// resident; prefill-sized calls allocate per call.
@@ -77,6 +107,10 @@ impl Default for Options {
             row_blocks: 4,
             runtime_checks: false,
             keep_bytes: DEFAULT_KEEP_BYTES,
+            chunk_from: None,
+            chunk_columns: DEFAULT_CHUNK_COLUMNS,
+            chunk_len: DEFAULT_CHUNK_LEN,
+            chunk_scratch_bytes: None,
         }
     }
 }
@@ -91,6 +125,10 @@ pub struct Wgpu {
     row_blocks: usize,
     runtime_checks: bool,
     keep_bytes: u64,
+    chunk_from: Option<usize>,
+    chunk_columns: usize,
+    chunk_len: usize,
+    chunk_scratch_bytes: Option<u64>,
 }
 
 type DeviceKey = (Option<String>, Subgroups);
@@ -112,6 +150,10 @@ pub(crate) struct Gpu {
     pub bind_layout: wgpu::BindGroupLayout,
     pub pipeline_layout: wgpu::PipelineLayout,
     pipelines: Mutex<HashMap<KernelKey, Arc<wgpu::ComputePipeline>>>,
+    /// The chunked kernels' pipelines, per key (its d, state and dtypes) and entry point.
+    #[allow(clippy::type_complexity)]
+    chunk_pipelines:
+        Mutex<HashMap<(KernelKey, chunk::Geom, chunk::Entry), Arc<wgpu::ComputePipeline>>>,
     copy: OnceLock<Arc<wgpu::ComputePipeline>>,
     /// The quantized out_proj's pipelines by (packing, shift path, group-sum pass), built on first use.
     pub(crate) quant: quant::PipelineCache,
@@ -151,7 +193,33 @@ impl Wgpu {
             row_blocks: options.row_blocks,
             runtime_checks: options.runtime_checks,
             keep_bytes: options.keep_bytes,
+            chunk_from: options.chunk_from,
+            chunk_columns: options.chunk_columns,
+            chunk_len: options.chunk_len,
+            chunk_scratch_bytes: options.chunk_scratch_bytes,
         })
+    }
+
+    /// The same backend with another crossover to the chunked form ([`Options::chunk_from`]): windows of at least
+    /// `tokens` tokens (to their commit point) run chunked; `usize::MAX` never. Pools made afterwards use it.
+    pub fn with_chunk_from(mut self, tokens: usize) -> Self {
+        self.chunk_from = Some(tokens);
+        self
+    }
+
+    /// The crossover to the chunked form this backend's pools use (the adapter's measured default unless set).
+    pub fn chunk_from(&self) -> usize {
+        self.chunk_from
+            .unwrap_or(if self.gpu.info.device_type == wgpu::DeviceType::Cpu {
+                CPU_CHUNK_FROM
+            } else {
+                DEFAULT_CHUNK_FROM
+            })
+    }
+
+    /// The adapter's limits the backend runs under.
+    pub fn limits(&self) -> &wgpu::Limits {
+        &self.gpu.limits
     }
 
     /// A pool as its concrete type (what [`Backend::create_pool_with`] boxes).
@@ -165,6 +233,10 @@ impl Wgpu {
                 row_blocks: self.row_blocks,
                 checked: self.runtime_checks,
                 keep_bytes: self.keep_bytes,
+                chunk_from: self.chunk_from(),
+                chunk_columns: self.chunk_columns,
+                chunk_len: self.chunk_len,
+                chunk_scratch_bytes: self.chunk_scratch_bytes,
             },
         )
     }
@@ -177,6 +249,83 @@ impl Wgpu {
     /// The adapter's description.
     pub fn adapter_info(&self) -> &wgpu::AdapterInfo {
         &self.gpu.info
+    }
+}
+
+/// What [`Wgpu::measure_crossover`] measured.
+#[derive(Clone, Debug)]
+pub struct Crossover {
+    /// (window length, token-serial seconds a call, chunked seconds a call) for each length tried.
+    pub points: Vec<(usize, f64, f64)>,
+    /// The shortest length tried from which the chunked form was faster at that and every longer length tried
+    /// (`usize::MAX`: at none), and at least one more than the longest held window (`step_spec` runs held windows
+    /// token by token, so a lower crossover would make its bits differ from the two-pass flow's).
+    pub chunk_from: usize,
+}
+
+impl Wgpu {
+    /// Measures the crossover to the chunked form on this adapter for `layer`'s shape: one window of each length
+    /// in `lens`, commit all, f32, timed with `time_varlen` (`iters` calls a round) on both paths. Pass the
+    /// result's `chunk_from` to [`Wgpu::with_chunk_from`]; the bits of a window depend on its path, so choose it
+    /// once, not per call.
+    pub fn measure_crossover(
+        &self,
+        layer: &Layer,
+        lens: &[usize],
+        iters: usize,
+    ) -> Result<Crossover> {
+        let sh = *layer.shape();
+        let mut rng = gdn::synth::Synth::new(1);
+        let (st, h) = rng.seq_state(layer);
+        let tmax = lens.iter().copied().max().unwrap_or(0);
+        let b = rng.batch(layer, 1, tmax);
+        let mut points = Vec::new();
+        for &t in lens.iter().filter(|&&t| t > 0) {
+            let seqs = [gdn::Seq {
+                slot: 0,
+                start: 0,
+                len: t,
+                commit: gdn::Commit::All,
+            }];
+            let step = gdn::Step {
+                rows: gdn::step::Rows {
+                    qkv: gdn::Tensor::F32(&b.qkv[..t * sh.channels()]),
+                    alpha: gdn::Tensor::F32(&b.alpha[..t * sh.h_v]),
+                    beta: gdn::Tensor::F32(&b.beta[..t * sh.h_v]),
+                    z: gdn::Tensor::F32(&b.z[..t * sh.n()]),
+                },
+                seqs: &seqs,
+                plane_stride: None,
+            };
+            let mut secs = [0.0; 2];
+            for (k, from) in [usize::MAX, 1].into_iter().enumerate() {
+                let mut pool = self.clone().with_chunk_from(from).pool(
+                    layer,
+                    1,
+                    gdn::PoolOptions::default(),
+                )?;
+                pool.write_slot(0, &st, &h)?;
+                secs[k] = pool
+                    .time_varlen(&step, gdn::DType::F32, iters)?
+                    .per_call
+                    .as_secs_f64();
+            }
+            points.push((t, secs[0], secs[1]));
+        }
+        points.sort_by_key(|p| p.0);
+        // the shortest length from which chunked wins at every longer length tried
+        let mut chunk_from = usize::MAX;
+        for &(t, serial, chunked) in points.iter().rev() {
+            if chunked < serial {
+                chunk_from = t;
+            } else {
+                break;
+            }
+        }
+        if chunk_from != usize::MAX {
+            chunk_from = chunk_from.max(kernel::HOLD + 1);
+        }
+        Ok(Crossover { points, chunk_from })
     }
 }
 
@@ -308,6 +457,7 @@ impl Gpu {
             bind_layout,
             pipeline_layout,
             pipelines: Mutex::new(HashMap::new()),
+            chunk_pipelines: Mutex::new(HashMap::new()),
             copy: OnceLock::new(),
             quant: Default::default(),
             uncaptured,
@@ -366,19 +516,52 @@ impl Gpu {
             return Ok(p.clone());
         }
         key.check_limits(&self.limits)?;
-        let source = key.source();
-        let pipeline = self.scoped("building the GDN pipeline", || {
+        let pipeline = Arc::new(self.build(key.source(), "gdn_step", key.checked)?);
+        cache.insert(key, pipeline.clone());
+        Ok(pipeline)
+    }
+
+    /// A chunked kernel's pipeline (`chunk.wgsl`, entry `entry`) for a key's d, state and dtypes.
+    pub(crate) fn chunk_pipeline(
+        &self,
+        key: KernelKey,
+        geom: chunk::Geom,
+        entry: chunk::Entry,
+    ) -> Result<Arc<wgpu::ComputePipeline>> {
+        // subgroups and row blocks do not apply to the chunked kernels: one pipeline whatever they are
+        let key = KernelKey {
+            subgroups: false,
+            row_blocks: 1,
+            ..key
+        };
+        let mut cache = self
+            .chunk_pipelines
+            .lock()
+            .map_err(|_| Error::Backend("pipeline cache poisoned".into()))?;
+        if let Some(p) = cache.get(&(key, geom, entry)) {
+            return Ok(p.clone());
+        }
+        chunk::check_limits(key.d, geom, &self.limits)?;
+        let source = chunk::source(&key, geom);
+        let pipeline = Arc::new(self.build(source, entry.name(), key.checked)?);
+        cache.insert((key, geom, entry), pipeline.clone());
+        Ok(pipeline)
+    }
+
+    fn build(&self, source: String, entry: &str, checked: bool) -> Result<wgpu::ComputePipeline> {
+        self.scoped("building the GDN pipeline", || {
             let desc = wgpu::ShaderModuleDescriptor {
-                label: Some("gdn_step.wgsl"),
+                label: Some(entry),
                 source: wgpu::ShaderSource::Wgsl(source.into()),
             };
-            let module = if key.checked {
+            let module = if checked {
                 self.device.create_shader_module(desc)
             } else {
-                // SAFETY: the kernel's indices stay in bounds for every launch the pool makes: buffer sizes,
-                // offsets, the job list and the uniforms are all derived from arguments validated on the host
-                // (Step::validate, the pool's checked sizes and 32-bit index checks), and its loops have uniform, finite bounds. The caller asked
-                // for this through `Options::runtime_checks = false`.
+                // SAFETY: the kernels' indices stay in bounds for every launch the pool makes: buffer sizes,
+                // offsets, the job lists and the uniforms are all derived from arguments validated on the host
+                // (Step::validate, the pool's checked sizes and 32-bit index checks, the chunked scratch's
+                // regions sized for the round's windows), and their loops have uniform, finite bounds. The caller
+                // asked for this through `Options::runtime_checks = false`.
                 unsafe {
                     self.device
                         .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
@@ -386,10 +569,10 @@ impl Gpu {
             };
             self.device
                 .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                    label: Some("gdn step"),
+                    label: Some(entry),
                     layout: Some(&self.pipeline_layout),
                     module: &module,
-                    entry_point: Some("gdn_step"),
+                    entry_point: Some(entry),
                     compilation_options: wgpu::PipelineCompilationOptions {
                         constants: &[],
                         // every workgroup variable is written before it is read
@@ -397,10 +580,7 @@ impl Gpu {
                     },
                     cache: None,
                 })
-        })?;
-        let pipeline = Arc::new(pipeline);
-        cache.insert(key, pipeline.clone());
-        Ok(pipeline)
+        })
     }
 
     /// The copy kernel of the copy ceiling.

@@ -16,6 +16,7 @@ use gdn::{
     StateLayout, Step, StepTiming, Tensor, TensorMut,
 };
 
+use crate::chunk::{self, CParams, Entry, Round};
 use crate::kernel::{choose_row_blocks, pending_len, KernelKey, HOLD};
 use crate::Gpu;
 
@@ -42,6 +43,10 @@ pub(crate) struct Settings {
     pub row_blocks: usize,
     pub checked: bool,
     pub keep_bytes: u64,
+    pub chunk_from: usize,
+    pub chunk_columns: usize,
+    pub chunk_len: usize,
+    pub chunk_scratch_bytes: Option<u64>,
 }
 
 /// A buffer sized per call: reused while large enough, grown to the next power of two up to the keep cap (to
@@ -275,6 +280,27 @@ pub struct WgpuPool {
     /// held or not, the half the slot's held window is in, 0), history conversions.
     job_list: Vec<[u32; 8]>,
     scratch: Vec<f32>,
+    /// The chunked path (`chunk.rs`): the crossover (windows of at least this many tokens to their commit
+    /// point), the call's chunked windows and chunk entries, their device buffers and bind group.
+    chunk_from: usize,
+    /// Tokens a chunk and state columns a workgroup of the chunked recurrence carries.
+    geom: chunk::Geom,
+    /// The caller's cap on a round's scratch bytes.
+    chunk_scratch: Option<u64>,
+    chunked: Chunked,
+    /// The call's plane stride and input offsets, for the chunked kernels' uniforms.
+    chunked_base: (u32, [u32; 4]),
+}
+
+/// A call's chunked windows: the job list (two vectors a window, then one a chunk), the rounds, the scratch.
+struct Chunked {
+    windows: Vec<[u32; 8]>,
+    lens: Vec<usize>,
+    rounds: Vec<Round>,
+    jobs: Scratch,
+    cs: Scratch,
+    params: wgpu::Buffer,
+    bind_group: Option<wgpu::BindGroup>,
 }
 
 impl WgpuPool {
@@ -353,6 +379,21 @@ impl WgpuPool {
         gpu.queue
             .write_buffer(&weights_buf, 0, bytemuck::cast_slice(&weights));
         let rw = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
+        // the chunked kernels where the adapter runs them (else every window runs token by token)
+        let geom = chunk::Geom::new(sh.d, settings.chunk_len, settings.chunk_columns);
+        let chunk_from = if chunk::check_limits(sh.d, geom, &gpu.limits).is_ok() {
+            settings.chunk_from
+        } else {
+            usize::MAX
+        };
+        let cparams = gpu.scoped("allocating the pool", || {
+            gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("gdn chunk params"),
+                size: std::mem::size_of::<CParams>() as u64,
+                usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        })?;
         Ok(WgpuPool {
             layer: layer.clone(),
             slots,
@@ -378,6 +419,19 @@ impl WgpuPool {
             half: vec![0; slots],
             job_list: Vec::new(),
             scratch: Vec::new(),
+            chunk_from,
+            geom,
+            chunk_scratch: settings.chunk_scratch_bytes,
+            chunked_base: (0, [0; 4]),
+            chunked: Chunked {
+                windows: Vec::new(),
+                lens: Vec::new(),
+                rounds: Vec::new(),
+                jobs: Scratch::new("gdn chunk jobs", rw),
+                cs: Scratch::new("gdn chunk scratch", wgpu::BufferUsages::STORAGE),
+                params: cparams,
+                bind_group: None,
+            },
             gpu,
         })
     }
@@ -389,10 +443,17 @@ impl WgpuPool {
 
     /// Bytes of the per-call device buffers the pool holds now (inputs, output, jobs, readback).
     pub fn scratch_bytes(&self) -> u64 {
-        [&self.inputs, &self.out, &self.jobs, &self.readback]
-            .iter()
-            .map(|s| s.bytes())
-            .sum()
+        [
+            &self.inputs,
+            &self.out,
+            &self.jobs,
+            &self.readback,
+            &self.chunked.jobs,
+            &self.chunked.cs,
+        ]
+        .iter()
+        .map(|s| s.bytes())
+        .sum()
     }
 
     /// The specialisation a step with these activation dtypes runs.
@@ -416,8 +477,15 @@ impl WgpuPool {
         ] {
             dropped |= s.trim(keep);
         }
+        let mut cdropped = dropped;
+        for s in [&mut self.chunked.jobs, &mut self.chunked.cs] {
+            cdropped |= s.trim(keep);
+        }
         if dropped {
             self.bind_group = None;
+        }
+        if cdropped {
+            self.chunked.bind_group = None;
         }
         if self.job_list.capacity() as u64 * 32 > keep {
             self.job_list = Vec::new();
@@ -427,8 +495,20 @@ impl WgpuPool {
     /// The adapter's limits a call must fit, checked before anything is allocated or uploaded: the live
     /// sequences against the dispatch limit, every per-sequence value against the kernel's 32-bit indices, and
     /// the inputs', output's and job list's buffers against the binding size.
-    fn check_limits(&self, step: &Step<'_>, checked: &Checked, out_dtype: DType) -> Result<()> {
+    fn check_limits(
+        &self,
+        step: &Step<'_>,
+        checked: &Checked,
+        out_dtype: DType,
+        accept: Option<&[usize]>,
+    ) -> Result<()> {
         let gpu = &self.gpu;
+        // the chunked windows' rounds (a window whose scratch cannot be bound is refused here)
+        let lens: Vec<usize> = (0..step.seqs.len())
+            .filter(|&i| self.runs_chunked(step, checked, accept, i))
+            .map(|i| step.seqs[i].len)
+            .collect();
+        self.plan_rounds(&lens)?;
         let mut live = 0usize;
         for (s, &commit_at) in step.seqs.iter().zip(&checked.commit_at) {
             if s.slot >= 0 {
@@ -454,6 +534,50 @@ impl WgpuPool {
         check_size(gpu, "the step's job list", live as u64 * 32)
     }
 
+    /// Whether sequence `i` of a step runs in the chunked form: its window counted to its commit point (all of it
+    /// where it verifies) reaches the crossover. Its own length and commit only, never the rest of the batch, so
+    /// `commit first k` runs on the path of the k-token window. A speculative step's held windows (at most
+    /// `HOLD` tokens) and windows that first accept a held prefix run token by token.
+    fn runs_chunked(
+        &self,
+        step: &Step<'_>,
+        checked: &Checked,
+        accept: Option<&[usize]>,
+        i: usize,
+    ) -> bool {
+        let s = &step.seqs[i];
+        let at = checked.commit_at[i];
+        let eff = if at > 0 { at } else { s.len };
+        let spec_ok = accept.is_none_or(|a| a[i] == 0 && at > 0);
+        s.slot >= 0 && eff >= self.chunk_from && spec_ok
+    }
+
+    /// Groups chunked windows into rounds that fit the adapter's binding size and dispatch limit.
+    fn plan_rounds(&self, lens: &[usize]) -> Result<Vec<Round>> {
+        if lens.is_empty() {
+            return Ok(Vec::new());
+        }
+        let l = &self.gpu.limits;
+        let sh = self.layer.shape();
+        let blocks = sh.h_v * (sh.d / self.geom.bv);
+        if blocks > l.max_compute_workgroups_per_dimension as usize {
+            return Err(Error::Backend(format!(
+                "the chunked path needs {blocks} workgroups in x; the adapter dispatches at most {}",
+                l.max_compute_workgroups_per_dimension
+            )));
+        }
+        let max_floats = (l.max_buffer_size.min(l.max_storage_buffer_binding_size) / 4)
+            .min(self.chunk_scratch.unwrap_or(u64::MAX) / 4)
+            .min(u32::MAX as u64) as usize;
+        chunk::plan(
+            sh,
+            self.geom,
+            lens,
+            max_floats,
+            l.max_compute_workgroups_per_dimension as usize,
+        )
+    }
+
     /// Uploads a step's inputs and job list and records its arguments; returns the number of live sequences,
     /// the pipeline and the device's output layout.
     fn prepare(
@@ -468,7 +592,24 @@ impl WgpuPool {
         let key = self.kernel_key(step.rows.dtypes(), out_dtype);
         let pipeline = gpu.pipeline(key)?;
         self.job_list.clear();
+        self.chunked.windows.clear();
+        self.chunked.lens.clear();
         for (i, (s, &commit_at)) in step.seqs.iter().zip(&checked.commit_at).enumerate() {
+            if self.runs_chunked(step, checked, accept, i) {
+                // scratch tokens and chunks counted per round below
+                self.chunked.windows.push([
+                    s.slot as u32,
+                    index(s.start, "a sequence's first row")?,
+                    index(s.len, "a sequence's length")?,
+                    index(commit_at, "a commit point")?,
+                    0,
+                    0,
+                    0,
+                    0,
+                ]);
+                self.chunked.lens.push(s.len);
+                continue;
+            }
             if s.slot >= 0 {
                 // a speculative step: the accepted prefix of the slot's held window (checked against it, at most
                 // HOLD), and whether this window is held (a verify)
@@ -490,11 +631,34 @@ impl WgpuPool {
                 ]);
             }
         }
+        self.chunked.rounds = self.plan_rounds(&self.chunked.lens)?;
+        // each window's first scratch token and chunk, counted from its round's start; then the chunk entries
+        let mut entries: Vec<[u32; 4]> = Vec::new();
+        for r in &self.chunked.rounds {
+            let (mut tok0, mut chunk0) = (0usize, 0usize);
+            for w in r.windows.0..r.windows.1 {
+                let len = self.chunked.lens[w];
+                // within u32: the round's scratch (tokens times floats a token) fits u32 elements
+                self.chunked.windows[w][4] = tok0 as u32;
+                self.chunked.windows[w][5] = chunk0 as u32;
+                for c in 0..len.div_ceil(self.geom.l) {
+                    entries.push([w as u32, c as u32, 0, 0]);
+                }
+                tok0 += len;
+                chunk0 += len.div_ceil(self.geom.l);
+            }
+        }
         // longest windows first: the GPU starts workgroups roughly in order, so a long window (a prefill chunk in
         // a decode batch) starts at once instead of after every short one; each job's bits do not depend on it
         self.job_list.sort_by_key(|j| std::cmp::Reverse(j[2]));
         // within the dispatch limit: check_limits ran first
         let live = index(self.job_list.len(), "the step's live sequences")?;
+        let has_chunked = !self.chunked.windows.is_empty();
+        let cgrown = if has_chunked {
+            self.upload_chunked(&entries)?
+        } else {
+            false
+        };
         let rows = step.rows;
         let tensors = [rows.qkv, rows.alpha, rows.beta, rows.z];
         let (offs, words) = input_words(tensors.map(|t| (t.len(), t.dtype().size())))?;
@@ -507,6 +671,9 @@ impl WgpuPool {
             .jobs
             .reserve(&gpu, self.job_list.len().max(1) as u64 * 32, keep)?;
         self.bind(grown)?;
+        if has_chunked {
+            self.bind_chunked(grown || cgrown)?;
+        }
         let inputs = self.inputs.get()?;
         for (t, &off) in tensors.iter().zip(&offs) {
             // write_buffer takes whole words: a 16-bit tensor of odd length ends in a padded word
@@ -532,7 +699,152 @@ impl WgpuPool {
             0
         };
         self.write_params(plane, offs)?;
+        self.chunked_base = (plane, offs);
         Ok((live, pipeline, dev))
+    }
+
+    /// The chunked windows' job list (two vectors a window, then the chunk entries) uploaded, and the scratch
+    /// sized for the largest round; true where a buffer was replaced.
+    fn upload_chunked(&mut self, entries: &[[u32; 4]]) -> Result<bool> {
+        let gpu = self.gpu.clone();
+        let keep = self.keep;
+        let sh = *self.layer.shape();
+        let c = &mut self.chunked;
+        let mut words: Vec<u32> = Vec::with_capacity(8 * c.windows.len() + 4 * entries.len());
+        for w in &c.windows {
+            words.extend_from_slice(w);
+        }
+        for e in entries {
+            words.extend_from_slice(e);
+        }
+        // each round's scratch fits u32 floats and the binding (plan_rounds)
+        let floats = c
+            .rounds
+            .iter()
+            .filter_map(|r| chunk::regions(&sh, self.geom, r.tokens, r.chunks))
+            .map(|r| r.iter().sum::<usize>())
+            .max()
+            .unwrap_or(0);
+        let mut grown = c.jobs.reserve(&gpu, words.len() as u64 * 4, keep)?;
+        grown |= c.cs.reserve(&gpu, floats as u64 * 4, keep)?;
+        gpu.queue
+            .write_buffer(c.jobs.get()?, 0, bytemuck::cast_slice(&words));
+        Ok(grown)
+    }
+
+    /// (Re)builds the chunked kernels' bind group: the pool's and the call's buffers, the chunked job list, its
+    /// uniforms and the scratch.
+    fn bind_chunked(&mut self, grown: bool) -> Result<()> {
+        if !grown && self.chunked.bind_group.is_some() {
+            return Ok(());
+        }
+        let gpu = self.gpu.clone();
+        let entries = [
+            self.state.as_entire_binding(),
+            self.hist.as_entire_binding(),
+            self.inputs.get()?.as_entire_binding(),
+            self.weights.as_entire_binding(),
+            self.out.get()?.as_entire_binding(),
+            self.chunked.jobs.get()?.as_entire_binding(),
+            self.chunked.params.as_entire_binding(),
+            self.chunked.cs.get()?.as_entire_binding(),
+        ];
+        let entries: Vec<wgpu::BindGroupEntry> = entries
+            .into_iter()
+            .enumerate()
+            .map(|(i, resource)| wgpu::BindGroupEntry {
+                binding: i as u32,
+                resource,
+            })
+            .collect();
+        let bg = gpu.scoped("binding the chunked step's buffers", || {
+            gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some("gdn chunked step"),
+                layout: &gpu.bind_layout,
+                entries: &entries,
+            })
+        })?;
+        self.chunked.bind_group = Some(bg);
+        Ok(())
+    }
+
+    /// The uniforms of round `r` of the chunked windows.
+    fn write_chunk_params(&self, r: usize) -> Result<()> {
+        let sh = *self.layer.shape();
+        let c = &self.chunked;
+        let round = &c.rounds[r];
+        let regions = chunk::regions(&sh, self.geom, round.tokens, round.chunks)
+            .ok_or_else(|| Error::Backend("the chunked scratch overflows".into()))?;
+        let mut offs = [0u32; 8];
+        let mut at = 0usize;
+        for (o, len) in offs.iter_mut().zip(regions) {
+            *o = index(at, "the chunked scratch")?;
+            at += len;
+        }
+        // the readouts over U (see `chunk::regions`)
+        offs[4] = offs[2];
+        let first_entry: usize = c.rounds[..r].iter().map(|x| x.chunks).sum();
+        let (plane, io) = self.chunked_base;
+        let p = CParams {
+            plane,
+            qkv_off: io[0],
+            alpha_off: io[1],
+            beta_off: io[2],
+            z_off: io[3],
+            h_k: index(sh.h_k, "the q/k heads")?,
+            h_v: index(sh.h_v, "the value heads")?,
+            c: index(sh.channels(), "the conv channels")?,
+            n: index(sh.n(), "the output width")?,
+            grouped: (self.layer.config.head_map == HeadMap::Grouped) as u32,
+            silu: (self.layer.config.gate == Gate::Silu) as u32,
+            eps: self.layer.config.eps,
+            centry: index(2 * c.windows.len() + first_entry, "the chunk entries")?,
+            offs,
+            seq0: index(round.windows.0, "the chunked windows")?,
+            pad: [0; 2],
+        };
+        self.gpu
+            .queue
+            .write_buffer(&c.params, 0, bytemuck::bytes_of(&p));
+        Ok(())
+    }
+
+    /// The chunked kernels' pipelines for a call's dtypes, in dispatch order.
+    fn chunk_pipelines(&self, key: KernelKey) -> Result<[Arc<wgpu::ComputePipeline>; 4]> {
+        let g = &self.gpu;
+        Ok([
+            g.chunk_pipeline(key, self.geom, Entry::Pre)?,
+            g.chunk_pipeline(key, self.geom, Entry::Wy)?,
+            g.chunk_pipeline(key, self.geom, Entry::Run)?,
+            g.chunk_pipeline(key, self.geom, Entry::Out)?,
+        ])
+    }
+
+    /// Records round `r`'s four dispatches (its uniforms must be written before the submit).
+    fn record_chunked(
+        &self,
+        pass: &mut wgpu::ComputePass<'_>,
+        pipelines: &[Arc<wgpu::ComputePipeline>; 4],
+        r: usize,
+    ) {
+        let sh = self.layer.shape();
+        let round = &self.chunked.rounds[r];
+        // below the dispatch limit: plan_rounds
+        let chunks = round.chunks as u32;
+        let windows = (round.windows.1 - round.windows.0) as u32;
+        let (h_k, h_v) = (sh.h_k as u32, sh.h_v as u32);
+        let blocks = (sh.d / self.geom.bv) as u32;
+        pass.set_bind_group(0, self.chunked.bind_group.as_ref(), &[]);
+        let grid = [
+            (h_k + h_v, chunks),
+            (h_v, chunks),
+            (h_v * blocks, windows),
+            (h_v, chunks),
+        ];
+        for (p, (x, y)) in pipelines.iter().zip(grid) {
+            pass.set_pipeline(p);
+            pass.dispatch_workgroups(x, y, 1);
+        }
     }
 
     /// The uniform block: the output's plane stride (device elements), the inputs' word offsets, the layer.
@@ -673,26 +985,49 @@ impl WgpuPool {
                 )?;
             }
         }
-        self.check_limits(step, &checked, out.dtype())?;
+        self.check_limits(step, &checked, out.dtype(), accept)?;
         if accept.is_some() && step.seqs.iter().any(|s| s.slot >= 0) {
             self.ensure_pend()?;
         }
         let (live, pipeline, dev) = self.prepare(step, &checked, out.dtype(), accept)?;
-        if live == 0 {
+        let rounds = self.chunked.rounds.len();
+        if live == 0 && rounds == 0 {
             return Ok(());
         }
         let gpu = self.gpu.clone();
         let bytes = dev.bytes();
         self.readback.reserve(&gpu, bytes, self.keep)?;
+        let cpipes = if rounds > 0 {
+            Some(self.chunk_pipelines(self.kernel_key(step.rows.dtypes(), out.dtype()))?)
+        } else {
+            None
+        };
         let mut enc = gpu
             .device
             .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-        {
+        if live > 0 {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
                 label: Some("gdn step"),
                 timestamp_writes: None,
             });
             self.record_dispatch(&mut pass, &pipeline, live);
+        }
+        if let Some(cp) = &cpipes {
+            // one submission a round: each round's uniforms are written before it
+            for r in 0..rounds {
+                self.write_chunk_params(r)?;
+                {
+                    let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                        label: Some("gdn chunked step"),
+                        timestamp_writes: None,
+                    });
+                    self.record_chunked(&mut pass, cp, r);
+                }
+                gpu.queue.submit([enc.finish()]);
+                enc = gpu
+                    .device
+                    .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+            }
         }
         enc.copy_buffer_to_buffer(self.out.get()?, 0, self.readback.get()?, 0, bytes);
         gpu.queue.submit([enc.finish()]);
@@ -959,7 +1294,7 @@ impl LayerPool for WgpuPool {
     fn check_step(&self, step: &Step<'_>, out_len: usize) -> Result<()> {
         let checked = step.validate(&self.layer, self.slots, out_len)?;
         self.check_not_held(step)?;
-        self.check_limits(step, &checked, DType::F32)
+        self.check_limits(step, &checked, DType::F32, None)
     }
 
     fn held(&self, slot: usize) -> usize {
@@ -990,21 +1325,36 @@ impl LayerPool for WgpuPool {
         let len = step.layout(&sh)?.len();
         let checked = step.validate(&self.layer, self.slots, len)?;
         self.check_not_held(step)?;
-        self.check_limits(step, &checked, out_dtype)?;
+        self.check_limits(step, &checked, out_dtype, None)?;
         let (live, pipeline, _) = self.prepare(step, &checked, out_dtype, None)?;
         let gpu = self.gpu.clone();
         let iters = iters.max(1);
+        let rounds = self.chunked.rounds.len();
+        if rounds > 1 {
+            return Err(Error::Unsupported(
+                "timing a step whose chunked windows need several rounds of scratch".into(),
+            ));
+        }
+        let cpipes = if rounds == 1 {
+            self.write_chunk_params(0)?;
+            Some(self.chunk_pipelines(self.kernel_key(step.rows.dtypes(), out_dtype))?)
+        } else {
+            None
+        };
         let this = &*self;
         let timed = gpu.time_gpu(7, iters, true, |enc, ts| {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
                 label: Some("gdn step timing"),
                 timestamp_writes: ts,
             });
-            if live > 0 {
-                pass.set_pipeline(&pipeline);
-                pass.set_bind_group(0, this.bind_group.as_ref(), &[]);
-                for _ in 0..iters {
+            for _ in 0..iters {
+                if live > 0 {
+                    pass.set_pipeline(&pipeline);
+                    pass.set_bind_group(0, this.bind_group.as_ref(), &[]);
                     pass.dispatch_workgroups(sh.h_v as u32, live, 1);
+                }
+                if let Some(cp) = &cpipes {
+                    this.record_chunked(&mut pass, cp, 0);
                 }
             }
         });
@@ -1019,6 +1369,17 @@ impl LayerPool for WgpuPool {
 }
 
 impl WgpuPool {
+    /// The crossover this pool uses: `usize::MAX` where the adapter cannot run the chunked kernels (or never
+    /// chunking was asked for).
+    pub fn chunk_from(&self) -> usize {
+        self.chunk_from
+    }
+
+    /// Tokens of a chunk and state columns of a chunked workgroup this pool uses.
+    pub fn chunk_geometry(&self) -> (usize, usize) {
+        (self.geom.l, self.geom.bv)
+    }
+
     /// The pool's state layout (what `read_slot` and `write_slot` take).
     pub fn state_layout(&self) -> StateLayout {
         self.options.layout

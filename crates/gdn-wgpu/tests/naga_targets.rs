@@ -21,6 +21,8 @@
 //!   no other key dimension touches, so the rotation above and this cross product cover how they combine;
 //! - every head dim the backend accepts (16, 32, ..., 1024) at its default row blocks, on both paths, both
 //!   states and both layouts, the dtypes moving with d;
+//! - the chunked kernels of long windows (`chunk.wgsl`, four entry points) at every head dim in `DIMS` and every
+//!   column block the backend picks, both state dtypes and layouts, the three output dtypes with rotated inputs;
 //! - the copy-ceiling kernel;
 //! - that the check can fail: a subgroup kernel validated without the subgroup capability is an error.
 
@@ -440,4 +442,53 @@ fn msl_hlsl_copy_kernel() {
     )
     .unwrap_or_else(|e| panic!("copy.wgsl:\n{e}"));
     assert_eq!(made, 6);
+}
+
+#[test]
+fn msl_hlsl_chunked_kernels() {
+    let t0 = Instant::now();
+    let mut made = 0;
+    let mut failed = Vec::new();
+    let mut n = 0;
+    for d in DIMS {
+        let mut blocks: Vec<String> = Vec::new();
+        for (len, columns) in [16, 32, 64]
+            .into_iter()
+            .flat_map(|l| [8, 16, 32].map(|c| (l, c)))
+        {
+            for state in [DType::F32, DType::Bf16] {
+                for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+                    for (k, out) in DTYPES.into_iter().enumerate() {
+                        let key = KernelKey {
+                            state,
+                            layout,
+                            out,
+                            inputs: std::array::from_fn(|m| DTYPES[(k + m) % 3]),
+                            ..KernelKey::plain(d)
+                        };
+                        let src = key.chunk_source(len, columns);
+                        // a column count the backend lowers to one already covered gives the same text
+                        if blocks.contains(&src) {
+                            continue;
+                        }
+                        n += 1;
+                        for entry in gdn_wgpu::CHUNK_ENTRIES {
+                            match translate(&src, entry, &STEP_LAYOUT, false, false) {
+                                Ok(m) => made += m,
+                                Err(e) => failed.push(format!(
+                                    "d {d} L {len} BV {columns} {key:?} {entry}:\n{e}"
+                                )),
+                            }
+                        }
+                        blocks.push(src);
+                    }
+                }
+            }
+        }
+    }
+    eprintln!(
+        "chunked kernels: {n} specialisations x 4 entry points, {made} translations in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
 }

@@ -1,0 +1,664 @@
+// The chunked (WY / UT) form of the GDN window step, for long windows (NOTES.md "Chunked windows").
+//
+// A template like gdn_step.wgsl: `chunk.rs` prepends the constants (D, L, BV, NCB, NT, RO, RSN, CP1, CP2, CPE, GW,
+// SCALE), the input loaders and the scalar helpers of gdn_step.wgsl (decay, sigmoid, the bf16 / f16 conversions),
+// and expands the same directives (SBF16, VMAJOR, OUT16). Four entry points, dispatched in this order by the pool,
+// each a pass over every chunk of every chunked window of the call:
+//   chunk_pre  (q/k head or value head, chunk): conv + SiLU with the history, the L2 norms of q and k, the gates
+//              and write strengths, into the scratch buffer `cs`;
+//   chunk_wy   (value head, chunk): the chunk's decayed products and its triangular solve by forward
+//              substitution: W = T (b gamma k), U = T (b v) with T = (I + A)^-1, A[r][s] = b_r G[r][s] (k_r . k_s)
+//              for s < r, and P[r][s] = G[r][s] (q_r . k_s) for s <= r, where G[r][s] = g_{s+1} ... g_r;
+//   chunk_run  (value head x column block, window): the recurrence over the chunks, the state's column block in
+//              workgroup memory: delta = U - W S, o = scale (gamma q S + P delta), S <- gamma_end S + K~^T delta;
+//              the committed state (and, column block 0, the history) stored where the window commits;
+//   chunk_out  (value head, chunk): the gated RMS norm, y, planes and group sums from the readouts o.
+// Chunks start at multiples of L from the window's start. Every row r of a chunk is computed from rows <= r only,
+// with loops in a fixed order, so a chunk cut short (the last of a window) computes its rows with the very
+// operations the full chunk uses; the state committed inside a chunk uses the update of a chunk ending there.
+// No subgroup operations and no atomics: every reduction goes through workgroup memory in a fixed order.
+
+struct CParams {
+    plane: u32,
+    qkv_off: u32,
+    alpha_off: u32,
+    beta_off: u32,
+    z_off: u32,
+    h_k: u32,
+    h_v: u32,
+    c: u32,
+    n: u32,
+    grouped: u32,
+    silu: u32,
+    eps: f32,
+    // where the chunk entries start in `jobs` (vectors)
+    centry: u32,
+    // scratch regions in `cs` (floats): normalized q [tok][h_k][D], normalized k, v then U then the readouts o
+    // [tok][h_v][D] (o_o == o_u), W, the gates [tok][h_v], the write strengths, per chunk and value head the
+    // decayed q.k products [L][L] and three decay vectors
+    o_qh: u32,
+    o_kh: u32,
+    o_u: u32,
+    o_w: u32,
+    o_o: u32,
+    o_g: u32,
+    o_b: u32,
+    o_p: u32,
+    // the round's first window (chunk_run's workgroup y counts from it)
+    seq0: u32,
+    pad1: u32,
+    pad2: u32,
+}
+
+//#if SBF16
+@group(0) @binding(0) var<storage, read_write> state: array<u32>;
+//#else
+@group(0) @binding(0) var<storage, read_write> state: array<f32>;
+//#endif
+// [slot][h_v][3 D][3]: each value head's own copy of the q, k and v history it reads (pool.rs)
+@group(0) @binding(1) var<storage, read_write> hist: array<f32>;
+@group(0) @binding(2) var<storage, read> inp: array<u32>;
+@group(0) @binding(3) var<storage, read> lw: array<f32>;
+@group(0) @binding(4) var<storage, read_write> out: array<u32>;
+// per chunked window two vectors: (slot, first row, length, commit point: 0 verify), (first scratch token, first
+// chunk, 0, 0); from `centry` one vector per chunk: (window, chunk of it, 0, 0)
+@group(0) @binding(5) var<storage, read> jobs: array<vec4<u32>>;
+@group(0) @binding(6) var<uniform> prm: CParams;
+@group(0) @binding(7) var<storage, read_write> cs: array<f32>;
+
+fn qk_head(h: u32) -> u32 {
+    if (prm.grouped != 0u) {
+        return h / (prm.h_v / prm.h_k);
+    }
+    return h % prm.h_k;
+}
+
+// the first value head reading q/k head g (whose history copy the prologue reads)
+fn first_head(g: u32) -> u32 {
+    if (prm.grouped != 0u) {
+        return g * (prm.h_v / prm.h_k);
+    }
+    return g;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// chunk_pre
+
+// conv outputs of TB tokens, [TB][2 D], and their 16-value partial sums of squares
+var<workgroup> pv: array<f32, TB * 2 * D>;
+var<workgroup> pparts: array<f32, TB * 2 * D / 16>;
+
+@compute @workgroup_size(NT)
+fn chunk_pre(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+    let ce = jobs[prm.centry + wg.y];
+    let job = jobs[2u * ce.x];
+    let slot = job.x;
+    let row0 = job.y;
+    let t0 = ce.y * L;
+    let nl = min(L, job.z - t0);
+    let tokb = jobs[2u * ce.x + 1u].x + t0;
+    let h_k = prm.h_k;
+    let h_v = prm.h_v;
+    let cc = prm.c;
+    let is_qk = wg.x < h_k;
+    // q/k head g: its 2 D channels; value head h: its D v channels
+    let g = wg.x;
+    let h = wg.x - h_k;
+    var nch = D;
+    var hh = h;
+    if (is_qk) {
+        nch = 2u * D;
+        hh = first_head(g);
+    }
+    var cw: array<vec4<f32>, CP1>;
+    var h0: array<f32, CP1>;
+    var h1: array<f32, CP1>;
+    var h2: array<f32, CP1>;
+    var chan: array<u32, CP1>;
+    // the next token's raw input, loaded a token ahead of its use
+    var xn: array<f32, CP1>;
+    for (var m = 0u; m < CP1; m++) {
+        let cl = tid + m * NT;
+        if (cl < nch) {
+            var ch = 2u * h_k * D + h * D + cl;
+            var lc = 2u * D + cl;
+            if (is_qk) {
+                lc = cl;
+                ch = (cl / D) * h_k * D + g * D + cl % D;
+            }
+            chan[m] = ch;
+            cw[m] = vec4<f32>(lw[4u * ch], lw[4u * ch + 1u], lw[4u * ch + 2u], lw[4u * ch + 3u]);
+            if (t0 == 0u) {
+                let hb = (slot * h_v + hh) * (9u * D) + 3u * lc;
+                h0[m] = hist[hb];
+                h1[m] = hist[hb + 1u];
+                h2[m] = hist[hb + 2u];
+            } else {
+                // t0 >= L >= 3: the three raw inputs before the chunk are rows of the window
+                h0[m] = ld_qkv((row0 + t0 - 3u) * cc + ch);
+                h1[m] = ld_qkv((row0 + t0 - 2u) * cc + ch);
+                h2[m] = ld_qkv((row0 + t0 - 1u) * cc + ch);
+            }
+            xn[m] = ld_qkv((row0 + t0) * cc + ch);
+        }
+    }
+    if (!is_qk && tid < nl) {
+        // the gate and write strength of token tid, as the token-serial kernel computes them
+        let dt_h = lw[4u * cc + h];
+        let a_h = lw[4u * cc + h_v + h];
+        let row = row0 + t0 + tid;
+        let at = (tokb + tid) * h_v + h;
+        cs[prm.o_g + at] = decay(ld_alpha(row * h_v + h), dt_h, a_h);
+        cs[prm.o_b + at] = sigmoid(ld_beta(row * h_v + h));
+    }
+    // TB tokens at a time: their conv outputs into workgroup memory, then all their partial sums of squares at
+    // once, then the normalised values (three barriers a batch, not a token)
+    for (var tb = 0u; tb < nl; tb += TB) {
+        let nb = min(TB, nl - tb);
+        for (var u = 0u; u < nb; u++) {
+            let t = tb + u;
+            let row = row0 + t0 + t;
+            for (var m = 0u; m < CP1; m++) {
+                let cl = tid + m * NT;
+                if (cl < nch) {
+                    let x = xn[m];
+                    if (t + 1u < nl) {
+                        xn[m] = ld_qkv((row + 1u) * cc + chan[m]);
+                    }
+                    let w = cw[m];
+                    var s = fma(h0[m], w.x, 0.0);
+                    s = fma(h1[m], w.y, s);
+                    s = fma(h2[m], w.z, s);
+                    s = fma(x, w.w, s);
+                    let cv = s / (1.0 + exp(-s));
+                    h0[m] = h1[m];
+                    h1[m] = h2[m];
+                    h2[m] = x;
+                    if (is_qk) {
+                        pv[u * (2u * D) + cl] = cv;
+                    } else {
+                        cs[prm.o_u + ((tokb + t) * h_v + h) * D + cl] = cv;
+                    }
+                }
+            }
+        }
+        if (is_qk) {
+            workgroupBarrier();
+            // 16-value partial sums of squares: token u's q partials, then its k partials
+            for (var p = tid; p < nb * (2u * D / 16u); p += NT) {
+                let u = p / (2u * D / 16u);
+                let q = p % (2u * D / 16u);
+                var acc = 0.0;
+                for (var e = 0u; e < 16u; e++) {
+                    let x = pv[u * (2u * D) + 16u * q + e];
+                    acc = fma(x, x, acc);
+                }
+                pparts[p] = acc;
+            }
+            workgroupBarrier();
+            for (var m = 0u; m < CP1; m++) {
+                let cl = tid + m * NT;
+                if (cl < 2u * D) {
+                    let role = cl / D;
+                    var base = prm.o_qh;
+                    if (role == 1u) {
+                        base = prm.o_kh;
+                    }
+                    for (var u = 0u; u < nb; u++) {
+                        var ss = 0.0;
+                        for (var p = 0u; p < D / 16u; p++) {
+                            ss += pparts[u * (2u * D / 16u) + role * (D / 16u) + p];
+                        }
+                        let r = inverseSqrt(ss / f32(D) + prm.eps / f32(D));
+                        let xh = (r * pv[u * (2u * D) + cl]) * SCALE;
+                        cs[base + ((tokb + tb + u) * h_k + g) * D + cl % D] = xh;
+                    }
+                }
+            }
+            workgroupBarrier();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// chunk_wy
+
+// k_r . k_s, then A in place
+var<workgroup> wam: array<f32, L * L>;
+var<workgroup> wgs: array<f32, L>;
+var<workgroup> wbs: array<f32, L>;
+var<workgroup> wgam: array<f32, L>;
+
+@compute @workgroup_size(NT)
+fn chunk_wy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+    let ce = jobs[prm.centry + wg.y];
+    let job = jobs[2u * ce.x];
+    let ex = jobs[2u * ce.x + 1u];
+    let t0 = ce.y * L;
+    let nl = min(L, job.z - t0);
+    let tokb = ex.x + t0;
+    let pbase = prm.o_p + ((ex.y + ce.y) * prm.h_v + wg.x) * PB;
+    let h = wg.x;
+    let h_k = prm.h_k;
+    let h_v = prm.h_v;
+    let g = qk_head(h);
+    if (tid < nl) {
+        let at = (tokb + tid) * h_v + h;
+        wgs[tid] = cs[prm.o_g + at];
+        wbs[tid] = cs[prm.o_b + at];
+    }
+    // k_r . k_s (s < r) into wam; q_r . k_s (s <= r) straight into P in the scratch, decayed below
+    for (var idx = tid; idx < L * L; idx += NT) {
+        let r = idx / L;
+        let s = idx % L;
+        if (r < nl && s <= r) {
+            let kr = prm.o_kh + ((tokb + r) * h_k + g) * D;
+            let qr = prm.o_qh + ((tokb + r) * h_k + g) * D;
+            let ks = prm.o_kh + ((tokb + s) * h_k + g) * D;
+            var kd = 0.0;
+            var qd = 0.0;
+            for (var i = 0u; i < D; i++) {
+                let kv = cs[ks + i];
+                kd = fma(cs[kr + i], kv, kd);
+                qd = fma(cs[qr + i], kv, qd);
+            }
+            wam[idx] = kd;
+            cs[pbase + idx] = qd;
+        }
+    }
+    // the products in the scratch are read back by other threads of the workgroup
+    storageBarrier();
+    workgroupBarrier();
+    // the decays: column s walks down its rows, G = g_{s+1} ... g_r; gamma_r = g_0 ... g_r
+    if (tid < nl) {
+        let s = tid;
+        var gd = 1.0;
+        for (var r = s + 1u; r < nl; r++) {
+            gd = gd * wgs[r];
+            let bs = wbs[r];
+            cs[pbase + r * L + s] = gd * cs[pbase + r * L + s];
+            wam[r * L + s] = bs * (gd * wam[r * L + s]);
+        }
+    }
+    // gamma_r, and the end decays g_{s+1} ... g_e of the chunk's last row and of the commit row where the window
+    // commits inside the chunk, for chunk_run (after P in the chunk's block): each a product in a fixed order
+    // from rows of the chunk up to its end only
+    let commit_at = job.w;
+    let has_commit = commit_at > t0 && commit_at <= t0 + nl;
+    if (tid == NT - 1u) {
+        var gm = 1.0;
+        for (var r = 0u; r < nl; r++) {
+            gm = gm * wgs[r];
+            wgam[r] = gm;
+            cs[pbase + L * L + r] = gm;
+        }
+    } else if (tid == NT - 2u || (tid == NT - 3u && has_commit)) {
+        var e = nl - 1u;
+        var at = pbase + L * L + L;
+        if (tid == NT - 3u) {
+            e = commit_at - t0 - 1u;
+            at = pbase + L * L + 2u * L;
+        }
+        var gd = 1.0;
+        var x = 0u;
+        loop {
+            let s = e - x;
+            cs[at + s] = gd;
+            if (s == 0u) {
+                break;
+            }
+            gd = gd * wgs[s];
+            x++;
+        }
+    }
+    workgroupBarrier();
+    // forward substitution, one column of [W | U] a thread: x_r = x0_r - sum_{s<r} A[r][s] x_s, in place of v for U
+    for (var m = 0u; m < CP2; m++) {
+        let col = tid + m * NT;
+        if (col < 2u * D) {
+            var xs: array<f32, L>;
+            let is_w = col < D;
+            let e = col % D;
+            for (var r = 0u; r < nl; r++) {
+                var acc: f32;
+                if (is_w) {
+                    acc = (wbs[r] * wgam[r]) * cs[prm.o_kh + ((tokb + r) * h_k + g) * D + e];
+                } else {
+                    acc = wbs[r] * cs[prm.o_u + ((tokb + r) * h_v + h) * D + e];
+                }
+                for (var s = 0u; s < r; s++) {
+                    acc = fma(-wam[r * L + s], xs[s], acc);
+                }
+                xs[r] = acc;
+                var base = prm.o_u;
+                if (is_w) {
+                    base = prm.o_w;
+                }
+                cs[base + ((tokb + r) * h_v + h) * D + e] = acc;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// chunk_run
+
+// the state's column block: S[i][cb BV + j] at i BV + j
+var<workgroup> sv: array<f32, D * BV>;
+// delta of the chunk's rows, [L][BV]
+var<workgroup> dl: array<f32, L * BV>;
+var<workgroup> rgam: array<f32, L>;
+var<workgroup> rend: array<f32, L>;
+var<workgroup> rendc: array<f32, L>;
+
+// index of S[i][h][j] in the pool (elements)
+fn s_index(slot: u32, h: u32, i: u32, j: u32) -> u32 {
+//#if VMAJOR
+    return ((slot * prm.h_v + h) * D + j) * D + i;
+//#else
+    return (slot * D + i) * (prm.h_v * D) + h * D + j;
+//#endif
+}
+
+// the block in `sv` stored to the pool (bf16: rounded to nearest even, two elements a word: the even one of a
+// pair, adjacent columns key-major, adjacent rows value-major, writes the word)
+fn store_block(slot: u32, h: u32, cb: u32, tid: u32) {
+    for (var m = 0u; m < RSN; m++) {
+        let e = tid + m * NT;
+        let i = e / BV;
+        let j = e % BV;
+        let at = s_index(slot, h, i, cb * BV + j);
+//#if SBF16
+//#if VMAJOR
+        if ((i & 1u) == 0u) {
+            state[at >> 1u] = bf16_bits(sv[i * BV + j]) | (bf16_bits(sv[(i + 1u) * BV + j]) << 16u);
+        }
+//#else
+        if ((j & 1u) == 0u) {
+            state[at >> 1u] = bf16_bits(sv[i * BV + j]) | (bf16_bits(sv[i * BV + j + 1u]) << 16u);
+        }
+//#endif
+//#else
+        state[at] = sv[i * BV + j];
+//#endif
+    }
+}
+
+@compute @workgroup_size(NT)
+fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+    let k = prm.seq0 + wg.y;
+    let job = jobs[2u * k];
+    let ex = jobs[2u * k + 1u];
+    let slot = job.x;
+    let row0 = job.y;
+    let len = job.z;
+    let commit_at = job.w;
+    let h = wg.x / NCB;
+    let cb = wg.x % NCB;
+    let h_k = prm.h_k;
+    let h_v = prm.h_v;
+    let g = qk_head(h);
+    let j = tid % BV;
+    let jj = cb * BV + j;
+    let rt = tid / BV;
+    // the column block, widened: thread tid owns elements tid + m NT (row e / BV, column e % BV)
+    for (var m = 0u; m < RSN; m++) {
+        let e = tid + m * NT;
+        let at = s_index(slot, h, e / BV, cb * BV + e % BV);
+//#if SBF16
+        let w = state[at >> 1u];
+        sv[e] = select(bf16_lo(w), bf16_hi(w), (at & 1u) != 0u);
+//#else
+        sv[e] = state[at];
+//#endif
+    }
+    // the committed history (column block 0): the three raw inputs before the commit point, from the old history
+    // and the window's rows; read before written, by the same thread
+    if (cb == 0u && commit_at > 0u) {
+        for (var cl = tid; cl < 3u * D; cl += NT) {
+            let role = cl / D;
+            let e = cl % D;
+            var ch = 2u * h_k * D + h * D + e;
+            if (role == 0u) {
+                ch = g * D + e;
+            } else if (role == 1u) {
+                ch = h_k * D + g * D + e;
+            }
+            let hb = (slot * h_v + h) * (9u * D) + 3u * cl;
+            var nh: array<f32, 3>;
+            for (var q = 0u; q < 3u; q++) {
+                let x = commit_at + q;
+                if (x < 3u) {
+                    nh[q] = hist[hb + x];
+                } else {
+                    nh[q] = ld_qkv((row0 + x - 3u) * prm.c + ch);
+                }
+            }
+            hist[hb] = nh[0];
+            hist[hb + 1u] = nh[1];
+            hist[hb + 2u] = nh[2];
+        }
+    }
+    workgroupBarrier();
+    let nchunks = (len + L - 1u) / L;
+    for (var c = 0u; c < nchunks; c++) {
+        let t0 = c * L;
+        let nl = min(L, len - t0);
+        let tokb = ex.x + t0;
+        let pbase = prm.o_p + ((ex.y + c) * h_v + h) * PB;
+        // the commit inside this chunk: its last row pe
+        let has_commit = commit_at > t0 && commit_at <= t0 + nl;
+        let pe = commit_at - t0 - 1u;
+        // gamma_r = g_0 ... g_r and the end decays of the chunk's end and of the commit row, from chunk_wy
+        if (tid < nl) {
+            rgam[tid] = cs[pbase + L * L + tid];
+            rend[tid] = cs[pbase + L * L + L + tid];
+            if (has_commit && tid <= pe) {
+                rendc[tid] = cs[pbase + L * L + 2u * L + tid];
+            }
+        }
+        // delta = U - W S and q S for this thread's rows
+        var qs: array<f32, RO>;
+        for (var m = 0u; m < RO; m++) {
+            let r = rt + m * (NT / BV);
+            if (r < nl) {
+                let wb = prm.o_w + ((tokb + r) * h_v + h) * D;
+                let qb = prm.o_qh + ((tokb + r) * h_k + g) * D;
+                var ws = 0.0;
+                var q = 0.0;
+                for (var i = 0u; i < D; i++) {
+                    let s = sv[i * BV + j];
+                    ws = fma(cs[wb + i], s, ws);
+                    q = fma(cs[qb + i], s, q);
+                }
+                qs[m] = q;
+                dl[r * BV + j] = cs[prm.o_u + ((tokb + r) * h_v + h) * D + jj] - ws;
+            }
+        }
+        workgroupBarrier();
+        // the readouts o_r = scale (gamma_r q_r S + sum_{s <= r} P[r][s] delta_s)
+        for (var m = 0u; m < RO; m++) {
+            let r = rt + m * (NT / BV);
+            if (r < nl) {
+                var o = rgam[r] * qs[m];
+                // constant trip counts here and below (a guard inside): lavapipe limits each loop of an
+                // invocation to 65535 iterations in all, counted across re-entries, unless it is unrolled
+                for (var s = 0u; s < L; s++) {
+                    if (s <= r) {
+                        o = fma(cs[pbase + r * L + s], dl[s * BV + j], o);
+                    }
+                }
+                cs[prm.o_o + ((tokb + r) * h_v + h) * D + jj] = o * SCALE;
+            }
+        }
+        // the state after the chunk (and after the commit row, where it lies inside the chunk):
+        // gamma_e S + sum_{s <= e} (G[e][s] k_s) delta_s
+        // this thread's elements tid + m NT: rows i0 + m NT / BV, column j (NT is a multiple of BV); the sums over
+        // s run in order for every element, the elements side by side
+        var nsv: array<f32, RSN>;
+        var csv: array<f32, RSN>;
+        let inner = has_commit && pe + 1u < nl;
+        let i0 = tid / BV;
+        let kb0 = prm.o_kh + (tokb * h_k + g) * D + i0;
+        for (var m = 0u; m < RSN; m++) {
+            nsv[m] = rgam[nl - 1u] * sv[tid + m * NT];
+        }
+        for (var s = 0u; s < L; s++) {
+            if (s < nl) {
+                let dv = dl[s * BV + j];
+                let ge = rend[s];
+                let kb = kb0 + s * h_k * D;
+                for (var m = 0u; m < RSN; m++) {
+                    nsv[m] = fma(ge * cs[kb + m * (NT / BV)], dv, nsv[m]);
+                }
+            }
+        }
+        if (inner) {
+            for (var m = 0u; m < RSN; m++) {
+                csv[m] = rgam[pe] * sv[tid + m * NT];
+            }
+            for (var s = 0u; s < L; s++) {
+                if (s <= pe) {
+                    let dv = dl[s * BV + j];
+                    let ge = rendc[s];
+                    let kb = kb0 + s * h_k * D;
+                    for (var m = 0u; m < RSN; m++) {
+                        csv[m] = fma(ge * cs[kb + m * (NT / BV)], dv, csv[m]);
+                    }
+                }
+            }
+        }
+        workgroupBarrier();
+        if (inner) {
+            for (var m = 0u; m < RSN; m++) {
+                sv[tid + m * NT] = csv[m];
+            }
+            workgroupBarrier();
+            store_block(slot, h, cb, tid);
+            workgroupBarrier();
+        }
+        for (var m = 0u; m < RSN; m++) {
+            sv[tid + m * NT] = nsv[m];
+        }
+        workgroupBarrier();
+        if (has_commit && !inner) {
+            store_block(slot, h, cb, tid);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// chunk_out
+
+// readouts and outputs of TB tokens, [TB][D], and their partial sums of squares
+var<workgroup> eo: array<f32, TB * D>;
+var<workgroup> ey: array<f32, TB * D>;
+var<workgroup> eparts: array<f32, TB * D / 16>;
+
+// group sum q of the token whose y starts at ey[b]: even and odd partials in increasing order, then added
+fn egroup_sum(b: u32, q: u32) -> f32 {
+    var s0 = 0.0;
+    var s1 = 0.0;
+    for (var e = 0u; e < 16u; e += 2u) {
+        s0 += ey[b + 16u * q + e];
+        s1 += ey[b + 16u * q + e + 1u];
+    }
+    return s0 + s1;
+}
+
+@compute @workgroup_size(NT)
+fn chunk_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+    let ce = jobs[prm.centry + wg.y];
+    let job = jobs[2u * ce.x];
+    let t0 = ce.y * L;
+    let nl = min(L, job.z - t0);
+    let tokb = jobs[2u * ce.x + 1u].x + t0;
+    let h = wg.x;
+    let n = prm.n;
+    let plane = prm.plane;
+    // TB tokens at a time, every step over all of them at once (four barriers a batch)
+    for (var tb = 0u; tb < nl; tb += TB) {
+        let nb = min(TB, nl - tb);
+        for (var e = tid; e < nb * D; e += NT) {
+            eo[e] = cs[prm.o_o + ((tokb + tb + e / D) * prm.h_v + h) * D + e % D];
+        }
+        workgroupBarrier();
+        for (var p = tid; p < nb * (D / 16u); p += NT) {
+            let b = (p / (D / 16u)) * D + 16u * (p % (D / 16u));
+            var acc = 0.0;
+            for (var e = 0u; e < 16u; e++) {
+                let x = eo[b + e];
+                acc = fma(x, x, acc);
+            }
+            eparts[p] = acc;
+        }
+        workgroupBarrier();
+        for (var e = tid; e < nb * D; e += NT) {
+            let u = e / D;
+            let j = e % D;
+            let row = job.y + t0 + tb + u;
+            var sso = 0.0;
+            for (var p = 0u; p < D / 16u; p++) {
+                sso += eparts[u * (D / 16u) + p];
+            }
+            let rs = inverseSqrt(sso / f32(D) + prm.eps);
+            let zz = ld_z(row * n + h * D + j);
+            var act = sigmoid(zz);
+            if (prm.silu != 0u) {
+                act = zz * act;
+            }
+            let gam = lw[4u * prm.c + 2u * prm.h_v + j];
+            let y = ((rs * eo[e]) * gam) * act;
+            ey[e] = y;
+//#if !OUT16
+            let at = row * n + h * D + j;
+            out[at] = bitcast<u32>(y);
+            if (plane != 0u) {
+                out[plane + at] = bitcast<u32>(y * pow2_neg(2u * (j % 8u)));
+                out[2u * plane + at] = bitcast<u32>(y * pow2_neg(8u * (j % 4u)));
+                out[3u * plane + at] = bitcast<u32>(y * pow2_neg(8u * (j % 2u)));
+            }
+//#endif
+        }
+        workgroupBarrier();
+//#if OUT16
+        for (var p = tid; p < nb * (D / 2u); p += NT) {
+            let u = p / (D / 2u);
+            let j = 2u * (p % (D / 2u));
+            let row = job.y + t0 + tb + u;
+            let y0 = ey[u * D + j];
+            let y1 = ey[u * D + j + 1u];
+            let at = (row * n + h * D + j) / 2u;
+            out[at] = enc16(y0) | (enc16(y1) << 16u);
+            if (plane != 0u) {
+                let pw = plane / 2u;
+                out[pw + at] = enc16(y0 * pow2_neg(2u * (j % 8u))) | (enc16(y1 * pow2_neg(2u * ((j + 1u) % 8u))) << 16u);
+                out[2u * pw + at] = enc16(y0 * pow2_neg(8u * (j % 4u))) | (enc16(y1 * pow2_neg(8u * ((j + 1u) % 4u))) << 16u);
+                out[3u * pw + at] = enc16(y0) | (enc16(y1 * pow2_neg(8u)) << 16u);
+            }
+        }
+        if (plane != 0u) {
+            for (var p = tid; p < nb * (GW / 2u); p += NT) {
+                let u = p / (GW / 2u);
+                let q2 = p % (GW / 2u);
+                let row = job.y + t0 + tb + u;
+                let s0 = egroup_sum(u * D, 2u * q2);
+                var s1 = 0.0;
+                if (2u * q2 + 1u < D / 16u) {
+                    s1 = egroup_sum(u * D, 2u * q2 + 1u);
+                }
+                out[(4u * plane + (row * prm.h_v + h) * GW) / 2u + q2] = enc16(s0) | (enc16(s1) << 16u);
+            }
+        }
+//#else
+        if (plane != 0u) {
+            for (var p = tid; p < nb * (D / 16u); p += NT) {
+                let u = p / (D / 16u);
+                let row = job.y + t0 + tb + u;
+                out[4u * plane + (row * prm.h_v + h) * GW + p % (D / 16u)] = bitcast<u32>(egroup_sum(u * D, p % (D / 16u)));
+            }
+        }
+//#endif
+        workgroupBarrier();
+    }
+}
