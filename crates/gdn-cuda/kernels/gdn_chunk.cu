@@ -44,34 +44,7 @@ static_assert(D % 16 == 0, "d must be a multiple of 16");
 static_assert(D % CB == 0, "whole column blocks");
 static_assert(HV % HK == 0, "h_v must be a multiple of h_k");
 
-template <int K> struct Elt;
-template <> struct Elt<0> {
-    typedef float T;
-    static __device__ __forceinline__ float ld(float x) { return x; }
-    static __device__ __forceinline__ float st(float v) { return v; }
-};
-template <> struct Elt<1> {
-    typedef unsigned short T;
-    static __device__ __forceinline__ float ld(unsigned short b) { return __uint_as_float((unsigned)b << 16); }
-    static __device__ __forceinline__ unsigned short st(float v) {
-        unsigned short r;
-        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
-        return r;
-    }
-};
-template <> struct Elt<2> {
-    typedef unsigned short T;
-    static __device__ __forceinline__ float ld(unsigned short b) {
-        float f;
-        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
-        return f;
-    }
-    static __device__ __forceinline__ unsigned short st(float v) {
-        unsigned short r;
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
-        return r;
-    }
-};
+// Element types (Elt<code>): kernels/gdn_elt.cuh, prepended to this source.
 typedef Elt<GDN_QKV_DT> EQ;
 typedef Elt<GDN_ALPHA_DT> EA;
 typedef Elt<GDN_BETA_DT> EB;

@@ -141,7 +141,7 @@ impl ChunkSpec {
     }
 
     pub fn source(&self) -> String {
-        format!("{}{}", self.header(), CHUNK_SRC)
+        format!("{}{}{}", self.header(), crate::spec::ELT_SRC, CHUNK_SRC)
     }
 
     /// The machine code (NVRTC, cached for the process); needs no GPU.

@@ -10,6 +10,8 @@ use gdn::{Config, DType, Error, Gate, HeadMap, PoolOptions, Result, Shape, State
 
 /// The kernel source: macros select the specialisation (see the comment at its top).
 pub const KERNEL_SRC: &str = include_str!("../kernels/gdn_step.cu");
+/// The element types every kernel source of the crate uses, prepended to each after its `#define` lines.
+pub const ELT_SRC: &str = include_str!("../kernels/gdn_elt.cuh");
 
 /// Longest window compiled with its length as a constant; longer windows use a run-time length.
 pub const MAX_CONST_T: usize = 8;
@@ -441,7 +443,7 @@ impl Spec {
     }
 
     pub fn source(&self) -> String {
-        format!("{}{}", self.header(), KERNEL_SRC)
+        format!("{}{}{}", self.header(), ELT_SRC, KERNEL_SRC)
     }
 
     /// The threads of one block.
