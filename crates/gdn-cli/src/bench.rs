@@ -56,7 +56,9 @@ pub struct Args {
     /// Time a speculative loop instead, for each of these window lengths and each batch size: every call
     /// verifies a window of W drafted tokens per sequence and accepts a random prefix (0..=W, seeded) of the
     /// last one; the backend's one-pass `step_spec` beside the seed's two-pass flow (verify, then commit the
-    /// prefix) on the same backend. With --rotate-mib the calls rotate among slot sets as above.
+    /// prefix) on the same backend. With --rotate-mib the calls rotate among slot sets as above. Timed with the
+    /// host clock around whole calls, so on a GPU backend the host-slice uploads and downloads are in it (the
+    /// CUDA crate's `spec_bench` example times the kernels alone, in CUDA graphs).
     #[arg(long, value_delimiter = ',')]
     spec: Option<Vec<usize>>,
     /// Time the layer's out_proj over quantized weights (n -> this hidden size) and the layer's tail instead, at
@@ -788,6 +790,9 @@ fn run_spec(
     let sh = *layer.shape();
     let mut rng = Synth::new(77);
     println!("speculative loop on {} (state {}, io {}), seconds per speculative step (one call: verify W tokens per sequence, accept a random prefix of the last window)", backend.name(), options.state.name(), io.name());
+    if !backend.name().starts_with("cpu") {
+        println!("host clock around whole host-slice calls (uploads and downloads included); device time of the kernels alone: the CUDA crate's spec_bench example");
+    }
     println!();
     println!("| B | W | slot sets | one-pass step_spec us | two-pass flow us | speed-up | state GB/s (one pass: 1 read + 1 write) |");
     println!("|---|---|---|---|---|---|---|");
