@@ -17,7 +17,7 @@
 // for them. The lanes' partial sums meet in a shuffle reduction in a fixed order (no atomics: the same bits on
 // every run).
 //
-// Compiled by NVRTC with -DROWS=.. -DTT=.. (see src/quant.rs).
+// Compiled by NVRTC with ROWS and TT defined ahead of this source (see src/quant.rs).
 
 typedef unsigned int u32;
 typedef unsigned short u16;

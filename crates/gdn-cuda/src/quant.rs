@@ -5,17 +5,16 @@
 //! allocates or waits once the scratch for its row count exists ([`CudaOutProj::reserve`]), so a step and its
 //! out_proj can be captured into one CUDA graph. [`time_tail`] times the layer's tail that way for `gdn bench`.
 
-use std::ffi::{c_char, CString};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 use cudarc::driver::{
     sys, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
     DevicePtrMut, LaunchConfig, PushKernelArg,
 };
-use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
 use gdn::quant::{self, Bf16Weights, OutProj, Packing, QuantBackend, QuantWeights};
 use gdn::{Error, OutputLayout, Result};
 
+use crate::spec::Compiled;
 use crate::{drv, Cuda};
 
 /// The kernels' source.
@@ -30,82 +29,11 @@ pub const TILES: [usize; 2] = [1, 8];
 pub const TILE_FROM: usize = 4;
 const WARPS: usize = 4;
 
-/// Compiles the quant kernels for `arch` with `tt` tokens a block; the cubin and ptxas's log (cached per
-/// process).
-pub fn compiled_quant(arch: (i32, i32), tt: usize) -> Result<Arc<(Vec<u8>, String)>> {
-    type Cache = Mutex<Vec<((i32, i32), usize, Arc<(Vec<u8>, String)>)>>;
-    static CACHE: OnceLock<Cache> = OnceLock::new();
-    let cache = CACHE.get_or_init(|| Mutex::new(Vec::new()));
-    let lock = || {
-        cache
-            .lock()
-            .map_err(|_| Error::Backend("quant kernel cache lock poisoned".into()))
-    };
-    if let Some((_, _, c)) = lock()?.iter().find(|(a, r, _)| *a == arch && *r == tt) {
-        return Ok(c.clone());
-    }
-    if !crate::spec::nvrtc_present() {
-        return Err(Error::Unavailable("libnvrtc (CUDA 13) not found".into()));
-    }
-    let c = Arc::new(compile(arch, tt).map_err(Error::Backend)?);
-    lock()?.push((arch, tt, c.clone()));
-    Ok(c)
-}
-
-fn compile(arch: (i32, i32), tt: usize) -> std::result::Result<(Vec<u8>, String), String> {
-    let src = CString::new(QUANT_SRC).map_err(|e| e.to_string())?;
-    let name = CString::new("quant.cu").map_err(|e| e.to_string())?;
-    let prog = nvrtc_result::create_program(&src, Some(&name)).map_err(|e| format!("{e:?}"))?;
-    let arch_opt = format!("--gpu-architecture=sm_{}{}", arch.0, arch.1);
-    let rows_opt = format!("-DROWS={ROWS}");
-    let tt_opt = format!("-DTT={tt}");
-    let opts = [
-        arch_opt.as_str(),
-        rows_opt.as_str(),
-        tt_opt.as_str(),
-        "--std=c++17",
-        "--fmad=false",
-        "--ptxas-options=--verbose",
-        "-default-device",
-    ];
-    // SAFETY: `prog` is live until destroyed below; the option strings outlive the call.
-    let r = unsafe { nvrtc_result::compile_program(prog, &opts) };
-    // SAFETY: `prog` is live.
-    let log = match unsafe { nvrtc_result::get_program_log(prog) } {
-        Ok(raw) => {
-            let bytes: Vec<u8> = raw
-                .iter()
-                .take_while(|&&c| c != 0)
-                .map(|&c| c as u8)
-                .collect();
-            String::from_utf8_lossy(&bytes).into_owned()
-        }
-        Err(e) => format!("(no log: {e:?})"),
-    };
-    let out = match r {
-        Err(e) => Err(format!("NVRTC failed on quant.cu ({e:?}):\n{log}")),
-        Ok(()) => {
-            let mut size = 0usize;
-            // SAFETY: `prog` compiled; `size` is a valid out-pointer.
-            let r = unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size) };
-            if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
-                Err(format!("nvrtcGetCUBINSize failed: {r:?}"))
-            } else {
-                let mut cubin = vec![0u8; size];
-                // SAFETY: `cubin` has the size NVRTC reported.
-                let r =
-                    unsafe { nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut c_char) };
-                if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
-                    Err(format!("nvrtcGetCUBIN failed: {r:?}"))
-                } else {
-                    Ok((cubin, log))
-                }
-            }
-        }
-    };
-    // SAFETY: created above, not used after this.
-    let _ = unsafe { nvrtc_result::destroy_program(prog) };
-    out
+/// Compiles the quant kernels for `arch` with `tt` tokens a block (the step kernel's NVRTC options and
+/// per-process cache, [`crate::spec::compiled_source`]); the cubin and ptxas's log.
+pub fn compiled_quant(arch: (i32, i32), tt: usize) -> Result<Arc<Compiled>> {
+    let src = format!("#define ROWS {ROWS}\n#define TT {tt}\n{QUANT_SRC}");
+    crate::spec::compiled_source(&src, "quant.cu", arch)
 }
 
 /// The loaded kernels of one context.
@@ -123,7 +51,7 @@ fn kernels(cuda: &Cuda, tt: usize) -> Result<Kernels> {
     let c = compiled_quant(cuda.arch, tt)?;
     let module = cuda
         .ctx
-        .load_module(cudarc::nvrtc::Ptx::from_binary(c.0.clone()))
+        .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin.clone()))
         .map_err(drv)?;
     let f = |name: &str| module.load_function(name).map_err(drv);
     Ok(Kernels {

@@ -518,8 +518,9 @@ fn compile(spec: &Spec) -> std::result::Result<Compiled, String> {
     )
 }
 
-/// Machine code of another kernel source of this crate (the chunked path's, `crate::chunk`), compiled as the
-/// step kernel is (same options) and cached for the process by its full source text.
+/// Machine code of another kernel source of this crate (the chunked path's, `crate::chunk`; the quantized
+/// out_proj's, `crate::quant`), compiled as the step kernel is (same options) and cached for the process by its
+/// full source text.
 pub(crate) fn compiled_source(src: &str, name: &str, arch: (i32, i32)) -> Result<Arc<Compiled>> {
     type SrcSlot = Arc<OnceLock<std::result::Result<Arc<Compiled>, String>>>;
     type SrcCache = Mutex<HashMap<(String, (i32, i32)), SrcSlot>>;

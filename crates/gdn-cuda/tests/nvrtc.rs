@@ -366,15 +366,16 @@ fn quant_kernels_compile() {
     for tt in gdn_cuda::quant::TILES {
         let c = gdn_cuda::quant::compiled_quant((9, 0), tt).unwrap();
         eprintln!("TT {tt}:");
-        let report: Vec<&str> =
-            c.1.lines()
-                .filter(|l| {
-                    l.contains("Compiling entry") || l.contains("registers") || l.contains("spill")
-                })
-                .collect();
+        let report: Vec<&str> = c
+            .log
+            .lines()
+            .filter(|l| {
+                l.contains("Compiling entry") || l.contains("registers") || l.contains("spill")
+            })
+            .collect();
         eprintln!("{}", report.join("\n"));
         // ptxas may park a word or two on the stack; more would mean the tiles are too large for the registers
-        for l in c.1.lines().filter(|l| l.contains("spill stores")) {
+        for l in c.log.lines().filter(|l| l.contains("spill stores")) {
             let bytes: usize = l
                 .split("bytes spill stores")
                 .next()
