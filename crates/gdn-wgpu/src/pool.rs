@@ -114,6 +114,30 @@ impl Scratch {
     }
 }
 
+/// A bind group of the step's layout over `resources`, bound at 0, 1, 2, .. in order (`what`: the error's words).
+fn bind_group<'a>(
+    gpu: &Gpu,
+    label: &'static str,
+    what: &str,
+    resources: impl IntoIterator<Item = wgpu::BindingResource<'a>>,
+) -> Result<wgpu::BindGroup> {
+    let entries: Vec<wgpu::BindGroupEntry> = resources
+        .into_iter()
+        .enumerate()
+        .map(|(i, resource)| wgpu::BindGroupEntry {
+            binding: i as u32,
+            resource,
+        })
+        .collect();
+    gpu.scoped(what, || {
+        gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some(label),
+            layout: &gpu.bind_layout,
+            entries: &entries,
+        })
+    })
+}
+
 fn check_size(gpu: &Gpu, what: &str, bytes: u64) -> Result<()> {
     let l = &gpu.limits;
     let max = l.max_buffer_size.min(l.max_storage_buffer_binding_size);
@@ -749,21 +773,12 @@ impl WgpuPool {
             self.chunked.params.as_entire_binding(),
             self.chunked.cs.get()?.as_entire_binding(),
         ];
-        let entries: Vec<wgpu::BindGroupEntry> = entries
-            .into_iter()
-            .enumerate()
-            .map(|(i, resource)| wgpu::BindGroupEntry {
-                binding: i as u32,
-                resource,
-            })
-            .collect();
-        let bg = gpu.scoped("binding the chunked step's buffers", || {
-            gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                label: Some("gdn chunked step"),
-                layout: &gpu.bind_layout,
-                entries: &entries,
-            })
-        })?;
+        let bg = bind_group(
+            &gpu,
+            "gdn chunked step",
+            "binding the chunked step's buffers",
+            entries,
+        )?;
         self.chunked.bind_group = Some(bg);
         Ok(())
     }
@@ -888,21 +903,7 @@ impl WgpuPool {
             self.params.as_entire_binding(),
             pend.as_entire_binding(),
         ];
-        let entries: Vec<wgpu::BindGroupEntry> = entries
-            .into_iter()
-            .enumerate()
-            .map(|(i, resource)| wgpu::BindGroupEntry {
-                binding: i as u32,
-                resource,
-            })
-            .collect();
-        let bg = gpu.scoped("binding the step's buffers", || {
-            gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                label: Some("gdn step"),
-                layout: &gpu.bind_layout,
-                entries: &entries,
-            })
-        })?;
+        let bg = bind_group(&gpu, "gdn step", "binding the step's buffers", entries)?;
         self.bind_group = Some(bg);
         Ok(())
     }

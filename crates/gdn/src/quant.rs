@@ -109,17 +109,7 @@ impl QuantWeights {
                 why: format!("{cols} must be a positive multiple of 16"),
             });
         }
-        let len = rows.checked_mul(cols).ok_or_else(|| Error::Param {
-            name: "rows",
-            why: "rows x cols overflows".into(),
-        })?;
-        if w.len() != len {
-            return Err(Error::Length {
-                name: "weights",
-                expected: len,
-                got: w.len(),
-            });
-        }
+        check_weights(w, rows, cols)?;
         if let Some(i) = w.iter().position(|x| !x.is_finite()) {
             return Err(Error::Param {
                 name: "weights",
@@ -487,20 +477,26 @@ pub struct Bf16Weights {
     pub w: Vec<half::bf16>,
 }
 
+/// `w` holds `rows x cols` values (checked arithmetic).
+fn check_weights(w: &[f32], rows: usize, cols: usize) -> Result<()> {
+    let len = rows.checked_mul(cols).ok_or_else(|| Error::Param {
+        name: "rows",
+        why: "rows x cols overflows".into(),
+    })?;
+    if w.len() != len {
+        return Err(Error::Length {
+            name: "weights",
+            expected: len,
+            got: w.len(),
+        });
+    }
+    Ok(())
+}
+
 impl Bf16Weights {
     /// `w` rounded to bf16 (nearest even).
     pub fn new(w: &[f32], rows: usize, cols: usize) -> Result<Bf16Weights> {
-        let len = rows.checked_mul(cols).ok_or_else(|| Error::Param {
-            name: "rows",
-            why: "rows x cols overflows".into(),
-        })?;
-        if w.len() != len {
-            return Err(Error::Length {
-                name: "weights",
-                expected: len,
-                got: w.len(),
-            });
-        }
+        check_weights(w, rows, cols)?;
         Ok(Bf16Weights {
             rows,
             cols,
