@@ -178,6 +178,8 @@ pub fn run(args: Args) -> Result<()> {
     let backend = backends::make(&args.backend)?;
     let device = backends::is_device(&args.backend);
     let (args_batch_given, args_tokens_given) = (args.batch.is_some(), args.tokens.is_some());
+    let (mut rng, layer, options) = seed_layer(&args)?;
+    let (shape, config) = (*layer.shape(), layer.config);
     let batches = args.batch.unwrap_or_else(|| {
         if device {
             vec![1, 8, 32, 128, 256]
@@ -192,19 +194,6 @@ pub fn run(args: Args) -> Result<()> {
             vec![1, 4, 8, 64]
         }
     });
-    let shape = Shape::SEED;
-    let config = Config {
-        shape,
-        head_map: args.head_map,
-        gate: args.gate,
-        eps: 1e-6,
-    };
-    let mut rng = Synth::new(2026);
-    let layer = rng.layer(config)?;
-    let options = PoolOptions {
-        state: args.state,
-        layout: args.layout,
-    };
     let dt = Dtypes {
         state: args.state,
         io: args.io,
@@ -1060,6 +1049,24 @@ fn prefill_rounds(
 
 /// `gdn bench --prefill`: one window of T tokens per call at the seed's shape, beside the FMA ceiling; on the CPU
 /// the automatic path (chunked from the pool's crossover) and the token-serial path.
+/// The layer every timing runs (the seed's shape with the arguments' head map and gate, seeded weights), the
+/// generator that made it (for states and rows), and the arguments' pool options.
+fn seed_layer(args: &Args) -> Result<(Synth, gdn::Layer, PoolOptions)> {
+    let config = Config {
+        shape: Shape::SEED,
+        head_map: args.head_map,
+        gate: args.gate,
+        eps: 1e-6,
+    };
+    let mut rng = Synth::new(2026);
+    let layer = rng.layer(config)?;
+    let options = PoolOptions {
+        state: args.state,
+        layout: args.layout,
+    };
+    Ok((rng, layer, options))
+}
+
 fn run_prefill(args: &Args, lens: &[usize]) -> Result<()> {
     if let Some(&t) = lens.iter().find(|&&t| t == 0) {
         return Err(gdn::Error::Param {
@@ -1083,19 +1090,8 @@ fn run_prefill(args: &Args, lens: &[usize]) -> Result<()> {
     } else {
         (backends::make(&args.backend)?, None)
     };
-    let shape = Shape::SEED;
-    let config = Config {
-        shape,
-        head_map: args.head_map,
-        gate: args.gate,
-        eps: 1e-6,
-    };
-    let mut rng = Synth::new(2026);
-    let layer = rng.layer(config)?;
-    let options = PoolOptions {
-        state: args.state,
-        layout: args.layout,
-    };
+    let (mut rng, layer, options) = seed_layer(args)?;
+    let (shape, config) = (*layer.shape(), layer.config);
     let fma = backend.fma_ceiling()?;
     let (st, h) = rng.seq_state(&layer);
     let mut pool = backend.create_pool_with(&layer, 1, options)?;
