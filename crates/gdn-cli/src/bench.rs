@@ -292,7 +292,7 @@ pub fn run(args: Args) -> Result<()> {
         };
         // CUDA times a rotation on the device (graph replays over the sets): its own pool type
         let mut pool = if cuda_rotation {
-            CasePool::Cuda(Box::new(gdn_cuda::Cuda::new()?.create_cuda_pool(
+            CasePool::Cuda(Box::new(crate::backends::cuda()?.create_cuda_pool(
                 &layer,
                 b * sets,
                 options,
@@ -613,7 +613,7 @@ fn run_out_proj(
     let n = sh.n();
     let device = backends::is_device(backend_name);
     let cuda = if backend_name == "cuda" {
-        Some(gdn_cuda::Cuda::new()?)
+        Some(crate::backends::cuda()?)
     } else if device {
         return Err(gdn::Error::Unsupported(format!(
             "--out-proj is benchmarked on the CPU and CUDA backends, not {backend_name}"

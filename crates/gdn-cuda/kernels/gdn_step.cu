@@ -30,6 +30,8 @@
 //                           many blocks after it in launch order (its loads then hit L2); a hint, no value changes
 //   GDN_PREWAIT             1: before waiting for the previous kernel, prefetch the block's own state into L2
 //                           (the slot read only for that, as a relaxed load; see Launch below)
+//   GDN_ROUTE               1: the window kernel (gdn_window.cu) runs in the same call; leave it the sequences of
+//                           two tokens or more whose commit point is not 1 (after the checks: faults reported alike)
 //
 // Sequences. Sequence s of the call has pool slot seq_slot[s], rows seq_start[s] .. + seq_len[s] of the packed
 // inputs and of the output, and commit point seq_commit[s]. A sequence whose slot is outside the pool, whose
@@ -124,6 +126,9 @@
 #endif
 #ifndef GDN_PREWAIT
 #define GDN_PREWAIT 0
+#endif
+#ifndef GDN_ROUTE
+#define GDN_ROUTE 0
 #endif
 
 #define D GDN_D
@@ -506,6 +511,13 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     const bool commit_ok = commit_in >= 0 && commit_in <= T;
     if (!commit_ok && report) atomicOr(fault, 8u);
     const int commit_at = commit_ok ? commit_in : 0;
+#endif
+#if GDN_ROUTE
+#if GDN_COMMIT
+    if (T >= 2 && commit_at != 1) return;
+#else
+    if (T >= 2) return;
+#endif
 #endif
 #if GDN_SPEC
     // the held window's buffer and accepted count (bit 16 of the fault word: a count above MAXH, none applied)

@@ -1,0 +1,561 @@
+// gdn_window.cu: the GDN window step (SPEC.md) of windows of two tokens or more, eight tokens at a time in the
+// chunked (WY) form with the state in registers (see NOTES.md, "Windows in chunks of eight").
+//
+// Specialised by the same macros as gdn_step.cu (src/spec.rs writes one header for both): GDN_D, GDN_HK,
+// GDN_HV, GDN_T (0: each sequence's own length), GDN_SILU, GDN_GROUPED, GDN_PLANES, GDN_COMMIT, the element types,
+// GDN_STATE_DT, GDN_VMAJOR, GDN_RG (2), GDN_MINB; one block a value head (GDN_NCB 1), D <= 128.
+//
+// Which sequences. This kernel takes a sequence of at least two tokens whose commit point is not 1; the
+// token-serial kernel (gdn_step.cu, compiled with GDN_ROUTE) takes the others of the same call. A commit after
+// one token of a longer window is therefore a one-token step's arithmetic, and a commit after k >= 2 tokens runs
+// here like a k-token window: bitwise the same state, history and outputs for its first k tokens.
+//
+// The form. For a chunk of c <= 8 tokens starting from S0 (keys i, value columns j), with gates g_t, write
+// strengths b_t, normalized keys k_t and queries q_t (t = 0 .. c-1), r(t, s) = g_{s+1} ... g_t (r(t, t) = 1) and
+// G_t = g_0 ... g_t:
+//   S_t = G_t S0 + sum_{s <= t} r(t, s) k_s d_s^T
+//   d_t = ((v_t - G_t (S0^T k_t)) - sum_{s < t} r(t, s) (k_s . k_t) d_s) b_t        (forward substitution)
+//   o_t = (G_t (S0^T q_t) + sum_{s <= t} r(t, s) (k_s . q_t) d_s) / sqrt(D)
+// so the state is swept twice a chunk for the two products S0^T k_t and S0^T q_t (all tokens at once: 16
+// independent sums a thread) and once for the update, with no barrier between tokens. Token 0's delta is the
+// token-serial kernel's to the bit (same conv, norms, sums in the same order), and the update after k tokens is
+// S = fmaf(G_{k-1}, S0, k_0 w_0 + k_1 w_1 + ...), w_s = r(k-1, s) d_s, which for k = 1 is the token-serial
+// kernel's update. Every sum has one fixed order, so a chunk's bits depend only on its own tokens: the
+// committed state after k tokens equals a k-token window's, and a sequence's bits do not depend on the call.
+//
+// Work split: block (value head, sequence), D * RG threads; lane l of a warp holds row group l % RG of column
+// warp * (32 / RG) + l / RG, its D / RG rows in registers for the whole window. Sums over rows are butterflies
+// over the RG lanes of a column; the per-token scalars go through shared memory.
+
+#define D GDN_D
+#define HK GDN_HK
+#define HV GDN_HV
+#define RG GDN_RG
+#define NT (D * RG)
+#define NW (NT / 32)
+#define CPW (32 / RG)
+#define RPT (D / RG)
+#define KPAD (RPT + 4)
+#define C_ALL ((2 * HK + HV) * D)
+#define N_OUT (HV * D)
+#define NE (3 * D)
+#define NCH ((NE + NT - 1) / NT)
+#define CH 8
+
+static_assert(GDN_NCB == 1, "one block a value head");
+static_assert(D % 16 == 0 && D <= 128, "d a multiple of 16, at most 128");
+static_assert(32 % RG == 0 && RPT % 8 == 0 && NT % 32 == 0, "thread split");
+static_assert(HV % HK == 0, "h_v must be a multiple of h_k");
+
+typedef Elt<GDN_QKV_DT> EQ;
+typedef Elt<GDN_ALPHA_DT> EA;
+typedef Elt<GDN_BETA_DT> EB;
+typedef Elt<GDN_Z_DT> EZ;
+typedef Elt<GDN_OUT_DT> EO;
+typedef Elt<GDN_STATE_DT> ES;
+
+#if GDN_VMAJOR
+#define VCH (GDN_STATE_DT == 0 || RPT % 8 != 0 ? 4 : 8)
+#define KEY(g, r) (((r) / VCH) * (VCH * RG) + (g) * VCH + (r) % VCH)
+#define VEC_STATE (VCH * (GDN_STATE_DT == 0 ? 4 : 2) == 16)
+__device__ __forceinline__ int kidx(int i) { return ((i / VCH) % RG) * KPAD + (i / (VCH * RG)) * VCH + i % VCH; }
+#else
+#define KEY(g, r) ((g) * RPT + (r))
+#define VEC_STATE 0
+__device__ __forceinline__ int kidx(int i) { return (i / RPT) * KPAD + (i % RPT); }
+#endif
+
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float softplus_decay(float u, float a) {
+    const float ex = expf(u);
+    const float w = 1.0f + ex;
+    const float sp = u > 20.0f ? u : (w == 1.0f ? ex : logf(w) * ex / (w - 1.0f));
+    return expf(sp * a);
+}
+
+constexpr int below_pow2(int n) { return n <= 2 ? 1 : 2 * below_pow2((n + 1) / 2); }
+template <int N> struct Tree {
+    static __device__ __forceinline__ float sum(const float* p) {
+        constexpr int H = below_pow2(N);
+        return Tree<H>::sum(p) + Tree<N - H>::sum(p + H);
+    }
+};
+template <> struct Tree<1> {
+    static __device__ __forceinline__ float sum(const float* p) { return p[0]; }
+};
+
+__device__ __forceinline__ float row_sum(float x) {
+#pragma unroll
+    for (int off = 1; off < RG; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+    return x;
+}
+
+__device__ __forceinline__ int hist_off(int e) { return e * 3; }
+
+// the pair (t, s) of dot product number p: p < 28 the keys' k_t . k_s (s < t), else q_t . k_s (s <= t)
+__device__ __forceinline__ void dot_pair(int p, int& t, int& s, bool& qk) {
+    qk = p >= CH * (CH - 1) / 2;
+    int q = qk ? p - CH * (CH - 1) / 2 : p;
+    int row = qk ? 0 : 1;
+    while (q >= (qk ? row + 1 : row)) {
+        q -= qk ? row + 1 : row;
+        ++row;
+    }
+    t = row;
+    s = q;
+}
+
+extern "C" __global__ void __launch_bounds__(NT, GDN_MINB)
+gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __restrict__ qkv,
+         const EA::T* __restrict__ alpha, const EB::T* __restrict__ beta, const EZ::T* __restrict__ z,
+         const float* __restrict__ conv_w, const float* __restrict__ dt, const float* __restrict__ ssm_a,
+         const float* __restrict__ gamma, EO::T* __restrict__ out, const int* __restrict__ seq_slot,
+         const int* __restrict__ seq_start, const int* __restrict__ seq_len, const int* __restrict__ seq_commit,
+         int n_slots, int n_rows, long long plane, float eps, unsigned* __restrict__ fault) {
+#if GDN_COMMIT == 0
+    (void)seq_commit;
+#endif
+#if GDN_PLANES == 0
+    (void)plane;
+#endif
+    __shared__ __align__(16) float qn[CH][RG * KPAD];
+    __shared__ __align__(16) float kn[CH][RG * KPAD];
+    __shared__ float vs[CH][D];
+    __shared__ float zs[CH][D];  // the output gate's input, widened
+    __shared__ float os[CH][D];  // the readout before the norm
+    __shared__ float gts[CH], bts[CH], gcum[CH];
+    __shared__ float rat[CH][CH];
+    __shared__ float part_qk[CH][2 * D / 16];
+    __shared__ float akk[CH][CH], aqk[CH][CH];
+    __shared__ float part_o[CH][NW];
+#if GDN_PLANES
+    __shared__ float ys[CH][D];
+#endif
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int h = blockIdx.x;
+    const int sq_i = blockIdx.y;
+#if GDN_GROUPED
+    const int g = h / (HV / HK);
+#else
+    const int g = h % HK;
+#endif
+    const int rg = lane % RG;
+    const int j = warp * CPW + lane / RG;
+    const float inv_sqrt_d = 1.0f / sqrtf((float)D);
+
+    int chan[NCH];
+#pragma unroll
+    for (int m = 0; m < NCH; ++m) {
+        const int e = tid + m * NT;
+        chan[m] = e < D ? g * D + e : e < 2 * D ? HK * D + g * D + (e - D) : e < NE ? 2 * HK * D + h * D + (e - 2 * D) : -1;
+    }
+    const float gam = rg == 0 ? gamma[j] : 0.0f;
+    const float dth = dt[h];
+    const float ah = ssm_a[h];
+
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+
+    const int slot = seq_slot[sq_i];
+    const int start = seq_start[sq_i];
+    const int len = seq_len[sq_i];
+#if GDN_COMMIT
+    const int commit_in = seq_commit[sq_i];
+#endif
+    if (slot < 0) return;
+    const bool report = tid == 0 && h == 0;
+    if (slot >= n_slots) {
+        if (report) atomicOr(fault, 1u);
+        return;
+    }
+#if GDN_T > 0
+    constexpr int T = GDN_T;
+    if (len != T) {
+        if (report) atomicOr(fault, 2u);
+        return;
+    }
+#else
+    const int T = len;
+#endif
+    if (T < 1 || start < 0 || start > n_rows - T) {
+        if (report) atomicOr(fault, 4u);
+        return;
+    }
+#if GDN_COMMIT
+    const bool commit_ok = commit_in >= 0 && commit_in <= T;
+    if (!commit_ok && report) atomicOr(fault, 8u);
+    const int commit_at = commit_ok ? commit_in : 0;
+    // the token-serial kernel's sequences (it reports their faults too)
+    if (T < 2 || commit_at == 1) return;
+#else
+    constexpr int commit_at = 0;
+    if (T < 2) return;
+#endif
+
+    const EQ::T* qkv_b = qkv + (size_t)start * C_ALL;
+    float* hist_head = hist + ((size_t)slot * HV + h) * (3 * D * 3);
+    float hst[NCH][3];
+#pragma unroll
+    for (int m = 0; m < NCH; ++m) {
+        if (chan[m] >= 0) {
+            const int o = hist_off(tid + m * NT);
+            hst[m][0] = hist_head[o];
+            hst[m][1] = hist_head[o + 1];
+            hst[m][2] = hist_head[o + 2];
+        } else {
+            hst[m][0] = hst[m][1] = hst[m][2] = 0.0f;
+        }
+    }
+
+#if GDN_VMAJOR
+    ES::T* st_base = state + (size_t)slot * D * HV * D + ((size_t)h * D + j) * D + KEY(rg, 0);
+#define SOFF(r) ((size_t)(KEY(0, r)))
+#else
+    ES::T* st_base = state + (size_t)slot * D * HV * D + ((size_t)KEY(rg, 0) * HV + h) * D + j;
+#define SOFF(r) ((size_t)(r) * HV * D)
+#endif
+    float st[RPT];
+#if VEC_STATE && GDN_STATE_DT == 0
+#pragma unroll
+    for (int r = 0; r < RPT; r += 4) {
+        const float4 w = *reinterpret_cast<const float4*>(st_base + SOFF(r));
+        st[r] = w.x;
+        st[r + 1] = w.y;
+        st[r + 2] = w.z;
+        st[r + 3] = w.w;
+    }
+#elif VEC_STATE
+#pragma unroll
+    for (int r = 0; r < RPT; r += 8) {
+        const uint4 w = *reinterpret_cast<const uint4*>(st_base + SOFF(r));
+        const unsigned u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            st[r + 2 * c] = __uint_as_float(u[c] << 16);
+            st[r + 2 * c + 1] = __uint_as_float(u[c] & 0xffff0000u);
+        }
+    }
+#else
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) st[r] = ES::ld(st_base[SOFF(r)]);
+#endif
+
+    // stores rows r .. r + 7 of the state (rounded once for a bf16 pool)
+    auto store8 = [&](int r, const float* v) {
+#if VEC_STATE && GDN_STATE_DT == 0
+        *reinterpret_cast<float4*>(st_base + SOFF(r)) = make_float4(v[0], v[1], v[2], v[3]);
+        *reinterpret_cast<float4*>(st_base + SOFF(r + 4)) = make_float4(v[4], v[5], v[6], v[7]);
+#elif VEC_STATE
+        unsigned u[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) u[c] = (unsigned)ES::st(v[2 * c]) | ((unsigned)ES::st(v[2 * c + 1]) << 16);
+        *reinterpret_cast<uint4*>(st_base + SOFF(r)) = make_uint4(u[0], u[1], u[2], u[3]);
+#else
+#pragma unroll
+        for (int q = 0; q < 8; ++q) st_base[SOFF(r + q)] = ES::st(v[q]);
+#endif
+    };
+
+    for (int c0 = 0; c0 < T; c0 += CH) {
+        const int tc = T - c0 < CH ? T - c0 : CH;  // tokens of this chunk
+        const size_t row0 = (size_t)start + c0;
+        // the commit inside this chunk, as a count of its tokens (0: none here)
+        const int cl = commit_at > c0 && commit_at <= c0 + CH ? commit_at - c0 : 0;
+        const bool more = c0 + CH < T;
+
+        // 1. every token's inputs in flight at once; conv + SiLU per channel, token after token
+        EQ::T in[NCH][CH];
+#pragma unroll
+        for (int m = 0; m < NCH; ++m)
+#pragma unroll
+            for (int t = 0; t < CH; ++t)
+                in[m][t] = chan[m] >= 0 && t < tc ? qkv_b[(size_t)(c0 + t) * C_ALL + chan[m]] : (EQ::T)0;
+        // the output gate's inputs (all loads in flight before the first store) and each token's gate and write
+        // strength by a thread of its own
+        {
+            constexpr int ZPT = (CH * D + NT - 1) / NT;
+            EZ::T zv[ZPT];
+#pragma unroll
+            for (int u = 0; u < ZPT; ++u) {
+                const int p = tid + u * NT;
+                zv[u] = p < tc * D ? z[(row0 + p / D) * N_OUT + h * D + p % D] : (EZ::T)0;
+            }
+#pragma unroll
+            for (int u = 0; u < ZPT; ++u) {
+                const int p = tid + u * NT;
+                if (p < tc * D) zs[p / D][p % D] = EZ::ld(zv[u]);
+            }
+        }
+        if (tid >= NT - 2 * CH) {
+            const int t = (tid - (NT - 2 * CH)) % CH;
+            if (t < tc) {
+                if (tid < NT - CH) gts[t] = softplus_decay(EA::ld(alpha[(row0 + t) * HV + h]) + dth, ah);
+                else bts[t] = sigmoid_f(EB::ld(beta[(row0 + t) * HV + h]));
+            }
+        }
+        float cvs[NCH][CH];
+#pragma unroll
+        for (int m = 0; m < NCH; ++m) {
+            const int e = tid + m * NT;
+            float4 w = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (chan[m] >= 0) w = __ldg(reinterpret_cast<const float4*>(conv_w) + chan[m]);
+#pragma unroll
+            for (int t = 0; t < CH; ++t) {
+                float cv = 0.0f;
+                if (chan[m] >= 0 && t < tc) {
+                    float s = 0.0f;
+                    s = fmaf(hst[m][0], w.x, s);
+                    s = fmaf(hst[m][1], w.y, s);
+                    s = fmaf(hst[m][2], w.z, s);
+                    const float x = EQ::ld(in[m][t]);
+                    s = fmaf(x, w.w, s);
+                    cv = s / (1.0f + expf(-s));
+                    hst[m][0] = hst[m][1];
+                    hst[m][1] = hst[m][2];
+                    hst[m][2] = x;
+                    if (e >= 2 * D) vs[t][e - 2 * D] = cv;
+#if GDN_COMMIT
+                    // the history after the commit token: this head's private copy, read only at the start
+                    if (t + 1 == cl) {
+                        const int o = hist_off(e);
+                        hist_head[o] = hst[m][0];
+                        hist_head[o + 1] = hst[m][1];
+                        hist_head[o + 2] = hst[m][2];
+                    }
+#endif
+                }
+                cvs[m][t] = cv;
+                if (t < tc) {
+                    float sq = e < 2 * D ? cv * cv : 0.0f;
+                    sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+                    sq += __shfl_xor_sync(0xffffffffu, sq, 4);
+                    sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+                    sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+                    if (e < 2 * D && (e & 15) == 0) part_qk[t][e >> 4] = sq;
+                }
+            }
+        }
+        __syncthreads();
+
+        // 2. L2 norms (the token-serial kernel's operations), gate products
+#pragma unroll
+        for (int m = 0; m < NCH; ++m) {
+            const int e = tid + m * NT;
+            if (e < 2 * D) {
+                const int base = e < D ? 0 : D / 16;
+#pragma unroll
+                for (int t = 0; t < CH; ++t) {
+                    if (t < tc) {
+                        float tot = 0.0f;
+#pragma unroll
+                        for (int c = 0; c < D / 16; ++c) tot += part_qk[t][base + c];
+                        const float r = rsqrtf(tot / (float)D + eps / (float)D);
+                        const float x = (r * cvs[m][t]) * inv_sqrt_d;
+                        if (e < D) qn[t][kidx(e)] = x;
+                        else kn[t][kidx(e - D)] = x;
+                    }
+                }
+            }
+        }
+        for (int p = tid; p < CH * CH + CH; p += NT) {
+            if (p < CH * CH) {
+                // r(t, s) = g_{s+1} ... g_t, in that order; r(t, t) = 1
+                const int t = p / CH, s = p % CH;
+                if (t < tc && s <= t) {
+                    float q = 1.0f;
+                    if (s < t) {
+                        q = gts[s + 1];
+                        for (int u = s + 2; u <= t; ++u) q = q * gts[u];
+                    }
+                    rat[t][s] = q;
+                }
+            } else {
+                // G_t = g_0 ... g_t
+                const int t = p - CH * CH;
+                if (t < tc) {
+                    float q = gts[0];
+                    for (int u = 1; u <= t; ++u) q = q * gts[u];
+                    gcum[t] = q;
+                }
+            }
+        }
+        __syncthreads();
+
+        // 3. S0^T k_t and S0^T q_t for every token of the chunk: two sums a token (rows 4q.. and 4q+2..), as the
+        // token-serial kernel's kv
+        float pk[CH], pq[CH];
+        {
+            float a0[CH], a1[CH];
+#pragma unroll
+            for (int t = 0; t < CH; ++t) a0[t] = a1[t] = 0.0f;
+#pragma unroll
+            for (int r = 0; r < RPT; r += 4) {
+#pragma unroll
+                for (int t = 0; t < CH; ++t) {
+                    if (GDN_T > 0 ? t < (GDN_T < CH ? GDN_T : CH) : t < tc) {
+                        const float4 k4 = *reinterpret_cast<const float4*>(&kn[t][rg * KPAD + r]);
+                        a0[t] = fmaf(st[r + 0], k4.x, a0[t]);
+                        a0[t] = fmaf(st[r + 1], k4.y, a0[t]);
+                        a1[t] = fmaf(st[r + 2], k4.z, a1[t]);
+                        a1[t] = fmaf(st[r + 3], k4.w, a1[t]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < CH; ++t) pk[t] = row_sum(a0[t] + a1[t]);
+#pragma unroll
+            for (int t = 0; t < CH; ++t) a0[t] = a1[t] = 0.0f;
+#pragma unroll
+            for (int r = 0; r < RPT; r += 4) {
+#pragma unroll
+                for (int t = 0; t < CH; ++t) {
+                    if (GDN_T > 0 ? t < (GDN_T < CH ? GDN_T : CH) : t < tc) {
+                        const float4 q4 = *reinterpret_cast<const float4*>(&qn[t][rg * KPAD + r]);
+                        a0[t] = fmaf(st[r + 0], q4.x, a0[t]);
+                        a0[t] = fmaf(st[r + 1], q4.y, a0[t]);
+                        a1[t] = fmaf(st[r + 2], q4.z, a1[t]);
+                        a1[t] = fmaf(st[r + 3], q4.w, a1[t]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < CH; ++t) pq[t] = row_sum(a0[t] + a1[t]);
+        }
+        // the chunk's dot products k_t . k_s (s < t) and q_t . k_s (s <= t), times r(t, s): warp-strided pairs,
+        // each a lane-strided sum and a butterfly (a fixed order)
+        for (int p = warp; p < CH * (CH - 1) / 2 + CH * (CH + 1) / 2; p += NW) {
+            int t, s;
+            bool isq;
+            dot_pair(p, t, s, isq);
+            if (t >= tc) continue;  // uniform over the warp
+            const float* a = isq ? qn[t] : kn[t];
+            float acc = 0.0f;
+            for (int i = lane; i < D; i += 32) acc = fmaf(a[kidx(i)], kn[s][kidx(i)], acc);
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+            if (lane == 0) {
+                if (isq) aqk[t][s] = rat[t][s] * acc;
+                else akk[t][s] = rat[t][s] * acc;
+            }
+        }
+        __syncthreads();
+
+        // 4. the deltas by forward substitution (both lanes of a column alike), the outputs, their squares
+        float dl[CH];
+#pragma unroll
+        for (int t = 0; t < CH; ++t) {
+            dl[t] = 0.0f;
+            if (t < tc) {
+                float x = vs[t][j] - gcum[t] * pk[t];
+#pragma unroll
+                for (int s = 0; s < t; ++s) x = fmaf(-akk[t][s], dl[s], x);
+                dl[t] = x * bts[t];
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < CH; ++t) {
+            if (t < tc) {
+                float x = gcum[t] * pq[t];
+#pragma unroll
+                for (int s = 0; s <= t; ++s) x = fmaf(aqk[t][s], dl[s], x);
+                const float ov = x * inv_sqrt_d;
+                if (rg == 0) os[t][j] = ov;
+                float osq = rg == 0 ? ov * ov : 0.0f;
+#pragma unroll
+                for (int off = RG; off < 32; off <<= 1) osq += __shfl_xor_sync(0xffffffffu, osq, off);
+                if (lane == 0) part_o[t][warp] = osq;
+            }
+        }
+
+        // 5. the state after n tokens of the chunk, fmaf(G_{n-1}, S0, k_0 w_0 + ... + k_{n-1} w_{n-1}) with
+        // w_s = r(n-1, s) d_s: kept in the registers (the next chunk starts from it) and / or stored (the commit)
+        auto advance = [&](int n, bool keep, bool store) {
+            float w[CH];
+#pragma unroll
+            for (int s = 0; s < CH; ++s) w[s] = s + 1 < n ? rat[n - 1][s] * dl[s] : dl[s];
+            const float gn = gcum[n - 1];
+#pragma unroll
+            for (int r = 0; r < RPT; r += 8) {
+                float u[8];
+#pragma unroll
+                for (int q = 0; q < 8; q += 4) {
+                    const float4 k4 = *reinterpret_cast<const float4*>(&kn[0][rg * KPAD + r + q]);
+                    u[q + 0] = k4.x * w[0];
+                    u[q + 1] = k4.y * w[0];
+                    u[q + 2] = k4.z * w[0];
+                    u[q + 3] = k4.w * w[0];
+                }
+#pragma unroll
+                for (int s = 1; s < CH; ++s) {
+                    if (s < n) {
+#pragma unroll
+                        for (int q = 0; q < 8; q += 4) {
+                            const float4 k4 = *reinterpret_cast<const float4*>(&kn[s][rg * KPAD + r + q]);
+                            u[q + 0] = fmaf(k4.x, w[s], u[q + 0]);
+                            u[q + 1] = fmaf(k4.y, w[s], u[q + 1]);
+                            u[q + 2] = fmaf(k4.z, w[s], u[q + 2]);
+                            u[q + 3] = fmaf(k4.w, w[s], u[q + 3]);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int q = 0; q < 8; ++q) u[q] = fmaf(gn, st[r + q], u[q]);
+                if (store) store8(r, u);
+                if (keep) {
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) st[r + q] = u[q];
+                }
+            }
+        };
+        // a commit inside a window that goes on is stored, the registers keep S0 for the rest of the chunk
+        if (cl > 0 && cl != tc) advance(cl, false, true);
+        if (more || cl == tc) advance(tc, more, cl == tc);
+        __syncthreads();
+
+        // 6. gated RMS norm, y, planes (each in f32, rounded once)
+#pragma unroll
+        for (int t = 0; t < CH; ++t) {
+            if (t < tc) {
+                const float tot = Tree<NW>::sum(part_o[t]);
+                const float rs = rsqrtf(tot / (float)D + eps);
+                const float zt = zs[t][j];
+#if GDN_SILU
+                const float act = zt * sigmoid_f(zt);
+#else
+                const float act = sigmoid_f(zt);
+#endif
+                const float yv = ((rs * os[t][j]) * gam) * act;
+                const size_t yi = (row0 + t) * N_OUT + h * D + j;
+                if (rg == 0) {
+                    out[yi] = EO::st(yv);
+#if GDN_PLANES
+                    const int jj = j & 15;
+                    out[plane + yi] = EO::st(yv * __int_as_float((127 - 2 * (jj & 7)) << 23));
+                    out[2 * plane + yi] = EO::st(yv * __int_as_float((127 - 8 * (jj & 3)) << 23));
+                    out[3 * plane + yi] = EO::st((jj & 1) ? yv * 0.00390625f : yv);
+                    ys[t][j] = yv;
+#endif
+                }
+            }
+        }
+#if GDN_PLANES
+        __syncthreads();
+        for (int p = tid; p < tc * (D / 16); p += NT) {
+            const int t = p / (D / 16), q = p % (D / 16);
+            float s_even = 0.0f, s_odd = 0.0f;
+#pragma unroll
+            for (int e = 0; e < 16; e += 2) {
+                s_even += ys[t][16 * q + e];
+                s_odd += ys[t][16 * q + e + 1];
+            }
+            out[4 * plane + (row0 + t) * (N_OUT / 16) + (h * D) / 16 + q] = EO::st(s_even + s_odd);
+        }
+#endif
+    }
+}
