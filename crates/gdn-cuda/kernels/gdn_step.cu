@@ -75,12 +75,13 @@
 // (per value head and column) and the raw (widened) qkv row (q / k by that first value head, v by each head's
 // column owners). Per slot two buffers of that pending region: seq_acc[s] = acc | (buf << 8) names the buffer
 // holding the slot's held window and how many of its tokens are accepted; a window held now is written to the
-// other buffer, so no block ever writes what any block of the launch reads. After its state load the block
-// applies the first acc updates in order with the token update's own operations (st = fmaf(g, st, k * delta)),
-// rounds a bf16 state once (as the k-token commit stores it and the next window loads it), shifts the last
-// accepted rows into the history, and runs its window from there; if that window is held too, the accepted
-// state and history are written back first (a committing window writes them at its commit). A sequence of
-// length 0 only accepts (commit_held). One state read and one write per speculative step.
+// other buffer, so no block ever writes what any block of the launch reads. The accepted prefix's keys, deltas
+// and gates are copied into shared memory (cp.async) as soon as the block knows its sequence; after its state
+// load the block applies the first acc updates in order with the token update's own operations
+// (st = fmaf(g, st, k * delta)), rounds a bf16 state once (as the k-token commit stores it and the next window
+// loads it), shifts the last accepted rows into the history, and runs its window from there; if that window is
+// held too, the accepted state and history are written back first (a committing window writes them at its
+// commit). A sequence of length 0 only accepts (commit_held). One state read and one write per speculative step.
 //
 // Launch: with programmatic dependent launch the kernel loads a few of the layer's weights, then waits for
 // the previous kernel in the stream (griddepcontrol.wait) before it reads anything a previous kernel may write.
@@ -366,6 +367,13 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #if GDN_PLANES
     __shared__ float ys[COLS];
 #endif
+#if GDN_SPEC
+    // the accepted prefix of the held window, copied in at the start (cp.async, in flight during the prologue):
+    // per token the gate, the key head's normalized keys (in kn's layout, kidx) and this block's deltas
+    __shared__ __align__(16) float acc_k[MAXH * RG * KPAD];
+    __shared__ __align__(16) float acc_d[MAXH * COLS];
+    __shared__ float acc_g[MAXH];
+#endif
 #if STAGE
     // row = key i (key-major) or value column j (value-major) of this head: D bf16 and a skew
     __shared__ __align__(16) unsigned char sst[D * SPITCH];
@@ -535,6 +543,32 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     const bool qkw = h < HK && rank == 0;
 #endif
     const bool rows_in = T > 0;
+    {
+        // the accepted prefix into shared memory, 16 bytes a copy (gates 4): keys D / 4 and deltas COLS / 4
+        // copies a token; the loads overlap the state's and the prologue, the apply reads shared memory
+        const unsigned sk = (unsigned)__cvta_generic_to_shared(acc_k);
+        const unsigned sd = (unsigned)__cvta_generic_to_shared(acc_d);
+        const unsigned sg = (unsigned)__cvta_generic_to_shared(acc_g);
+        const int nk = acc * (D / 4), nd = acc * (COLS / 4);
+        for (int c = tid; c < nk + nd + acc; c += NT) {
+            if (c < nk) {
+                const int u = c / (D / 4), i = (c % (D / 4)) * 4;
+                const float* src = pold + PK_OFF + ((size_t)g * MAXH + u) * D + i;
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sk + 4u * (u * RG * KPAD + kidx(i))), "l"(src)
+                             : "memory");
+            } else if (c < nk + nd) {
+                const int u = (c - nk) / (COLS / 4), jj = ((c - nk) % (COLS / 4)) * 4;
+                const float* src = pold + PD_OFF + ((size_t)h * MAXH + u) * D + rank * COLS + jj;
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sd + 4u * (u * COLS + jj)), "l"(src)
+                             : "memory");
+            } else {
+                const int u = c - nk - nd;
+                const float* src = pold + PG_OFF + h * MAXH + u;
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(sg + 4u * u), "l"(src) : "memory");
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
 #else
     constexpr bool rows_in = true;
 #endif
@@ -685,14 +719,15 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         // the accepted prefix of the held window applied to the state as it is first used (its loads had
         // the prologue to land), token by token with the update's own operations (step 3's
         // st = fmaf(gt, st, k4 * delta)) on the gate, key and delta bits the held window computed
+        // (read from the shared copies: the caller waited for them and passed a barrier)
         for (int u = 0; u < acc; ++u) {
-            const float gu = pold[PG_OFF + h * MAXH + u];
-            const float du = pold[PD_OFF + ((size_t)h * MAXH + u) * D + j];
-            const float* ku = pold + PK_OFF + ((size_t)g * MAXH + u) * D;
+            const float gu = acc_g[u];
+            const float du = acc_d[u * COLS + col];
+            const float* ku = acc_k + u * RG * KPAD + rg * KPAD;
 #pragma unroll
             for (int r = 0; r < RPT; r += 4) {
-                // keys KEY(rg, r) .. + 3 are contiguous in both layouts: the rows kn[rg * KPAD + r ..] holds
-                const float4 k4 = *reinterpret_cast<const float4*>(ku + KEY(rg, r));
+                // register rows r .. r + 3 (keys KEY(rg, r) ..), as kn holds them
+                const float4 k4 = *reinterpret_cast<const float4*>(ku + r);
                 st[r + 0] = fmaf(gu, st[r + 0], k4.x * du);
                 st[r + 1] = fmaf(gu, st[r + 1], k4.y * du);
                 st[r + 2] = fmaf(gu, st[r + 2], k4.z * du);
@@ -812,6 +847,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         }
 #if STAGE
         asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's copies; the barrier makes all visible
+#endif
+#if GDN_SPEC
+        if (t == 0) asm volatile("cp.async.wait_all;" ::: "memory");  // the accepted prefix (as above)
 #endif
         __syncthreads();
 
@@ -1024,7 +1062,11 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #endif
     }
 #if GDN_SPEC
-    if (T == 0) apply_accepted();
+    if (T == 0) {
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        __syncthreads();  // uniform: T is the sequence's
+        apply_accepted();
+    }
 #endif
 #if GDN_NCB > 1
     // no block leaves while another may still read its shared memory

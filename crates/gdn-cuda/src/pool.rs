@@ -1348,6 +1348,38 @@ impl CudaPool {
         }
         t
     }
+
+    /// `time_spec` over several steps taken in turn, one per call (as `time_varlen_rotating`: each entry names
+    /// its own slots, so each call's state comes from memory); every entry's sequence `i` accepts `accept[i]`.
+    /// The same caveat: the named slots' states, histories and held windows are unspecified afterwards.
+    pub fn time_spec_rotating(
+        &mut self,
+        steps: &[Step<'_>],
+        accept: &[usize],
+        out_dtype: DType,
+        iters: usize,
+    ) -> Result<StepTiming> {
+        for step in steps {
+            let layout = step.layout(self.layer.shape())?;
+            let checked = step.validate(&self.layer, self.slots, layout.len())?;
+            let held = |slot| self.held[slot];
+            gdn::spec::check_spec(
+                step,
+                &checked.commit_at,
+                accept,
+                held,
+                MAX_HELD,
+                "the CUDA pool",
+            )?;
+        }
+        self.take_fault()?;
+        self.pending()?;
+        let t = self.time_inner(steps, out_dtype, iters, Some(accept));
+        for s in steps.iter().flat_map(|st| st.seqs).filter(|s| s.slot >= 0) {
+            self.held[s.slot as usize] = 0;
+        }
+        t
+    }
 }
 
 /// The sequences that run, longest first: the blocks of a long window start in the first wave instead of
