@@ -76,12 +76,13 @@
 // column owners). Per slot two buffers of that pending region: seq_acc[s] = acc | (buf << 8) names the buffer
 // holding the slot's held window and how many of its tokens are accepted; a window held now is written to the
 // other buffer, so no block ever writes what any block of the launch reads. The accepted prefix's keys, deltas
-// and gates are copied into shared memory (cp.async) as soon as the block knows its sequence; after its state
-// load the block applies the first acc updates in order with the token update's own operations
-// (st = fmaf(g, st, k * delta)), rounds a bf16 state once (as the k-token commit stores it and the next window
-// loads it), shifts the last accepted rows into the history, and runs its window from there; if that window is
-// held too, the accepted state and history are written back first (a committing window writes them at its
-// commit). A sequence of length 0 only accepts (commit_held). One state read and one write per speculative step.
+// and gates, and the raw rows the history keeps, are copied into shared memory (cp.async) as soon as the block
+// knows its sequence; after its state load the block applies the first acc updates in order with the token
+// update's own operations (st = fmaf(g, st, k * delta)), rounds a bf16 state once (as the k-token commit stores
+// it and the next window loads it), shifts the last accepted rows into the history, and runs its window from
+// there; if that window is held too, the accepted state and history are written back first (a committing window
+// writes them at its commit). A sequence of length 0 only accepts (commit_held). One state read and one write
+// per speculative step.
 //
 // Launch: with programmatic dependent launch the kernel loads a few of the layer's weights, then waits for
 // the previous kernel in the stream (griddepcontrol.wait) before it reads anything a previous kernel may write.
@@ -168,6 +169,8 @@ static_assert(!GDN_SPEC || (GDN_COMMIT && !GDN_EXT), "the speculative step is th
 #define PD_OFF (PK_OFF + HK * MAXH * D)
 #define PR_OFF (PD_OFF + HV * MAXH * D)
 #define PEND_PB (PR_OFF + MAXH * C_ALL)
+// offsets inside one buffer are int arithmetic (cheaper addressing for the per-token stores)
+static_assert((long long)PEND_PB < 0x7fffffffLL, "a pending buffer's offsets fit an int");
 #endif
 
 // Element types (Elt<code>): kernels/gdn_elt.cuh, prepended to this source.
@@ -239,6 +242,14 @@ __device__ __forceinline__ float softplus_decay(float u, float a) {
     const float sp = u > 20.0f ? u : (w == 1.0f ? ex : logf(w) * ex / (w - 1.0f));
     return expf(sp * a);
 }
+
+#if GDN_SPEC
+__device__ __forceinline__ float* pend_new(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.shared.u64 %0, [%1];" : "=l"(v) : "r"((unsigned)__cvta_generic_to_shared(p)));
+    return reinterpret_cast<float*>(v);
+}
+#endif
 
 #if GDN_NCB > 1
 __device__ __forceinline__ void cluster_sync_all() {
@@ -373,6 +384,12 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     __shared__ __align__(16) float acc_k[MAXH * RG * KPAD];
     __shared__ __align__(16) float acc_d[MAXH * COLS];
     __shared__ float acc_g[MAXH];
+    // the last (up to) three accepted raw rows of the block's conv channels, [3][NE] by list entry (each
+    // thread copies and reads its own entries, so no barrier)
+    __shared__ float acc_r[3 * NE];
+    // per warp the pointer to the buffer a held window goes to, re-read at every store: kept in registers it
+    // is rematerialised with 64-bit arithmetic at each of them (register pressure)
+    __shared__ unsigned long long pnew_w[NW];
 #endif
 #if STAGE
     // row = key i (key-major) or value column j (value-major) of this head: D bf16 and a skew
@@ -407,8 +424,17 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                 : -1;
     }
     const float gam = rg == 0 ? gamma[j] : 0.0f;
+#if GDN_SPEC
+    // read by the gate's thread where it uses them (held in registers they spill under the speculative kernel's
+    // pressure, and the spill store waits for the load at the very start)
+#define DTH __ldg(dt + h)
+#define AH __ldg(ssm_a + h)
+#else
     const float dth = dt[h];
     const float ah = ssm_a[h];
+#define DTH dth
+#define AH ah
+#endif
 
 #if __CUDA_ARCH__ >= 900
 #if GDN_PREWAIT
@@ -534,7 +560,14 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     const int acc = acc_ok ? acc_raw & 0xff : 0;
     const int rbuf = (acc_raw >> 8) & 1;
     const float* pold = pend + ((size_t)slot * 2 + rbuf) * PEND_PB;
-    float* pnew = pend + ((size_t)slot * 2 + (rbuf ^ 1)) * PEND_PB;
+    {
+        const unsigned long long pn = (unsigned long long)(pend + ((size_t)slot * 2 + (rbuf ^ 1)) * PEND_PB);
+        if (lane == 0)
+            asm volatile("st.shared.u64 [%0], %1;" ::"r"((unsigned)__cvta_generic_to_shared(pnew_w + warp)), "l"(pn)
+                         : "memory");
+        __syncwarp();
+    }
+#define PNEW pend_new(pnew_w + warp)
     const bool held = commit_at == 0;
     // the first value head of a key head (its rank 0) keeps the key head's normalized keys and raw q / k rows
 #if GDN_GROUPED
@@ -565,6 +598,20 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                 const int u = c - nk - nd;
                 const float* src = pold + PG_OFF + h * MAXH + u;
                 asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(sg + 4u * u), "l"(src) : "memory");
+            }
+        }
+        // the raw rows of the history after the accepted prefix: rows acc - 3 .. acc - 1 (those that exist)
+        const unsigned sr = (unsigned)__cvta_generic_to_shared(acc_r);
+#pragma unroll
+        for (int i = 0; i < 3; ++i) {
+            const int u = acc - 3 + i;
+#pragma unroll
+            for (int m = 0; m < NCH; ++m) {
+                if (u >= 0 && chan[m] >= 0) {
+                    const float* src = pold + PR_OFF + (size_t)u * C_ALL + chan[m];
+                    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(sr + 4u * (i * NE + tid + m * NT)), "l"(src)
+                                 : "memory");
+                }
             }
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
@@ -677,16 +724,17 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 
 #if GDN_SPEC
     if (acc > 0) {
-        // the history after the accepted rows of the held window: only the last three of them can remain
-        for (int u = acc > 3 ? acc - 3 : 0; u < acc; ++u) {
-            const float* raw = pold + PR_OFF + (size_t)u * C_ALL;
+        // the history after the accepted rows of the held window: the last three of (history, rows 0 .. acc - 1),
+        // the rows from this thread's own copies (acc_r slot i holds row acc - 3 + i)
+        asm volatile("cp.async.wait_all;" ::: "memory");
 #pragma unroll
-            for (int m = 0; m < NCH; ++m) {
-                if (chan[m] >= 0) {
-                    hst[m][0] = hst[m][1];
-                    hst[m][1] = hst[m][2];
-                    hst[m][2] = raw[chan[m]];
-                }
+        for (int m = 0; m < NCH; ++m) {
+            if (chan[m] >= 0) {
+                const float h1 = hst[m][1], h2 = hst[m][2];
+                const int e = tid + m * NT;
+                hst[m][0] = acc >= 3 ? acc_r[e] : acc == 2 ? h2 : h1;
+                hst[m][1] = acc >= 2 ? acc_r[NE + e] : h2;
+                hst[m][2] = acc_r[2 * NE + e];
             }
         }
         if (held) {
@@ -790,7 +838,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                 s = fmaf(hst[m][2], w.z, s);
                 const float x = EQ::ld(in[m]);
 #if GDN_SPEC
-                if (held && t < MAXH && (e >= 2 * D || qkw)) pnew[PR_OFF + (size_t)t * C_ALL + chan[m]] = x;
+                if (held && t < MAXH && (e >= 2 * D || qkw)) PNEW[PR_OFF + t * C_ALL + chan[m]] = x;
 #endif
                 s = fmaf(x, w.w, s);
                 cv = s / (1.0f + expf(-s));
@@ -810,9 +858,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         }
         // gate and write strength, and the next token's alpha / beta
         if (tid == NT - 1) {
-            gb[0] = softplus_decay(EA::ld(a_in) + dth, ah);
+            gb[0] = softplus_decay(EA::ld(a_in) + DTH, AH);
 #if GDN_SPEC
-            if (held && t < MAXH && rank == 0) pnew[PG_OFF + h * MAXH + t] = gb[0];
+            if (held && t < MAXH && rank == 0) PNEW[PG_OFF + h * MAXH + t] = gb[0];
 #endif
             a_in = more ? alpha[(row + 1) * A_RS + h] : (EA::T)0;
         } else if (tid == NT - 2) {
@@ -841,7 +889,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                 if (e < D) qn[kidx(e)] = x;
                 else kn[kidx(e - D)] = x;
 #if GDN_SPEC
-                if (e >= D && held && t < MAXH && qkw) pnew[PK_OFF + ((size_t)g * MAXH + t) * D + (e - D)] = x;
+                if (e >= D && held && t < MAXH && qkw) PNEW[PK_OFF + (g * MAXH + t) * D + (e - D)] = x;
 #endif
             }
         }
@@ -890,7 +938,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         const float gt = gb[0], bt = gb[1];
         const float delta = (vs[col] - gt * kv) * bt;
 #if GDN_SPEC
-        if (held && t < MAXH && rg == 0) pnew[PD_OFF + ((size_t)h * MAXH + t) * D + j] = delta;
+        if (held && t < MAXH && rg == 0) PNEW[PD_OFF + (h * MAXH + t) * D + j] = delta;
 #endif
         float o0 = 0.0f, o1 = 0.0f;
 #if STAGE
