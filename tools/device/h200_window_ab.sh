@@ -1,26 +1,35 @@
 #!/bin/bash
-# The window kernel against the token-serial kernel (GDN_CUDA_WINDOW=1 / 0) on a few cases, in cache, then an
-# ncu profile of each at B 256 T 8 and B 1 T 8 (warp stall reasons, issue, occupancy, memory throughput).
-# carry [".devbin/win"] (target/release/gdn, stripped, xz'd into .devbin/win/gdn.xz)
+# The window kernel on the H200: the conformance suite with it on (tests/conformance_window.rs), compute-sanitizer
+# memcheck and racecheck on a small window case, then `gdn bench` with the window kernel on and off
+# (GDN_CUDA_WINDOW=1 / 0) on the same cases, in cache.
+# Prepared on a build machine: target/release/gdn and the test binaries of `cargo test --release -p gdn-cuda
+# --no-run`, stripped and xz-compressed into .devbin/win/ and .devbin/win/tests/; carry [".devbin/win"].
 set -u
 . tools/device/setup.sh
 B=.devbin/win
+mkdir -p /work && ln -sfn "$PWD" /work/main
 xz -dkf $B/gdn.xz; chmod +x $B/gdn
-for win in 1 0; do
-  stamp "bench window $win"
-  GDN_CUDA_WINDOW=$win timeout 100 $B/gdn bench --backend cuda --io bf16 --tokens ${AB_T:-2,4,8} --batch ${AB_B:-1,256} \
-    --state f32 --layout key-major >"$OUT/ab_w$win.txt" 2>&1
-  echo "rc $?" | tee -a "$S"
+for name in ${AB_TESTS:-conformance_window}; do
+  t=$B/tests/$name; xz -dkf "$t.xz"; chmod +x "$t"
+  stamp "test $name"
+  timeout ${TEST_TIMEOUT:-150} "$t" --test-threads 8 >"$OUT/test_$name.log" 2>&1
+  echo "test $name rc $? $(grep 'test result' "$OUT/test_$name.log" | tail -1)" | tee -a "$S"
+  grep -E "FAILED|panicked|errors out" "$OUT/test_$name.log" | head -8 | cut -c1-400 | tee -a "$S"
 done
-for win in 1 0; do
-  for b in 256 1; do
-    stamp "ncu window $win B $b T 8"
-    GDN_CUDA_WINDOW=$win timeout 120 ncu --kernel-name gdn_step --launch-skip 3 --launch-count 1 \
-      --section SpeedOfLight --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats \
-      $B/gdn bench --backend cuda --io bf16 --tokens 8 --batch $b --state f32 --layout key-major --round-ms 1 \
-      >"$OUT/ncu_w${win}_b$b.txt" 2>&1
+t=$B/tests/conformance_window
+for tool in memcheck racecheck; do
+  stamp "$tool"
+  timeout 90 compute-sanitizer --tool $tool --error-exitcode 9 "$t" --test-threads 1 commit_first_k >"$OUT/san_$tool.log" 2>&1
+  echo "$tool rc $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|test result' "$OUT/san_$tool.log" | tr '\n' ' ')" | tee -a "$S"
+done
+declare -A opt=([f32-km]="--state f32 --layout key-major" [bf16-vm]="--state bf16 --layout value-major")
+for name in ${AB_CONFIGS:-f32-km bf16-vm}; do
+  for win in 1 0; do
+    stamp "bench $name window $win"
+    GDN_CUDA_WINDOW=$win timeout 100 $B/gdn bench --backend cuda --io bf16 --tokens ${AB_T:-2,4,8,16} --batch ${AB_B:-1,256} \
+      ${opt[$name]} >"$OUT/ab_${name}_w$win.txt" 2>&1
     echo "rc $?" | tee -a "$S"
   done
 done
-for win in 1 0; do echo "===== window $win"; head -12 "$OUT/ab_w$win.txt"; done
-for f in "$OUT"/ncu_*.txt; do echo "===== $(basename $f)"; grep -E "Duration|Throughput|Issued Ipc|No Eligible|Active Warps|Eligible Warps|Registers|Theoretical Occ|Achieved Occ|Stall|Warp Cycles" "$f" | head -30; done
+for f in "$OUT"/ab_*.txt; do echo "===== $(basename $f)"; sed -n 2,12p "$f" | cut -c1-60; done
+echo "===== summary"; cat "$S"

@@ -3,7 +3,8 @@
 //
 // Specialised by the same macros as gdn_step.cu (src/spec.rs writes one header for both): GDN_D, GDN_HK,
 // GDN_HV, GDN_T (0: each sequence's own length), GDN_SILU, GDN_GROUPED, GDN_PLANES, GDN_COMMIT, the element types,
-// GDN_STATE_DT, GDN_VMAJOR, GDN_RG (2), GDN_MINB; one block a value head (GDN_NCB 1), D <= 128.
+// GDN_STATE_DT, GDN_VMAJOR; one block a value head (GDN_NCB 1), D 64 or 128 (its own split, below: GDN_RG
+// and GDN_MINB are the token-serial kernel's).
 //
 // Which sequences. This kernel takes a sequence of at least two tokens whose commit point is not 1; the
 // token-serial kernel (gdn_step.cu, compiled with GDN_ROUTE) takes the others of the same call. A commit after
@@ -17,25 +18,26 @@
 //   d_t = ((v_t - G_t (S0^T k_t)) - sum_{s < t} r(t, s) (k_s . k_t) d_s) b_t        (forward substitution)
 //   o_t = (G_t (S0^T q_t) + sum_{s <= t} r(t, s) (k_s . q_t) d_s) / sqrt(D)
 // so the state is swept twice a chunk for the two products S0^T k_t and S0^T q_t (all tokens at once: 16
-// independent sums a thread) and once for the update, with no barrier between tokens. Token 0's delta is the
-// token-serial kernel's to the bit (same conv, norms, sums in the same order), and the update after k tokens is
-// S = fmaf(G_{k-1}, S0, k_0 w_0 + k_1 w_1 + ...), w_s = r(k-1, s) d_s, which for k = 1 is the token-serial
-// kernel's update. Every sum has one fixed order, so a chunk's bits depend only on its own tokens: the
-// committed state after k tokens equals a k-token window's, and a sequence's bits do not depend on the call.
+// independent sums a thread) and once for the update, with no barrier between tokens. The update after k
+// tokens is S = fmaf(G_{k-1}, S0, k_0 w_0 + k_1 w_1 + ...), w_s = r(k-1, s) d_s. Every sum has one fixed order,
+// so a chunk's bits depend only on its own tokens: the committed state after k tokens equals a k-token window's,
+// and a sequence's bits do not depend on the call.
 //
-// Work split: block (value head, sequence), D * RG threads; lane l of a warp holds row group l % RG of column
-// warp * (32 / RG) + l / RG, its D / RG rows in registers for the whole window. Sums over rows are butterflies
-// over the RG lanes of a column; the per-token scalars go through shared memory.
+// Work split: block (value head, sequence) of D * D / 64 threads; a thread holds a tile of 16 rows (keys) x 4
+// columns of the state in registers for the whole window, so every key it loads from shared memory feeds four
+// columns (shared-memory bandwidth bounds a split of one column a thread: one 16-byte load a 4 multiply-adds).
+// Lane l of warp w: row group l / CQ (rows 16 g .. 16 g + 15), columns 4 (w CQ + l % CQ) .. + 3, CQ = 32 / RG
+// column quads a warp, RG = D / 16 row groups. Sums over rows are butterflies over the RG lanes of a column; the
+// per-column work (the deltas' forward substitution, the readout, the norm) runs on one thread a column, through
+// shared memory.
 
 #define D GDN_D
 #define HK GDN_HK
 #define HV GDN_HV
-#define RG GDN_RG
-#define NT (D * RG)
+#define RG (D / 16)
+#define CQ (32 / RG)
+#define NT (D * D / 64)
 #define NW (NT / 32)
-#define CPW (32 / RG)
-#define RPT (D / RG)
-#define KPAD (RPT + 4)
 #define C_ALL ((2 * HK + HV) * D)
 #define N_OUT (HV * D)
 #define NE (3 * D)
@@ -43,8 +45,7 @@
 #define CH 8
 
 static_assert(GDN_NCB == 1, "one block a value head");
-static_assert(D % 16 == 0 && D <= 128, "d a multiple of 16, at most 128");
-static_assert(32 % RG == 0 && RPT % 8 == 0 && NT % 32 == 0, "thread split");
+static_assert(D == 64 || D == 128, "d 64 or 128");
 static_assert(HV % HK == 0, "h_v must be a multiple of h_k");
 
 typedef Elt<GDN_QKV_DT> EQ;
@@ -53,17 +54,6 @@ typedef Elt<GDN_BETA_DT> EB;
 typedef Elt<GDN_Z_DT> EZ;
 typedef Elt<GDN_OUT_DT> EO;
 typedef Elt<GDN_STATE_DT> ES;
-
-#if GDN_VMAJOR
-#define VCH (GDN_STATE_DT == 0 || RPT % 8 != 0 ? 4 : 8)
-#define KEY(g, r) (((r) / VCH) * (VCH * RG) + (g) * VCH + (r) % VCH)
-#define VEC_STATE (VCH * (GDN_STATE_DT == 0 ? 4 : 2) == 16)
-__device__ __forceinline__ int kidx(int i) { return ((i / VCH) % RG) * KPAD + (i / (VCH * RG)) * VCH + i % VCH; }
-#else
-#define KEY(g, r) ((g) * RPT + (r))
-#define VEC_STATE 0
-__device__ __forceinline__ int kidx(int i) { return (i / RPT) * KPAD + (i % RPT); }
-#endif
 
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -85,13 +75,12 @@ template <> struct Tree<1> {
     static __device__ __forceinline__ float sum(const float* p) { return p[0]; }
 };
 
-__device__ __forceinline__ float row_sum(float x) {
+// the sum over the RG lanes of a column (the row groups), the same bits in each
+__device__ __forceinline__ float rows_sum(float x) {
 #pragma unroll
-    for (int off = 1; off < RG; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+    for (int off = CQ; off < 32; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
     return x;
 }
-
-__device__ __forceinline__ int hist_off(int e) { return e * 3; }
 
 // the pair (t, s) of dot product number p: p < 28 the keys' k_t . k_s (s < t), else q_t . k_s (s <= t)
 __device__ __forceinline__ void dot_pair(int p, int& t, int& s, bool& qk) {
@@ -106,7 +95,9 @@ __device__ __forceinline__ void dot_pair(int p, int& t, int& s, bool& qk) {
     s = q;
 }
 
-extern "C" __global__ void __launch_bounds__(NT, GDN_MINB)
+__device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+
+extern "C" __global__ void __launch_bounds__(NT, 2)
 gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __restrict__ qkv,
          const EA::T* __restrict__ alpha, const EB::T* __restrict__ beta, const EZ::T* __restrict__ z,
          const float* __restrict__ conv_w, const float* __restrict__ dt, const float* __restrict__ ssm_a,
@@ -119,16 +110,20 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #if GDN_PLANES == 0
     (void)plane;
 #endif
-    __shared__ __align__(16) float qn[CH][RG * KPAD];
-    __shared__ __align__(16) float kn[CH][RG * KPAD];
+    __shared__ __align__(16) float qn[CH][D];
+    __shared__ __align__(16) float kn[CH][D];
     __shared__ float vs[CH][D];
-    __shared__ float zs[CH][D];  // the output gate's input, widened
-    __shared__ float os[CH][D];  // the readout before the norm
+    __shared__ float zs[CH][D];                 // the output gate's input, widened
+    __shared__ __align__(16) float pks[CH][D];  // S0^T k_t
+    __shared__ __align__(16) float pqs[CH][D];  // S0^T q_t
+    __shared__ float os[CH][D];                 // the readout before the norm
+    __shared__ __align__(16) float wsc[CH][D];  // the commit's update weights w_s
+    __shared__ __align__(16) float wse[CH][D];  // the chunk end's (a window that goes on)
     __shared__ float gts[CH], bts[CH], gcum[CH];
     __shared__ float rat[CH][CH];
     __shared__ float part_qk[CH][2 * D / 16];
     __shared__ float akk[CH][CH], aqk[CH][CH];
-    __shared__ float part_o[CH][NW];
+    __shared__ float part_o[CH][D / 32];
 #if GDN_PLANES
     __shared__ float ys[CH][D];
 #endif
@@ -143,8 +138,8 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #else
     const int g = h % HK;
 #endif
-    const int rg = lane % RG;
-    const int j = warp * CPW + lane / RG;
+    const int rg = lane / CQ;                      // row group: rows 16 rg .. + 15
+    const int j0 = 4 * (warp * CQ + lane % CQ);    // the tile's first column
     const float inv_sqrt_d = 1.0f / sqrtf((float)D);
 
     int chan[NCH];
@@ -153,7 +148,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         const int e = tid + m * NT;
         chan[m] = e < D ? g * D + e : e < 2 * D ? HK * D + g * D + (e - D) : e < NE ? 2 * HK * D + h * D + (e - 2 * D) : -1;
     }
-    const float gam = rg == 0 ? gamma[j] : 0.0f;
+    // the per-column work's column (threads below D)
+    const int jc = tid;
+    const float gam = jc < D ? gamma[jc] : 0.0f;
     const float dth = dt[h];
     const float ah = ssm_a[h];
 
@@ -204,7 +201,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #pragma unroll
     for (int m = 0; m < NCH; ++m) {
         if (chan[m] >= 0) {
-            const int o = hist_off(tid + m * NT);
+            const int o = 3 * (tid + m * NT);
             hst[m][0] = hist_head[o];
             hst[m][1] = hist_head[o + 1];
             hst[m][2] = hist_head[o + 2];
@@ -213,52 +210,81 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         }
     }
 
+    // the state tile: st[r][c] = S[key 16 rg + r][column j0 + c]
+    ES::T* const sbase = state + (size_t)slot * D * HV * D;
+    float st[16][4];
 #if GDN_VMAJOR
-    ES::T* st_base = state + (size_t)slot * D * HV * D + ((size_t)h * D + j) * D + KEY(rg, 0);
-#define SOFF(r) ((size_t)(KEY(0, r)))
-#else
-    ES::T* st_base = state + (size_t)slot * D * HV * D + ((size_t)KEY(rg, 0) * HV + h) * D + j;
-#define SOFF(r) ((size_t)(r) * HV * D)
-#endif
-    float st[RPT];
-#if VEC_STATE && GDN_STATE_DT == 0
+    // S[h][j][i]: each column's 16 keys contiguous
 #pragma unroll
-    for (int r = 0; r < RPT; r += 4) {
-        const float4 w = *reinterpret_cast<const float4*>(st_base + SOFF(r));
-        st[r] = w.x;
-        st[r + 1] = w.y;
-        st[r + 2] = w.z;
-        st[r + 3] = w.w;
-    }
-#elif VEC_STATE
+    for (int c = 0; c < 4; ++c) {
+        const ES::T* p = sbase + ((size_t)h * D + j0 + c) * D + 16 * rg;
+#if GDN_STATE_DT == 0
 #pragma unroll
-    for (int r = 0; r < RPT; r += 8) {
-        const uint4 w = *reinterpret_cast<const uint4*>(st_base + SOFF(r));
-        const unsigned u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            st[r + 2 * c] = __uint_as_float(u[c] << 16);
-            st[r + 2 * c + 1] = __uint_as_float(u[c] & 0xffff0000u);
+        for (int q = 0; q < 4; ++q) {
+            const float4 w = ld4(p + 4 * q);
+            st[4 * q][c] = w.x;
+            st[4 * q + 1][c] = w.y;
+            st[4 * q + 2][c] = w.z;
+            st[4 * q + 3][c] = w.w;
         }
-    }
 #else
 #pragma unroll
-    for (int r = 0; r < RPT; ++r) st[r] = ES::ld(st_base[SOFF(r)]);
+        for (int q = 0; q < 2; ++q) {
+            const uint4 w = *reinterpret_cast<const uint4*>(p + 8 * q);
+            const unsigned u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                st[8 * q + 2 * e][c] = __uint_as_float(u[e] << 16);
+                st[8 * q + 2 * e + 1][c] = __uint_as_float(u[e] & 0xffff0000u);
+            }
+        }
+#endif
+    }
+#else
+    // S[i][h][j]: each key's 4 columns contiguous
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+        const ES::T* p = sbase + ((size_t)(16 * rg + r) * HV + h) * D + j0;
+#if GDN_STATE_DT == 0
+        const float4 w = ld4(p);
+        st[r][0] = w.x;
+        st[r][1] = w.y;
+        st[r][2] = w.z;
+        st[r][3] = w.w;
+#else
+        const uint2 w = *reinterpret_cast<const uint2*>(p);
+        st[r][0] = __uint_as_float(w.x << 16);
+        st[r][1] = __uint_as_float(w.x & 0xffff0000u);
+        st[r][2] = __uint_as_float(w.y << 16);
+        st[r][3] = __uint_as_float(w.y & 0xffff0000u);
+#endif
+    }
 #endif
 
-    // stores rows r .. r + 7 of the state (rounded once for a bf16 pool)
-    auto store8 = [&](int r, const float* v) {
-#if VEC_STATE && GDN_STATE_DT == 0
-        *reinterpret_cast<float4*>(st_base + SOFF(r)) = make_float4(v[0], v[1], v[2], v[3]);
-        *reinterpret_cast<float4*>(st_base + SOFF(r + 4)) = make_float4(v[4], v[5], v[6], v[7]);
-#elif VEC_STATE
-        unsigned u[4];
+    // stores rows 4 q .. 4 q + 3 of the tile (v[r][c]), rounded once for a bf16 pool
+    auto store4 = [&](int q, const float (*v)[4]) {
+#if GDN_VMAJOR
 #pragma unroll
-        for (int c = 0; c < 4; ++c) u[c] = (unsigned)ES::st(v[2 * c]) | ((unsigned)ES::st(v[2 * c + 1]) << 16);
-        *reinterpret_cast<uint4*>(st_base + SOFF(r)) = make_uint4(u[0], u[1], u[2], u[3]);
+        for (int c = 0; c < 4; ++c) {
+            ES::T* p = sbase + ((size_t)h * D + j0 + c) * D + 16 * rg + 4 * q;
+#if GDN_STATE_DT == 0
+            *reinterpret_cast<float4*>(p) = make_float4(v[0][c], v[1][c], v[2][c], v[3][c]);
+#else
+            *reinterpret_cast<uint2*>(p) = make_uint2((unsigned)ES::st(v[0][c]) | ((unsigned)ES::st(v[1][c]) << 16),
+                                                      (unsigned)ES::st(v[2][c]) | ((unsigned)ES::st(v[3][c]) << 16));
+#endif
+        }
 #else
 #pragma unroll
-        for (int q = 0; q < 8; ++q) st_base[SOFF(r + q)] = ES::st(v[q]);
+        for (int r = 0; r < 4; ++r) {
+            ES::T* p = sbase + ((size_t)(16 * rg + 4 * q + r) * HV + h) * D + j0;
+#if GDN_STATE_DT == 0
+            *reinterpret_cast<float4*>(p) = make_float4(v[r][0], v[r][1], v[r][2], v[r][3]);
+#else
+            *reinterpret_cast<uint2*>(p) = make_uint2((unsigned)ES::st(v[r][0]) | ((unsigned)ES::st(v[r][1]) << 16),
+                                                      (unsigned)ES::st(v[r][2]) | ((unsigned)ES::st(v[r][3]) << 16));
+#endif
+        }
 #endif
     };
 
@@ -276,8 +302,6 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #pragma unroll
             for (int t = 0; t < CH; ++t)
                 in[m][t] = chan[m] >= 0 && t < tc ? qkv_b[(size_t)(c0 + t) * C_ALL + chan[m]] : (EQ::T)0;
-        // the output gate's inputs (all loads in flight before the first store) and each token's gate and write
-        // strength by a thread of its own
         {
             constexpr int ZPT = (CH * D + NT - 1) / NT;
             EZ::T zv[ZPT];
@@ -323,10 +347,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #if GDN_COMMIT
                     // the history after the commit token: this head's private copy, read only at the start
                     if (t + 1 == cl) {
-                        const int o = hist_off(e);
-                        hist_head[o] = hst[m][0];
-                        hist_head[o + 1] = hst[m][1];
-                        hist_head[o + 2] = hst[m][2];
+                        hist_head[3 * e] = hst[m][0];
+                        hist_head[3 * e + 1] = hst[m][1];
+                        hist_head[3 * e + 2] = hst[m][2];
                     }
 #endif
                 }
@@ -343,7 +366,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         }
         __syncthreads();
 
-        // 2. L2 norms (the token-serial kernel's operations), gate products
+        // 2. L2 norms, gate products
 #pragma unroll
         for (int m = 0; m < NCH; ++m) {
             const int e = tid + m * NT;
@@ -357,8 +380,8 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                         for (int c = 0; c < D / 16; ++c) tot += part_qk[t][base + c];
                         const float r = rsqrtf(tot / (float)D + eps / (float)D);
                         const float x = (r * cvs[m][t]) * inv_sqrt_d;
-                        if (e < D) qn[t][kidx(e)] = x;
-                        else kn[t][kidx(e - D)] = x;
+                        if (e < D) qn[t][e] = x;
+                        else kn[t][e - D] = x;
                     }
                 }
             }
@@ -387,45 +410,32 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         }
         __syncthreads();
 
-        // 3. S0^T k_t and S0^T q_t for every token of the chunk: two sums a token (rows 4q.. and 4q+2..), as the
-        // token-serial kernel's kv
-        float pk[CH], pq[CH];
-        {
-            float a0[CH], a1[CH];
+        // 3. S0^T k_t and S0^T q_t for every token of the chunk: each key read once from shared memory for the
+        // tile's four columns, one sum a column over the tile's rows (in row order), then over the row groups
+        for (int t = 0; t < tc; ++t) {
+            float ak[4] = {0.0f, 0.0f, 0.0f, 0.0f}, aq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-            for (int t = 0; t < CH; ++t) a0[t] = a1[t] = 0.0f;
+            for (int q = 0; q < 4; ++q) {
+                const float4 k4 = ld4(&kn[t][16 * rg + 4 * q]);
+                const float4 q4 = ld4(&qn[t][16 * rg + 4 * q]);
+                const float kk[4] = {k4.x, k4.y, k4.z, k4.w}, qq[4] = {q4.x, q4.y, q4.z, q4.w};
 #pragma unroll
-            for (int r = 0; r < RPT; r += 4) {
+                for (int r = 0; r < 4; ++r)
 #pragma unroll
-                for (int t = 0; t < CH; ++t) {
-                    if (GDN_T > 0 ? t < (GDN_T < CH ? GDN_T : CH) : t < tc) {
-                        const float4 k4 = *reinterpret_cast<const float4*>(&kn[t][rg * KPAD + r]);
-                        a0[t] = fmaf(st[r + 0], k4.x, a0[t]);
-                        a0[t] = fmaf(st[r + 1], k4.y, a0[t]);
-                        a1[t] = fmaf(st[r + 2], k4.z, a1[t]);
-                        a1[t] = fmaf(st[r + 3], k4.w, a1[t]);
+                    for (int c = 0; c < 4; ++c) {
+                        ak[c] = fmaf(st[4 * q + r][c], kk[r], ak[c]);
+                        aq[c] = fmaf(st[4 * q + r][c], qq[r], aq[c]);
                     }
-                }
             }
 #pragma unroll
-            for (int t = 0; t < CH; ++t) pk[t] = row_sum(a0[t] + a1[t]);
-#pragma unroll
-            for (int t = 0; t < CH; ++t) a0[t] = a1[t] = 0.0f;
-#pragma unroll
-            for (int r = 0; r < RPT; r += 4) {
-#pragma unroll
-                for (int t = 0; t < CH; ++t) {
-                    if (GDN_T > 0 ? t < (GDN_T < CH ? GDN_T : CH) : t < tc) {
-                        const float4 q4 = *reinterpret_cast<const float4*>(&qn[t][rg * KPAD + r]);
-                        a0[t] = fmaf(st[r + 0], q4.x, a0[t]);
-                        a0[t] = fmaf(st[r + 1], q4.y, a0[t]);
-                        a1[t] = fmaf(st[r + 2], q4.z, a1[t]);
-                        a1[t] = fmaf(st[r + 3], q4.w, a1[t]);
-                    }
-                }
+            for (int c = 0; c < 4; ++c) {
+                ak[c] = rows_sum(ak[c]);
+                aq[c] = rows_sum(aq[c]);
             }
-#pragma unroll
-            for (int t = 0; t < CH; ++t) pq[t] = row_sum(a0[t] + a1[t]);
+            if (rg == 0) {
+                *reinterpret_cast<float4*>(&pks[t][j0]) = make_float4(ak[0], ak[1], ak[2], ak[3]);
+                *reinterpret_cast<float4*>(&pqs[t][j0]) = make_float4(aq[0], aq[1], aq[2], aq[3]);
+            }
         }
         // the chunk's dot products k_t . k_s (s < t) and q_t . k_s (s <= t), times r(t, s): warp-strided pairs,
         // each a lane-strided sum and a butterfly (a fixed order)
@@ -436,7 +446,8 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
             if (t >= tc) continue;  // uniform over the warp
             const float* a = isq ? qn[t] : kn[t];
             float acc = 0.0f;
-            for (int i = lane; i < D; i += 32) acc = fmaf(a[kidx(i)], kn[s][kidx(i)], acc);
+#pragma unroll
+            for (int i = lane; i < D; i += 32) acc = fmaf(a[i], kn[s][i], acc);
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
             if (lane == 0) {
@@ -446,104 +457,114 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         }
         __syncthreads();
 
-        // 4. the deltas by forward substitution (both lanes of a column alike), the outputs, their squares
-        float dl[CH];
+        // 4. one thread a column: the deltas by forward substitution, the readout and its squares, the update
+        // weights
+        if (jc < D) {
+            float dl[CH];
 #pragma unroll
-        for (int t = 0; t < CH; ++t) {
-            dl[t] = 0.0f;
-            if (t < tc) {
-                float x = vs[t][j] - gcum[t] * pk[t];
+            for (int t = 0; t < CH; ++t) {
+                dl[t] = 0.0f;
+                if (t < tc) {
+                    float x = vs[t][jc] - gcum[t] * pks[t][jc];
 #pragma unroll
-                for (int s = 0; s < t; ++s) x = fmaf(-akk[t][s], dl[s], x);
-                dl[t] = x * bts[t];
+                    for (int s = 0; s < t; ++s) x = fmaf(-akk[t][s], dl[s], x);
+                    dl[t] = x * bts[t];
+                }
             }
+#pragma unroll
+            for (int t = 0; t < CH; ++t) {
+                if (t < tc) {
+                    float x = gcum[t] * pqs[t][jc];
+#pragma unroll
+                    for (int s = 0; s <= t; ++s) x = fmaf(aqk[t][s], dl[s], x);
+                    const float ov = x * inv_sqrt_d;
+                    os[t][jc] = ov;
+                    float osq = ov * ov;
+#pragma unroll
+                    for (int off = 16; off > 0; off >>= 1) osq += __shfl_xor_sync(0xffffffffu, osq, off);
+                    if (lane == 0) part_o[t][warp] = osq;
+                }
+            }
+            // w_s = r(n - 1, s) d_s for the commit (n = cl) and for a chunk end the window goes on from
+            auto weights = [&](int n, float (*ws)[D]) {
+#pragma unroll
+                for (int s = 0; s < CH; ++s)
+                    if (s < n) ws[s][jc] = s + 1 < n ? rat[n - 1][s] * dl[s] : dl[s];
+            };
+            if (cl > 0) weights(cl, wsc);
+            if (more && cl != tc) weights(tc, wse);
         }
-#pragma unroll
-        for (int t = 0; t < CH; ++t) {
-            if (t < tc) {
-                float x = gcum[t] * pq[t];
-#pragma unroll
-                for (int s = 0; s <= t; ++s) x = fmaf(aqk[t][s], dl[s], x);
-                const float ov = x * inv_sqrt_d;
-                if (rg == 0) os[t][j] = ov;
-                float osq = rg == 0 ? ov * ov : 0.0f;
-#pragma unroll
-                for (int off = RG; off < 32; off <<= 1) osq += __shfl_xor_sync(0xffffffffu, osq, off);
-                if (lane == 0) part_o[t][warp] = osq;
-            }
-        }
-
-        // 5. the state after n tokens of the chunk, fmaf(G_{n-1}, S0, k_0 w_0 + ... + k_{n-1} w_{n-1}) with
-        // w_s = r(n-1, s) d_s: kept in the registers (the next chunk starts from it) and / or stored (the commit)
-        auto advance = [&](int n, bool keep, bool store) {
-            float w[CH];
-#pragma unroll
-            for (int s = 0; s < CH; ++s) w[s] = s + 1 < n ? rat[n - 1][s] * dl[s] : dl[s];
-            const float gn = gcum[n - 1];
-#pragma unroll
-            for (int r = 0; r < RPT; r += 8) {
-                float u[8];
-#pragma unroll
-                for (int q = 0; q < 8; q += 4) {
-                    const float4 k4 = *reinterpret_cast<const float4*>(&kn[0][rg * KPAD + r + q]);
-                    u[q + 0] = k4.x * w[0];
-                    u[q + 1] = k4.y * w[0];
-                    u[q + 2] = k4.z * w[0];
-                    u[q + 3] = k4.w * w[0];
-                }
-#pragma unroll
-                for (int s = 1; s < CH; ++s) {
-                    if (s < n) {
-#pragma unroll
-                        for (int q = 0; q < 8; q += 4) {
-                            const float4 k4 = *reinterpret_cast<const float4*>(&kn[s][rg * KPAD + r + q]);
-                            u[q + 0] = fmaf(k4.x, w[s], u[q + 0]);
-                            u[q + 1] = fmaf(k4.y, w[s], u[q + 1]);
-                            u[q + 2] = fmaf(k4.z, w[s], u[q + 2]);
-                            u[q + 3] = fmaf(k4.w, w[s], u[q + 3]);
-                        }
-                    }
-                }
-#pragma unroll
-                for (int q = 0; q < 8; ++q) u[q] = fmaf(gn, st[r + q], u[q]);
-                if (store) store8(r, u);
-                if (keep) {
-#pragma unroll
-                    for (int q = 0; q < 8; ++q) st[r + q] = u[q];
-                }
-            }
-        };
-        // a commit inside a window that goes on is stored, the registers keep S0 for the rest of the chunk
-        if (cl > 0 && cl != tc) advance(cl, false, true);
-        if (more || cl == tc) advance(tc, more, cl == tc);
         __syncthreads();
 
-        // 6. gated RMS norm, y, planes (each in f32, rounded once)
+        // 5. gated RMS norm, y, planes (one thread a column; each in f32, rounded once)
+        if (jc < D) {
 #pragma unroll
-        for (int t = 0; t < CH; ++t) {
-            if (t < tc) {
-                const float tot = Tree<NW>::sum(part_o[t]);
-                const float rs = rsqrtf(tot / (float)D + eps);
-                const float zt = zs[t][j];
+            for (int t = 0; t < CH; ++t) {
+                if (t < tc) {
+                    const float tot = Tree<D / 32>::sum(part_o[t]);
+                    const float rs = rsqrtf(tot / (float)D + eps);
+                    const float zt = zs[t][jc];
 #if GDN_SILU
-                const float act = zt * sigmoid_f(zt);
+                    const float act = zt * sigmoid_f(zt);
 #else
-                const float act = sigmoid_f(zt);
+                    const float act = sigmoid_f(zt);
 #endif
-                const float yv = ((rs * os[t][j]) * gam) * act;
-                const size_t yi = (row0 + t) * N_OUT + h * D + j;
-                if (rg == 0) {
+                    const float yv = ((rs * os[t][jc]) * gam) * act;
+                    const size_t yi = (row0 + t) * N_OUT + h * D + jc;
                     out[yi] = EO::st(yv);
 #if GDN_PLANES
-                    const int jj = j & 15;
+                    const int jj = jc & 15;
                     out[plane + yi] = EO::st(yv * __int_as_float((127 - 2 * (jj & 7)) << 23));
                     out[2 * plane + yi] = EO::st(yv * __int_as_float((127 - 8 * (jj & 3)) << 23));
                     out[3 * plane + yi] = EO::st((jj & 1) ? yv * 0.00390625f : yv);
-                    ys[t][j] = yv;
+                    ys[t][jc] = yv;
 #endif
                 }
             }
         }
+
+        // 6. the state after n tokens of the chunk, fmaf(G_{n-1}, S0, k_0 w_0 + ... + k_{n-1} w_{n-1}): stored
+        // (the commit) and / or kept in the registers (the next chunk starts from it)
+        auto advance = [&](int n, const float (*ws)[D], bool keep, bool store) {
+            const float gn = gcum[n - 1];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                float u[4][4];
+                {
+                    const float4 k4 = ld4(&kn[0][16 * rg + 4 * q]);
+                    const float4 w4 = ld4(&ws[0][j0]);
+                    const float kk[4] = {k4.x, k4.y, k4.z, k4.w}, ww[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+                    for (int r = 0; r < 4; ++r)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) u[r][c] = kk[r] * ww[c];
+                }
+                for (int s = 1; s < n; ++s) {
+                    const float4 k4 = ld4(&kn[s][16 * rg + 4 * q]);
+                    const float4 w4 = ld4(&ws[s][j0]);
+                    const float kk[4] = {k4.x, k4.y, k4.z, k4.w}, ww[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+                    for (int r = 0; r < 4; ++r)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) u[r][c] = fmaf(kk[r], ww[c], u[r][c]);
+                }
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) u[r][c] = fmaf(gn, st[4 * q + r][c], u[r][c]);
+                if (store) store4(q, u);
+                if (keep) {
+#pragma unroll
+                    for (int r = 0; r < 4; ++r)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) st[4 * q + r][c] = u[r][c];
+                }
+            }
+        };
+        // a commit inside a window that goes on is stored; the registers keep S0 until the chunk end's update
+        if (cl > 0 && cl != tc) advance(cl, wsc, false, true);
+        if (more || cl == tc) advance(tc, cl == tc ? wsc : wse, more, cl == tc);
+
 #if GDN_PLANES
         __syncthreads();
         for (int p = tid; p < tc * (D / 16); p += NT) {
@@ -557,5 +578,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
             out[4 * plane + (row0 + t) * (N_OUT / 16) + (h * D) / 16 + q] = EO::st(s_even + s_odd);
         }
 #endif
+        // the next chunk rewrites what this one's last steps read
+        if (more) __syncthreads();
     }
 }

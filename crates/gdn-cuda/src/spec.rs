@@ -312,14 +312,10 @@ impl Spec {
         }
     }
 
-    /// Whether the window kernel takes this shape and split: one block a head, d <= 128, rows a thread a
-    /// multiple of 8 (the plan for every d <= 128 that is a multiple of 16).
+    /// Whether the window kernel takes this shape: d 64 or 128 (its split: tiles of 16 keys x 4 columns, d / 16
+    /// row groups in a warp), under a plan of one block a head.
     pub fn window_fits(&self) -> bool {
-        let d = self.shape.d;
-        self.plan.ncb == 1
-            && d <= 128
-            && d.is_multiple_of(16)
-            && (d / self.plan.rg.max(1)).is_multiple_of(8)
+        self.plan.ncb == 1 && matches!(self.shape.d, 64 | 128)
     }
 
     /// The window kernel's specialisation of the same call (no staging, no memory hints: it has neither).
@@ -491,9 +487,13 @@ impl Spec {
         format!("{}{}{}", self.header(), ELT_SRC, body)
     }
 
-    /// The threads of one block.
+    /// The threads of one block (the window kernel's: d x d / 64).
     pub fn threads(&self) -> usize {
-        self.plan.threads(self.shape.d)
+        if self.window {
+            self.shape.d * self.shape.d / 64
+        } else {
+            self.plan.threads(self.shape.d)
+        }
     }
 }
 

@@ -440,8 +440,8 @@ fn every_memory_hint_compiles() {
     assert_all_compile(specs);
 }
 
-/// The window kernel and the routed token-serial kernel beside it, for every head dim up to 128 the window kernel
-/// takes (its split is the planner's), every state dtype and layout, 16-bit tensors, planes, verify and commit,
+/// The window kernel and the routed token-serial kernel beside it, for the head dims the window kernel takes (64
+/// and 128), every state dtype and layout, 16-bit tensors, planes, verify and commit,
 /// T 2..=8 and the run-time length, both gates and head maps.
 #[test]
 fn every_window_specialisation_compiles() {
@@ -449,12 +449,15 @@ fn every_window_specialisation_compiles() {
         return;
     }
     let mut specs = Vec::new();
-    for d in (16..=128).step_by(16) {
+    for d in (16..=256).step_by(16) {
         let shape = Shape::new(d, 2, 4).unwrap();
         let cfg = Config::new(shape);
         let plan = Plan::choose(d, 4, 1, 132).unwrap();
         let base = Spec::new((9, 0), &cfg, None, true, false, plan);
-        assert!(base.window_fits(), "d {d}: the window kernel takes it");
+        assert_eq!(base.window_fits(), d == 64 || d == 128, "d {d}");
+        if !base.window_fits() {
+            continue;
+        }
         specs.push(base.with_window());
         specs.push(base.with_route());
     }
