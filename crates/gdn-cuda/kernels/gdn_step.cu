@@ -234,15 +234,6 @@ struct GdnExt {
 #define VEC_STATE 0
 #endif
 
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-__device__ __forceinline__ float softplus_decay(float u, float a) {
-    const float ex = expf(u);
-    const float w = 1.0f + ex;
-    const float sp = u > 20.0f ? u : (w == 1.0f ? ex : logf(w) * ex / (w - 1.0f));
-    return expf(sp * a);
-}
-
 #if GDN_SPEC
 __device__ __forceinline__ float* pend_new(const unsigned long long* p) {
     unsigned long long v;
@@ -267,20 +258,6 @@ __device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
     return v;
 }
 #endif
-
-// the largest power of two below n (n >= 2)
-constexpr int below_pow2(int n) { return n <= 2 ? 1 : 2 * below_pow2((n + 1) / 2); }
-
-// p[0] + ... + p[N - 1] as a fixed pairwise tree (the first power-of-two part, then the rest)
-template <int N> struct Tree {
-    static __device__ __forceinline__ float sum(const float* p) {
-        constexpr int H = below_pow2(N);
-        return Tree<H>::sum(p) + Tree<N - H>::sum(p + H);
-    }
-};
-template <> struct Tree<1> {
-    static __device__ __forceinline__ float sum(const float* p) { return p[0]; }
-};
 
 // L2 prefetch of the part of a slot's state block (head hh, rank rr) reads (one bulk prefetch per state row of
 // the block, thread-strided); a hint only, it changes no value

@@ -55,26 +55,6 @@ typedef Elt<GDN_Z_DT> EZ;
 typedef Elt<GDN_OUT_DT> EO;
 typedef Elt<GDN_STATE_DT> ES;
 
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-__device__ __forceinline__ float softplus_decay(float u, float a) {
-    const float ex = expf(u);
-    const float w = 1.0f + ex;
-    const float sp = u > 20.0f ? u : (w == 1.0f ? ex : logf(w) * ex / (w - 1.0f));
-    return expf(sp * a);
-}
-
-constexpr int below_pow2(int n) { return n <= 2 ? 1 : 2 * below_pow2((n + 1) / 2); }
-template <int N> struct Tree {
-    static __device__ __forceinline__ float sum(const float* p) {
-        constexpr int H = below_pow2(N);
-        return Tree<H>::sum(p) + Tree<N - H>::sum(p + H);
-    }
-};
-template <> struct Tree<1> {
-    static __device__ __forceinline__ float sum(const float* p) { return p[0]; }
-};
-
 // the sum over the RG lanes of a column (the row groups), the same bits in each
 __device__ __forceinline__ float rows_sum(float x) {
 #pragma unroll

@@ -1329,24 +1329,7 @@ impl CudaPool {
         out_dtype: DType,
         iters: usize,
     ) -> Result<StepTiming> {
-        let layout = step.layout(self.layer.shape())?;
-        let checked = step.validate(&self.layer, self.slots, layout.len())?;
-        let held = |slot| self.held[slot];
-        gdn::spec::check_spec(
-            step,
-            &checked.commit_at,
-            accept,
-            held,
-            MAX_HELD,
-            "the CUDA pool",
-        )?;
-        self.take_fault()?;
-        self.pending()?;
-        let t = self.time_inner(std::slice::from_ref(step), out_dtype, iters, Some(accept));
-        for s in step.seqs.iter().filter(|s| s.slot >= 0) {
-            self.held[s.slot as usize] = 0;
-        }
-        t
+        self.time_spec_rotating(std::slice::from_ref(step), accept, out_dtype, iters)
     }
 
     /// `time_spec` over several steps taken in turn, one per call (as `time_varlen_rotating`: each entry names
