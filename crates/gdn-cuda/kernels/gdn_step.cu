@@ -30,8 +30,9 @@
 //                           many blocks after it in launch order (its loads then hit L2); a hint, no value changes
 //   GDN_PREWAIT             1: before waiting for the previous kernel, prefetch the block's own state into L2
 //                           (the slot read only for that, as a relaxed load; see Launch below)
-//   GDN_ROUTE               1: the window kernel (gdn_window.cu) runs in the same call; leave it the sequences of
-//                           two tokens or more whose commit point is not 1 (after the checks: faults reported alike)
+//   GDN_ROUTE               1: the window kernel (gdn_window.cu) runs in the same call; leave it the sequences whose
+//                           effective length (commit point, or length without one) is in GDN_WMIN ..= GDN_WMAX
+//                           (after the checks: faults reported alike)
 //
 // Sequences. Sequence s of the call has pool slot seq_slot[s], rows seq_start[s] .. + seq_len[s] of the packed
 // inputs and of the output, and commit point seq_commit[s]. A sequence whose slot is outside the pool, whose
@@ -524,11 +525,14 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     const int commit_at = commit_ok ? commit_in : 0;
 #endif
 #if GDN_ROUTE
+    {
 #if GDN_COMMIT
-    if (T >= 2 && commit_at != 1) return;
+        const int eff = commit_at > 0 ? commit_at : T;
 #else
-    if (T >= 2) return;
+        const int eff = T;
 #endif
+        if (eff >= GDN_WMIN && eff <= GDN_WMAX) return;
+    }
 #endif
 #if GDN_SPEC
     // the held window's buffer and accepted count (bit 16 of the fault word: a count above MAXH, none applied)
