@@ -20,19 +20,66 @@ use crate::{drv, Cuda};
 /// The kernels' source.
 pub const QUANT_SRC: &str = include_str!("../kernels/quant.cu");
 
-/// Output rows a warp owns (the kernel's ROWS).
-pub const ROWS: usize = 4;
 /// Tokens a block takes (the kernel's TT), one module each: 1 for calls of fewer than [`TILE_FROM`] rows (a
-/// decode step: few registers, full occupancy), 8 from there (each decoded field used for 8 tokens). A token's
-/// arithmetic is the same in both, so its bits do not depend on the rest of the call.
+/// decode step: few registers, many blocks), 8 from there (each decoded field used for 8 tokens). A row's sum
+/// is ordered by n alone (see `kernels/quant.cu`), the same in both modules, so its bits do not depend on the
+/// rest of the call.
 pub const TILES: [usize; 2] = [1, 8];
 pub const TILE_FROM: usize = 4;
+/// Most warps a block: one a part of a row's groups (128 groups a part; n 6144 has 3).
 const WARPS: usize = 4;
+/// The bf16 baseline's block: 4 warps of 4 rows.
+const BF_BLOCK_ROWS: usize = 16;
+const BF_WARPS: usize = 4;
 
-/// Compiles the quant kernels for `arch` with `tt` tokens a block (the step kernel's NVRTC options and
-/// per-process cache, [`crate::spec::compiled_source`]); the cubin and ptxas's log.
+/// The quant kernels' launch shape, a module's compile-time choices; none changes a bit of the result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct QuantTune {
+    /// Output rows a block owns, by packing (`Q2U16`, `Q8U32`, `Q8U16`), for each tile of [`TILES`].
+    pub rows: [[usize; 3]; 2],
+    /// Blocks a multiprocessor should hold at once (ptxas's register budget), for each tile.
+    pub min_blocks: [usize; 2],
+    /// Weights loaded past L1 with a 256-byte L2 prefetch hint (else plain read-only loads).
+    pub stream_hint: bool,
+}
+
+impl QuantTune {
+    /// The measured choice (NOTES.md, "The quantized out_proj").
+    pub const DEFAULT: QuantTune = QuantTune {
+        rows: [[4, 2, 2], [4, 2, 2]],
+        min_blocks: [5, 1],
+        stream_hint: true,
+    };
+
+    fn rows_of(&self, p: Packing, tokens: usize) -> usize {
+        self.rows[tile(tokens)][pack_index(p)]
+    }
+}
+
+impl Default for QuantTune {
+    fn default() -> Self {
+        QuantTune::DEFAULT
+    }
+}
+
+/// Compiles the quant kernels for `arch` with `tt` tokens a block under the default launch shape (the step
+/// kernel's NVRTC options and per-process cache, [`crate::spec::compiled_source`]); the cubin and ptxas's log.
 pub fn compiled_quant(arch: (i32, i32), tt: usize) -> Result<Arc<Compiled>> {
-    let src = format!("#define ROWS {ROWS}\n#define TT {tt}\n{QUANT_SRC}");
+    compiled_quant_with(arch, tt, &QuantTune::DEFAULT)
+}
+
+/// The same under `tune`.
+pub fn compiled_quant_with(arch: (i32, i32), tt: usize, tune: &QuantTune) -> Result<Arc<Compiled>> {
+    let k = usize::from(tt != TILES[0]);
+    let r = tune.rows[k];
+    let src = format!(
+        "#define TT {tt}\n#define ROWS_0 {}\n#define ROWS_1 {}\n#define ROWS_2 {}\n#define WARPS {WARPS}\n#define MIN_BLOCKS {}\n#define STREAM_HINT {}\n{QUANT_SRC}",
+        r[0],
+        r[1],
+        r[2],
+        tune.min_blocks[k],
+        u8::from(tune.stream_hint)
+    );
     crate::spec::compiled_source(&src, "quant.cu", arch)
 }
 
@@ -47,8 +94,8 @@ struct Kernels {
     empty: CudaFunction,
 }
 
-fn kernels(cuda: &Cuda, tt: usize) -> Result<Kernels> {
-    let c = compiled_quant(cuda.arch, tt)?;
+fn kernels(cuda: &Cuda, tt: usize, tune: &QuantTune) -> Result<Kernels> {
+    let c = compiled_quant_with(cuda.arch, tt, tune)?;
     let module = cuda
         .ctx
         .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin.clone()))
@@ -95,9 +142,48 @@ fn tile(tokens: usize) -> usize {
     usize::from(tokens >= TILE_FROM)
 }
 
-/// The launch grid of a product over `tokens` rows and `hidden` outputs.
-fn grid(hidden: usize, tokens: usize) -> Result<LaunchConfig> {
-    let x = hidden.div_ceil(ROWS * WARPS);
+/// Groups of a row on the device: n / 16 padded to a multiple of 4 (a lane's quad is one 16-byte load).
+fn padded_groups(n: usize) -> usize {
+    (n / 16).next_multiple_of(4)
+}
+
+/// The launch of a product over `tokens` rows: blocks of `rows` outputs and a tile of tokens, a warp a part of
+/// 128 groups (at most [`WARPS`]), the parts' sums in dynamic shared memory.
+fn grid(
+    p: Packing,
+    hidden: usize,
+    n: usize,
+    tokens: usize,
+    tune: &QuantTune,
+) -> Result<LaunchConfig> {
+    let rows = tune.rows_of(p, tokens);
+    let tt = TILES[tile(tokens)];
+    let y = tokens.div_ceil(tt);
+    if y > 65535 {
+        return Err(Error::Param {
+            name: "rows",
+            why: format!("{tokens} rows: at most {} a call", 65535 * tt),
+        });
+    }
+    let parts = padded_groups(n).div_ceil(128);
+    let shared = parts * rows * tt * 4;
+    if shared > 48 << 10 {
+        return Err(Error::Param {
+            name: "n",
+            why: format!(
+                "{n} columns need {shared} bytes of shared memory a block (at most 48 KiB)"
+            ),
+        });
+    }
+    Ok(LaunchConfig {
+        grid_dim: (int(hidden.div_ceil(rows), "hidden")? as u32, y as u32, 1),
+        block_dim: ((32 * parts.clamp(1, WARPS)) as u32, 1, 1),
+        shared_mem_bytes: shared as u32,
+    })
+}
+
+/// The bf16 baseline's launch grid.
+fn bf16_grid(hidden: usize, tokens: usize) -> Result<LaunchConfig> {
     let tt = TILES[tile(tokens)];
     let y = tokens.div_ceil(tt);
     if y > 65535 {
@@ -107,16 +193,58 @@ fn grid(hidden: usize, tokens: usize) -> Result<LaunchConfig> {
         });
     }
     Ok(LaunchConfig {
-        grid_dim: (int(x, "hidden")? as u32, y as u32, 1),
-        block_dim: ((32 * WARPS) as u32, 1, 1),
+        grid_dim: (
+            int(hidden.div_ceil(BF_BLOCK_ROWS), "hidden")? as u32,
+            y as u32,
+            1,
+        ),
+        block_dim: ((32 * BF_WARPS) as u32, 1, 1),
         shared_mem_bytes: 0,
     })
+}
+
+/// The weights as the kernels read them: each row's groups padded to [`padded_groups`] (zero words, scales
+/// and zero terms); an 8-bit group's 4 words permuted within its row so that, for a part i of 32 quads (width
+/// w, 32 but in a last part), group 4 q + j of quad q = 32 i + l sits at 16-byte slot 128 i + j w + l: a warp's
+/// j-th load covers 512 contiguous bytes.
+fn device_weights(w: &QuantWeights) -> (Vec<u32>, Vec<f32>, Vec<f32>) {
+    let (p, hidden, n) = w.shape();
+    let (groups, gp) = (n / 16, padded_groups(n));
+    let wpg = if p == Packing::Q2U16 { 1 } else { 4 };
+    let bytes = w.word_bytes_le();
+    // a 16-bit packing's rows hold n / 8 or n / 2 u16: n a multiple of 16 makes every row whole u32s
+    let src: Vec<u32> = bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let mut words = vec![0u32; hidden * gp * wpg];
+    let mut scale = vec![0.0f32; hidden * gp];
+    let mut zs = vec![0.0f32; hidden * gp];
+    let quads = gp / 4;
+    for o in 0..hidden {
+        scale[o * gp..o * gp + groups].copy_from_slice(&w.scales()[o * groups..(o + 1) * groups]);
+        zs[o * gp..o * gp + groups].copy_from_slice(&w.zero_terms()[o * groups..(o + 1) * groups]);
+        for g in 0..groups {
+            let from = &src[(o * groups + g) * wpg..(o * groups + g + 1) * wpg];
+            let slot = if wpg == 1 {
+                g
+            } else {
+                let (q, j) = (g / 4, g % 4);
+                let (i, l) = (q / 32, q % 32);
+                let width = (quads - 32 * i).min(32);
+                128 * i + j * width + l
+            };
+            words[(o * gp + slot) * wpg..(o * gp + slot + 1) * wpg].copy_from_slice(from);
+        }
+    }
+    (words, scale, zs)
 }
 
 /// Quantized out_proj weights on the device, with the host path's staging buffers.
 pub struct CudaOutProj {
     cuda: Cuda,
     k: [Kernels; 2],
+    tune: QuantTune,
     shape: (Packing, usize, usize),
     words: CudaSlice<u32>,
     scale: CudaSlice<f32>,
@@ -131,19 +259,43 @@ pub struct CudaOutProj {
 impl Cuda {
     /// Uploads quantized out_proj weights (once; every product reads them there).
     pub fn load_out_proj(&self, w: &QuantWeights) -> Result<CudaOutProj> {
+        self.load_out_proj_with(w, QuantTune::DEFAULT)
+    }
+
+    /// The same, launched under `tune` (the same bits under any: benchmarks and tests compare shapes).
+    pub fn load_out_proj_with(&self, w: &QuantWeights, tune: QuantTune) -> Result<CudaOutProj> {
+        if tune.rows.iter().flatten().any(|&r| r == 0 || r > 8)
+            || tune.min_blocks.iter().any(|&b| b == 0 || b > 16)
+        {
+            return Err(Error::Param {
+                name: "tune",
+                why: format!(
+                    "rows a block {:?} (1 to 8), blocks a multiprocessor {:?} (1 to 16)",
+                    tune.rows, tune.min_blocks
+                ),
+            });
+        }
+        self.load_laid_out(w.shape(), &device_weights(w), tune)
+    }
+
+    /// Uploads weights already laid out by [`device_weights`].
+    fn load_laid_out(
+        &self,
+        shape: (Packing, usize, usize),
+        (words, scale, zs): &(Vec<u32>, Vec<f32>, Vec<f32>),
+        tune: QuantTune,
+    ) -> Result<CudaOutProj> {
         let s = &self.stream;
-        let bytes = w.word_bytes_le();
-        // a 16-bit packing's rows hold n / 8 or n / 2 u16: n a multiple of 16 makes every row whole u32s
-        let words: Vec<u32> = bytes
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
         Ok(CudaOutProj {
-            k: [kernels(self, TILES[0])?, kernels(self, TILES[1])?],
-            shape: w.shape(),
-            words: s.clone_htod(&words).map_err(drv)?,
-            scale: s.clone_htod(w.scales()).map_err(drv)?,
-            zs: s.clone_htod(w.zero_terms()).map_err(drv)?,
+            k: [
+                kernels(self, TILES[0], &tune)?,
+                kernels(self, TILES[1], &tune)?,
+            ],
+            tune,
+            shape,
+            words: s.clone_htod(words).map_err(drv)?,
+            scale: s.clone_htod(scale).map_err(drv)?,
+            zs: s.clone_htod(zs).map_err(drv)?,
             gsum: s.alloc_zeros::<f32>(16).map_err(drv)?,
             x: s.alloc_zeros::<f32>(16).map_err(drv)?,
             out: s.alloc_zeros::<f32>(16).map_err(drv)?,
@@ -160,8 +312,12 @@ impl Cuda {
             });
         }
         let bits: Vec<u16> = w.w.iter().map(|v| v.to_bits()).collect();
+        let tune = QuantTune::DEFAULT;
         Ok(CudaBf16OutProj {
-            k: [kernels(self, TILES[0])?, kernels(self, TILES[1])?],
+            k: [
+                kernels(self, TILES[0], &tune)?,
+                kernels(self, TILES[1], &tune)?,
+            ],
             hidden: w.rows,
             n: w.cols,
             w: self.stream.clone_htod(&bits).map_err(drv)?,
@@ -171,7 +327,7 @@ impl Cuda {
 }
 
 impl CudaOutProj {
-    /// Bytes of the fields, scales and zero terms on the device.
+    /// Bytes of the fields, scales and zero terms on the device (rows padded to a multiple of 4 groups).
     pub fn bytes(&self) -> usize {
         4 * (self.words.len() + self.scale.len() + self.zs.len())
     }
@@ -196,7 +352,7 @@ impl CudaOutProj {
         if tokens == 0 {
             return Ok(());
         }
-        let cfg = grid(hidden, tokens)?;
+        let cfg = grid(p, hidden, n, tokens, &self.tune)?;
         let (hidden, n, tokens) = (int(hidden, "hidden")?, int(n, "n")?, int(tokens, "rows")?);
         let s = &self.cuda.stream;
         let (w, sc, z) = (
@@ -220,7 +376,8 @@ impl CudaOutProj {
             .arg(&hidden)
             .arg(&n)
             .arg(&tokens);
-        // SAFETY: the arguments match the kernel's signature; the weights are this object's (hidden x n), and
+        // SAFETY: the arguments match the kernel's signature; the weights are this object's (hidden rows laid out
+        // by `device_weights`, which the kernel's indexing follows), the grid is `grid`'s for this shape, and
         // the callers checked that x holds `tokens` rows of n, gsum `tokens` rows of n / 16 and out `tokens`
         // rows of hidden floats, x 16-byte aligned.
         unsafe { b.launch(cfg) }.map_err(drv)?;
@@ -421,7 +578,7 @@ impl CudaBf16OutProj {
         if rows == 0 {
             return Ok(());
         }
-        let cfg = grid(self.hidden, rows)?;
+        let cfg = bf16_grid(self.hidden, rows)?;
         let s = &self.cuda.stream;
         let (w, x, o) = (addr(&self.w, s), addr(y, s), addr_mut(out, s));
         let (hidden, n, tokens) = (
@@ -659,4 +816,133 @@ pub fn time_tail(
         planes_vs_shift,
         copies,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The planes product at the seed's out_proj (n 6144 -> 5120) under several launch shapes, on the device
+    /// (`--ignored --nocapture`): every shape's bits equal the default's, and its time per call (CUDA graphs,
+    /// weights rotated over 256 MiB of copies) is printed as a table. For choosing [`QuantTune::DEFAULT`].
+    #[test]
+    #[ignore]
+    fn quant_tune_sweep() {
+        let cuda = match Cuda::new() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("quant_tune_sweep skipped: {e}");
+                return;
+            }
+        };
+        let (hidden, n) = (5120, 6144);
+        let groups = n / 16;
+        let mut rng = gdn::synth::Synth::new(5);
+        let w = rng.uniform(hidden * n, -0.02, 0.02);
+        let d = QuantTune::DEFAULT;
+        let with = |f: &dyn Fn(&mut QuantTune)| {
+            let mut t = d;
+            f(&mut t);
+            t
+        };
+        let tunes: Vec<(&str, QuantTune)> = vec![
+            ("default", d),
+            ("no stream hint", with(&|t| t.stream_hint = false)),
+            (
+                "TT1 rows 2,2,2 min 8",
+                with(&|t| {
+                    t.rows[0] = [2, 2, 2];
+                    t.min_blocks[0] = 8;
+                }),
+            ),
+            (
+                "TT1 rows 4,4,4 min 3",
+                with(&|t| {
+                    t.rows[0] = [4, 4, 4];
+                    t.min_blocks[0] = 3;
+                }),
+            ),
+            (
+                "TT1 rows 8,2,2 min 2",
+                with(&|t| {
+                    t.rows[0] = [8, 2, 2];
+                    t.min_blocks[0] = 2;
+                }),
+            ),
+            ("TT1 min 4", with(&|t| t.min_blocks[0] = 4)),
+            ("TT1 min 6", with(&|t| t.min_blocks[0] = 6)),
+            ("TT8 rows 2,2,2", with(&|t| t.rows[1] = [2, 2, 2])),
+            ("TT8 rows 4,4,4", with(&|t| t.rows[1] = [4, 4, 4])),
+            (
+                "TT8 rows 2,1,1 min 3",
+                with(&|t| {
+                    t.rows[1] = [2, 1, 1];
+                    t.min_blocks[1] = 3;
+                }),
+            ),
+        ];
+        let s = cuda.stream.clone();
+        let mut table = Vec::new();
+        for p in Packing::ALL {
+            let q = QuantWeights::quantize(&w, hidden, n, p).unwrap();
+            let copies = (256usize << 20).div_ceil(q.bytes()).max(1);
+            let laid = device_weights(&q);
+            for rows in [1usize, 2, 8, 64] {
+                let xh = rng.uniform(rows * n, -1.0, 1.0);
+                let gh = rng.uniform(rows * groups, -1.0, 1.0);
+                let xd = s.clone_htod(&xh).unwrap();
+                let gd = s.clone_htod(&gh).unwrap();
+                let mut od = s.alloc_zeros::<f32>(rows * hidden).unwrap();
+                let mut reference: Option<Vec<u32>> = None;
+                for (name, tune) in &tunes {
+                    let which = usize::from(rows >= TILE_FROM);
+                    if *name != "default"
+                        && tune.rows[which] == d.rows[which]
+                        && tune.min_blocks[which] == d.min_blocks[which]
+                        && tune.stream_hint == d.stream_hint
+                    {
+                        continue;
+                    }
+                    let qs: Vec<CudaOutProj> = (0..copies)
+                        .map(|_| cuda.load_laid_out(q.shape(), &laid, *tune).unwrap())
+                        .collect();
+                    let (x, g) = (addr(&xd, &s), addr(&gd, &s));
+                    let o = addr_mut(&mut od, &s);
+                    qs[0].launch(false, x, g, o, rows).unwrap();
+                    let bits: Vec<u32> = s
+                        .clone_dtoh(&od)
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect();
+                    match &reference {
+                        None => reference = Some(bits),
+                        Some(r) => assert!(
+                            *r == bits,
+                            "{p:?} rows {rows}: {name} changes bits against the default"
+                        ),
+                    }
+                    let per = (2 * copies).clamp(8, 64);
+                    let t = time_graph(&cuda, per, &mut |i| {
+                        qs[i % copies].launch(false, x, g, o, rows)
+                    })
+                    .unwrap();
+                    let floor = q.bytes() as f64 / 4.2e12;
+                    let line = format!(
+                        "| {} | {rows} | {name} | {:.2} | {:.2} |",
+                        p.name(),
+                        t * 1e6,
+                        t / floor
+                    );
+                    eprintln!("{line}");
+                    table.push(line);
+                }
+            }
+        }
+        println!("| packing | rows | shape | planes us | / floor (4.2 TB/s) |");
+        println!("|---|---|---|---|---|");
+        for l in table {
+            println!("{l}");
+        }
+    }
 }
