@@ -219,8 +219,8 @@ __device__ __forceinline__ void product(const u32* __restrict__ words, const flo
             }
     }
     __syncthreads();
-    if (threadIdx.x < R * TT) {
-        const int r = threadIdx.x / TT, t = threadIdx.x % TT;
+    for (int k = threadIdx.x; k < R * TT; k += blockDim.x) {
+        const int r = k / TT, t = k % TT;
         if (t < nt && o0 + r < hidden) {
             float s = part_sums[r * TT + t];
             for (int i = 1; i < parts; i++) s += part_sums[(i * R + r) * TT + t];

@@ -822,6 +822,82 @@ pub fn time_tail(
 mod tests {
     use super::*;
 
+    /// Widths the seed's shape does not reach: a row of 3 groups (padded to 4), 130 (a last part of 1 quad) and
+    /// 600 (5 parts, more than a block's warps: warps loop), every packing, both paths, 1 and 9 rows, under the
+    /// default launch shape and another: within 1e-5 of the dequantized product in f64, planes == shift
+    /// bitwise, a row alone == the same row inside the 9-row call, and both shapes the same bits.
+    #[test]
+    fn odd_widths_padding_and_looping_warps() {
+        let cuda = match Cuda::new() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("odd_widths_padding_and_looping_warps skipped: {e}");
+                return;
+            }
+        };
+        let other = QuantTune {
+            rows: [[3, 1, 5], [1, 3, 8]],
+            min_blocks: [1, 1],
+            stream_hint: false,
+        };
+        let mut rng = gdn::synth::Synth::new(17);
+        for h_v in [3usize, 130, 600] {
+            let sh = gdn::Shape::new(16, 1, h_v).unwrap();
+            let (n, hidden) = (sh.n(), 37);
+            let w = rng.uniform(hidden * n, -0.05, 0.05);
+            for rows in [1usize, 9] {
+                let y = rng.uniform(rows * n, -2.0, 2.0);
+                let lay = OutputLayout::for_rows(&sh, rows, Some(rows * n)).unwrap();
+                let mut buf = vec![0.0f32; lay.len()];
+                let p = rows * n;
+                for (i, &v) in y.iter().enumerate() {
+                    buf[i] = v;
+                    for k in 1..4 {
+                        buf[k * p + i] = v * gdn::plane_scale(k, i % n);
+                    }
+                }
+                let gs = quant::group_sums(&y);
+                buf[4 * p..4 * p + gs.len()].copy_from_slice(&gs);
+                for pk in Packing::ALL {
+                    let what = format!("{pk:?} n {n} rows {rows}");
+                    let q = QuantWeights::quantize(&w, hidden, n, pk).unwrap();
+                    let dq = q.dequantized();
+                    let want: Vec<f64> = (0..rows)
+                        .flat_map(|r| {
+                            let (y, dq) = (&y, &dq);
+                            (0..hidden).map(move |o| {
+                                (0..n)
+                                    .map(|m| dq[o * n + m] * y[r * n + m] as f64)
+                                    .sum::<f64>()
+                            })
+                        })
+                        .collect();
+                    let mut first: Option<Vec<u32>> = None;
+                    for tune in [QuantTune::DEFAULT, other] {
+                        let mut prod = cuda.load_out_proj_with(&q, tune).unwrap();
+                        let mut a = vec![f32::NAN; rows * hidden];
+                        let mut b = vec![f32::NAN; rows * hidden];
+                        prod.product_planes(&buf, &lay, &mut a).unwrap();
+                        prod.product_shift(&y, rows, &mut b).unwrap();
+                        let e = gdn::relative_error(&a, &want);
+                        assert!(e < 1e-5, "{what}: {e:.2e} from the f64 product");
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&a), bits(&b), "{what}: planes against shift");
+                        match &first {
+                            None => first = Some(bits(&a)),
+                            Some(f) => assert_eq!(*f, bits(&a), "{what}: launch shapes differ"),
+                        }
+                        if rows > 1 {
+                            let mut one = vec![f32::NAN; hidden];
+                            prod.product_shift(&y[8 * n..9 * n], 1, &mut one).unwrap();
+                            assert_eq!(bits(&one), bits(&b[8 * hidden..]), "{what}: row 8 alone");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// The planes product at the seed's out_proj (n 6144 -> 5120) under several launch shapes, on the device
     /// (`--ignored --nocapture`): every shape's bits equal the default's, and its time per call (CUDA graphs,
     /// weights rotated over 256 MiB of copies) is printed as a table. For choosing [`QuantTune::DEFAULT`].
