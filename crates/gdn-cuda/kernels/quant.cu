@@ -12,36 +12,29 @@
 // and 3 are masked in the upper half moved down and take their 2^16 back in the same FMA that removes 2^23
 // (exact: the product is a representable integer).
 //
-// Compiled by NVRTC with TT (tokens a block), ROWS_0..2 (output rows a block, by packing), WARPS (most warps a
-// block), MIN_BLOCKS (the occupancy asked of ptxas) and STREAM_HINT defined ahead of this source (src/quant.rs).
+// Order of a row's sum, the same in every kernel below (so a row's bits depend on n alone, not on the call):
+// lane l takes groups l, l + 32, ... in turn into one accumulator (a group: two chains of 8 products, then its
+// scale and its zero term); the 32 lane sums meet in a butterfly (offsets 16, 8, 4, 2, 1).
+//
+// Two kernels keep it. `q_*` (calls of TT tokens a block, grid.y the tiles): a warp owns ROWS consecutive
+// output rows, the fields of a group are decoded once for the ROWS rows and each token's 16 activations loaded
+// once for them. `q1_*` (one token, the decode step; TT 1 modules only): see product_one.
+//
+// Compiled by NVRTC with ROWS, TT, R1_0..2, D1_0..2 and STREAM_HINT defined ahead of this source (src/quant.rs).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
 
+#ifndef ROWS
+#define ROWS 4
+#endif
 #ifndef TT
 #define TT 8
 #endif
-#ifndef ROWS_0
-#define ROWS_0 4
-#endif
-#ifndef ROWS_1
-#define ROWS_1 2
-#endif
-#ifndef ROWS_2
-#define ROWS_2 2
-#endif
-#ifndef WARPS
 #define WARPS 4
-#endif
-#ifndef MIN_BLOCKS
-#define MIN_BLOCKS 1
-#endif
 #ifndef STREAM_HINT
 #define STREAM_HINT 1
 #endif
-// the bf16 baseline's layout: 4 warps a block, 4 rows a warp
-#define BF_ROWS 4
-#define BF_WARPS 4
 
 __device__ __forceinline__ float from_masked(u32 bits) {
     return __uint_as_float(0x4B000000u | bits) - 8388608.0f;
@@ -52,40 +45,12 @@ __device__ __forceinline__ float from_masked_hi(u32 bits) {
     return fmaf(__uint_as_float(0x4B000000u | bits), 65536.0f, -549755813888.0f);
 }
 
-// A row's groups on the device are padded to a multiple of 4 (zero words, scales and zero terms, never
-// summed): a lane's quad of 4 consecutive groups is then one 16-byte load of scales, one of zero terms and,
-// 2-bit, one of words; an 8-bit group's 4 words are one 16-byte load, and the host permutes them so that a
-// warp's j-th group loads are 512 contiguous bytes (see src/quant.rs, `device_words`).
-//
-// Order of a row's sum (fixed by n alone, so the same in every module, tile and launch): quad q = 32 i + l goes
-// to lane l of part i; a lane sums its quad's groups in order from 0 (per group two chains of 8 products, then
-// the scale and the zero term); the part's 32 lane sums meet in a butterfly (offsets 16, 8, 4, 2, 1); the parts'
-// sums are added in order of i. A block owns ROWS rows and TT tokens; its warps take the parts (warp w: parts
-// w, w + warps, ...), so every 16-byte load of a warp is issued before its first use and no warp loops over
-// more than a third of a seed row (n 6144: 3 parts, 3 warps a block).
-
-__device__ __forceinline__ uint4 ld_stream(const u32* p) {
-#if STREAM_HINT
-    // weights are read once a step: keep them out of L1 (the activations live there), fetch 256-byte runs
-    uint4 r;
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p));
-    return r;
-#else
-    return __ldg(reinterpret_cast<const uint4*>(p));
-#endif
-}
-
-__device__ __forceinline__ u32 part_of(uint4 q, int j) {
-    return j == 0 ? q.x : j == 1 ? q.y : j == 2 ? q.z : q.w;
-}
-
-// One group's 16 fields into v: planes path (masked in place) or shift path (shifted down). PACK 0: 2-bit,
-// eight to a u16, the group's u32 `word`; 1: 8-bit four to a u32; 2: 8-bit two to a u16 (the group's 4 u32 in q).
+// One group's 16 fields from its words in registers (w0 for 2-bit, eight to a u16: the group's u32; w0..w3 for
+// 8-bit, four to a u32 or two to a u16) into v: planes path (masked in place) or shift path (shifted down).
 template <int PACK, bool SHIFT>
-__device__ __forceinline__ void decode(u32 word, uint4 q, float v[16]) {
+__device__ __forceinline__ void unpack(u32 w0, u32 w1, u32 w2, u32 w3, float v[16]) {
     if (PACK == 0) {
+        u32 word = w0;
         u32 hi = word >> 16;
 #pragma unroll
         for (int e = 0; e < 8; e++) {
@@ -98,16 +63,17 @@ __device__ __forceinline__ void decode(u32 word, uint4 q, float v[16]) {
             }
         }
     } else {
+        u32 words[4] = {w0, w1, w2, w3};
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            u32 w = part_of(q, k);
+            u32 word = words[k];
             if (SHIFT) {
 #pragma unroll
-                for (int e = 0; e < 4; e++) v[4 * k + e] = from_masked((w >> (8 * e)) & 255u);
+                for (int e = 0; e < 4; e++) v[4 * k + e] = from_masked((word >> (8 * e)) & 255u);
             } else {
-                u32 hi = w >> 16;
-                v[4 * k + 0] = from_masked(w & 0xFFu);
-                v[4 * k + 1] = from_masked(w & 0xFF00u);
+                u32 hi = word >> 16;
+                v[4 * k + 0] = from_masked(word & 0xFFu);
+                v[4 * k + 1] = from_masked(word & 0xFF00u);
                 if (PACK == 1) {
                     v[4 * k + 2] = from_masked_hi(hi & 0xFFu);
                     v[4 * k + 3] = from_masked_hi(hi & 0xFF00u);
@@ -120,117 +86,89 @@ __device__ __forceinline__ void decode(u32 word, uint4 q, float v[16]) {
     }
 }
 
-template <int PACK>
-struct Rows {
-    static constexpr int value = PACK == 0 ? ROWS_0 : PACK == 1 ? ROWS_1 : ROWS_2;
-};
+// Loads and decodes one group's 16 fields of row `o` (words from u32 `at`; one u32 a 2-bit group, four an 8-bit).
+template <int PACK, bool SHIFT>
+__device__ __forceinline__ void decode(const u32* __restrict__ w, size_t at, float v[16]) {
+    if (PACK == 0) {
+        unpack<PACK, SHIFT>(__ldg(w + at), 0u, 0u, 0u, v);
+    } else {
+        uint4 q = __ldg(reinterpret_cast<const uint4*>(w + at));
+        unpack<PACK, SHIFT>(q.x, q.y, q.z, q.w, v);
+    }
+}
 
 template <int PACK, bool SHIFT>
 __device__ __forceinline__ void product(const u32* __restrict__ words, const float* __restrict__ scale,
                                         const float* __restrict__ zs, const float* __restrict__ x,
                                         const float* __restrict__ gsum, float* __restrict__ out, int hidden,
                                         int n, int tokens) {
-    constexpr int R = Rows<PACK>::value;
-    constexpr int WQ = PACK == 0 ? 1 : 4;
     const int groups = n / 16;
-    const int gp = (groups + 3) & ~3;
-    const int quads = gp >> 2;
-    const int parts = (quads + 31) >> 5;
+    // u32 words a group: one for 2-bit, four for 8-bit
+    const int wpg = PACK == 0 ? 1 : 4;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    const int nw = blockDim.x >> 5;
-    const int o0 = blockIdx.x * R;
+    const int o0 = (blockIdx.x * WARPS + warp) * ROWS;
     const int t0 = blockIdx.y * TT;
+    if (o0 >= hidden) return;
     const int nt = min(TT, tokens - t0);
-    // [parts][R][TT]: each part's butterflied sums, added in order of the part at the end
-    extern __shared__ float part_sums[];
-    for (int i = warp; i < parts; i += nw) {
-        const int q = 32 * i + lane;
-        const int width = min(32, quads - 32 * i);
-        float acc[R][TT];
+    float acc[ROWS][TT];
 #pragma unroll
-        for (int r = 0; r < R; r++)
+    for (int r = 0; r < ROWS; r++)
 #pragma unroll
-            for (int t = 0; t < TT; t++) acc[r][t] = 0.0f;
-        if (q < quads) {
-            uint4 wq[R][WQ], sq[R], zq[R];
+        for (int t = 0; t < TT; t++) acc[r][t] = 0.0f;
+#pragma unroll 2
+    for (int g = lane; g < groups; g += 32) {
+        float v[ROWS][16];
+        float s[ROWS], z[ROWS];
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                // rows past hidden repeat the last row (their sums are not stored)
-                const size_t row = (size_t)min(o0 + r, hidden - 1) * gp;
-                if (PACK == 0) {
-                    wq[r][0] = ld_stream(words + row + 4 * q);
-                } else {
-                    const u32* base = words + 4 * (row + 128 * i + lane);
+        for (int r = 0; r < ROWS; r++) {
+            // rows past hidden repeat the last row (their sums are not stored)
+            const int o = min(o0 + r, hidden - 1);
+            decode<PACK, SHIFT>(words, ((size_t)o * groups + g) * wpg, v[r]);
+            s[r] = __ldg(scale + (size_t)o * groups + g);
+            z[r] = __ldg(zs + (size_t)o * groups + g);
+        }
 #pragma unroll
-                    for (int j = 0; j < 4; j++) wq[r][j] = ld_stream(base + 4 * j * width);
+        for (int t = 0; t < TT; t++) {
+            if (t < nt) {
+                const float4* xp = reinterpret_cast<const float4*>(x + (size_t)(t0 + t) * n + 16 * g);
+                float xv[16];
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    float4 f = __ldg(xp + k);
+                    xv[4 * k] = f.x;
+                    xv[4 * k + 1] = f.y;
+                    xv[4 * k + 2] = f.z;
+                    xv[4 * k + 3] = f.w;
                 }
-                sq[r] = ld_stream(reinterpret_cast<const u32*>(scale) + row + 4 * q);
-                zq[r] = ld_stream(reinterpret_cast<const u32*>(zs) + row + 4 * q);
-            }
+                const float gs = __ldg(gsum + (size_t)(t0 + t) * groups + g);
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const int g = 4 * q + j;
-                if (g < groups) {
-                    float v[R][16];
+                for (int r = 0; r < ROWS; r++) {
+                    // two chains of 8 for latency, then the group's scale and zero term
+                    float a = 0.0f, b = 0.0f;
 #pragma unroll
-                    for (int r = 0; r < R; r++)
-                        decode<PACK, SHIFT>(part_of(wq[r][0], j), wq[r][PACK == 0 ? 0 : j], v[r]);
-#pragma unroll
-                    for (int t = 0; t < TT; t++) {
-                        if (t < nt) {
-                            const float4* xp = reinterpret_cast<const float4*>(x + (size_t)(t0 + t) * n + 16 * g);
-                            float xv[16];
-#pragma unroll
-                            for (int k = 0; k < 4; k++) {
-                                float4 f = __ldg(xp + k);
-                                xv[4 * k] = f.x;
-                                xv[4 * k + 1] = f.y;
-                                xv[4 * k + 2] = f.z;
-                                xv[4 * k + 3] = f.w;
-                            }
-                            const float gs = __ldg(gsum + (size_t)(t0 + t) * groups + g);
-#pragma unroll
-                            for (int r = 0; r < R; r++) {
-                                // two chains of 8 for latency, then the group's scale and zero term
-                                float a = 0.0f, b = 0.0f;
-#pragma unroll
-                                for (int e = 0; e < 16; e += 2) {
-                                    a = fmaf(v[r][e], xv[e], a);
-                                    b = fmaf(v[r][e + 1], xv[e + 1], b);
-                                }
-                                const float s = __uint_as_float(part_of(sq[r], j));
-                                const float z = __uint_as_float(part_of(zq[r], j));
-                                acc[r][t] = fmaf(-z, gs, fmaf(s, a + b, acc[r][t]));
-                            }
-                        }
+                    for (int e = 0; e < 16; e += 2) {
+                        a = fmaf(v[r][e], xv[e], a);
+                        b = fmaf(v[r][e + 1], xv[e + 1], b);
                     }
+                    acc[r][t] = fmaf(-z[r], gs, fmaf(s[r], a + b, acc[r][t]));
                 }
             }
         }
-#pragma unroll
-        for (int r = 0; r < R; r++)
-#pragma unroll
-            for (int t = 0; t < TT; t++) {
-                float a = acc[r][t];
-#pragma unroll
-                for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
-                if (lane == 0) part_sums[(i * R + r) * TT + t] = a;
-            }
     }
-    __syncthreads();
-    for (int k = threadIdx.x; k < R * TT; k += blockDim.x) {
-        const int r = k / TT, t = k % TT;
-        if (t < nt && o0 + r < hidden) {
-            float s = part_sums[r * TT + t];
-            for (int i = 1; i < parts; i++) s += part_sums[(i * R + r) * TT + t];
-            out[(size_t)(t0 + t) * hidden + o0 + r] = s;
+#pragma unroll
+    for (int r = 0; r < ROWS; r++)
+#pragma unroll
+        for (int t = 0; t < TT; t++) {
+            float a = acc[r][t];
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
+            if (lane == 0 && t < nt && o0 + r < hidden) out[(size_t)(t0 + t) * hidden + o0 + r] = a;
         }
-    }
 }
 
 #define ENTRY(name, PACK, SHIFT)                                                                              \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)                                      \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                                  \
         name(const u32* __restrict__ words, const float* __restrict__ scale, const float* __restrict__ zs,   \
              const float* __restrict__ x, const float* __restrict__ gsum, float* __restrict__ out, int hidden, \
              int n, int tokens) {                                                                             \
@@ -243,6 +181,203 @@ ENTRY(q_planes_2, 2, false)
 ENTRY(q_shift_0, 0, true)
 ENTRY(q_shift_1, 1, true)
 ENTRY(q_shift_2, 2, true)
+
+#if TT == 1
+#ifndef R1_0
+#define R1_0 4
+#endif
+#ifndef R1_1
+#define R1_1 4
+#endif
+#ifndef R1_2
+#define R1_2 4
+#endif
+#ifndef D1_0
+#define D1_0 4
+#endif
+#ifndef D1_1
+#define D1_1 2
+#endif
+#ifndef D1_2
+#define D1_2 2
+#endif
+// most warps a q1 block (ptxas's register budget: 65536 / (32 x this))
+#define MAXW1 16
+
+// Weights are read once a step: past L1 (the activations' shared copy and the rest of the block keep it), with
+// a 256-byte L2 prefetch.
+__device__ __forceinline__ u32 ld_w1(const u32* p) {
+#if STREAM_HINT
+    u32 r;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+#else
+    return __ldg(p);
+#endif
+}
+
+__device__ __forceinline__ uint4 ld_w4(const u32* p) {
+#if STREAM_HINT
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+#else
+    return __ldg(reinterpret_cast<const uint4*>(p));
+#endif
+}
+
+// Where group g's 16-byte piece k sits in shared memory: consecutive lanes reading consecutive groups' k-th
+// piece hit 8 distinct 16-byte bank quads in each phase of 8 lanes (no conflict).
+__device__ __forceinline__ int slot(int g, int k) { return 4 * g + (k ^ ((g >> 1) & 3)); }
+
+template <int PACK>
+struct One {
+    static constexpr int R = PACK == 0 ? R1_0 : PACK == 1 ? R1_1 : R1_2;
+    static constexpr int D = PACK == 0 ? D1_0 : PACK == 1 ? D1_1 : D1_2;
+};
+
+// One token (the decode step): the sum's order above, on a grid of about one block a multiprocessor. Block b
+// takes row sets (R rows each) b sets / blocks .. (b + 1) sets / blocks, its warps one set at a time in turn.
+// The token's activations and group sums are copied once a block into shared memory, so a row set reads them
+// from there, not through L1 (a lane's 16-byte pieces of its own group are 64 bytes apart: 16 L1 wavefronts a
+// warp load). A lane's groups of a set come in chunks (chunk c: group 32 c + lane of each of the R rows: word(s),
+// scale, zero term); D chunks' loads are in flight while one is summed, the next set's first ones issued while
+// the last of this set are summed, and the first set's before the shared copy, so that the weights stream.
+template <int PACK, bool SHIFT>
+__device__ __forceinline__ void product_one(const u32* __restrict__ words, const float* __restrict__ scale,
+                                            const float* __restrict__ zs, const float* __restrict__ x,
+                                            const float* __restrict__ gsum, float* __restrict__ out, int hidden,
+                                            int n) {
+    constexpr int R = One<PACK>::R;
+    constexpr int D = One<PACK>::D;
+    constexpr int WPG = PACK == 0 ? 1 : 4;
+    const int groups = n / 16;
+    const int chunks = (groups + 31) >> 5;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int nw = blockDim.x >> 5;
+    const int sets = (hidden + R - 1) / R;
+    const int s0 = (int)((long long)blockIdx.x * sets / gridDim.x);
+    const int s1 = (int)((long long)(blockIdx.x + 1) * sets / gridDim.x);
+    // the next set's chunks are loaded into the slots this set's last chunks leave when D divides the chunks
+    const bool wrap = chunks % D == 0;
+    extern __shared__ float4 xs[];
+    float* gss = reinterpret_cast<float*>(xs + 4 * groups);
+
+    u32 wb[D][R][WPG];
+    float sb[D][R], zb[D][R];
+    // chunk c of the set at row o0 into slot d (lanes past the row's groups load nothing)
+    auto load = [&](int d, int o0, int c) {
+        const int g = 32 * c + lane;
+        if (g < groups) {
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const size_t at = (size_t)min(o0 + r, hidden - 1) * groups + g;
+                if (PACK == 0) {
+                    wb[d][r][0] = ld_w1(words + at);
+                } else {
+                    uint4 q = ld_w4(words + 4 * at);
+                    wb[d][r][0] = q.x;
+                    wb[d][r][WPG > 1 ? 1 : 0] = q.y;
+                    wb[d][r][WPG > 2 ? 2 : 0] = q.z;
+                    wb[d][r][WPG > 3 ? 3 : 0] = q.w;
+                }
+                sb[d][r] = __uint_as_float(ld_w1(reinterpret_cast<const u32*>(scale) + at));
+                zb[d][r] = __uint_as_float(ld_w1(reinterpret_cast<const u32*>(zs) + at));
+            }
+        }
+    };
+    int s = s0 + warp;
+    if (s < s1) {
+#pragma unroll
+        for (int d = 0; d < D; d++)
+            if (d < chunks) load(d, s * R, d);
+    }
+    for (int k = threadIdx.x; k < 4 * groups; k += blockDim.x)
+        xs[slot(k >> 2, k & 3)] = __ldg(reinterpret_cast<const float4*>(x) + k);
+    for (int k = threadIdx.x; k < groups; k += blockDim.x) gss[k] = __ldg(gsum + k);
+    __syncthreads();
+    bool first = true;
+    for (; s < s1; s += nw) {
+        const int o0 = s * R;
+        const bool next = s + nw < s1;
+        if (!first && !wrap) {
+#pragma unroll
+            for (int d = 0; d < D; d++)
+                if (d < chunks) load(d, o0, d);
+        }
+        first = false;
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r] = 0.0f;
+        for (int c0 = 0; c0 < chunks; c0 += D) {
+#pragma unroll
+            for (int d = 0; d < D; d++) {
+                const int c = c0 + d;
+                if (c < chunks) {
+                    const int g = 32 * c + lane;
+                    if (g < groups) {
+                        float xv[16];
+#pragma unroll
+                        for (int k = 0; k < 4; k++) {
+                            float4 f = xs[slot(g, k)];
+                            xv[4 * k] = f.x;
+                            xv[4 * k + 1] = f.y;
+                            xv[4 * k + 2] = f.z;
+                            xv[4 * k + 3] = f.w;
+                        }
+                        const float gs = gss[g];
+#pragma unroll
+                        for (int r = 0; r < R; r++) {
+                            float v[16];
+                            unpack<PACK, SHIFT>(wb[d][r][0], wb[d][r][WPG > 1 ? 1 : 0], wb[d][r][WPG > 2 ? 2 : 0],
+                                                wb[d][r][WPG > 3 ? 3 : 0], v);
+                            // two chains of 8 for latency, then the group's scale and zero term
+                            float a = 0.0f, b = 0.0f;
+#pragma unroll
+                            for (int e = 0; e < 16; e += 2) {
+                                a = fmaf(v[e], xv[e], a);
+                                b = fmaf(v[e + 1], xv[e + 1], b);
+                            }
+                            acc[r] = fmaf(-zb[d][r], gs, fmaf(sb[d][r], a + b, acc[r]));
+                        }
+                    }
+                    // refill the slot: this set's chunk c + D, else (wrap) the next set's chunk c + D - chunks
+                    if (c + D < chunks) {
+                        load(d, o0, c + D);
+                    } else if (wrap && next) {
+                        load(d, o0 + nw * R, c + D - chunks);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            float a = acc[r];
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
+            if (lane == 0 && o0 + r < hidden) out[o0 + r] = a;
+        }
+    }
+}
+
+#define ENTRY1(name, PACK, SHIFT)                                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * MAXW1)                                                  \
+        name(const u32* __restrict__ words, const float* __restrict__ scale, const float* __restrict__ zs,   \
+             const float* __restrict__ x, const float* __restrict__ gsum, float* __restrict__ out, int hidden, \
+             int n) {                                                                                         \
+        product_one<PACK, SHIFT>(words, scale, zs, x, gsum, out, hidden, n);                                  \
+    }
+
+ENTRY1(q1_planes_0, 0, false)
+ENTRY1(q1_planes_1, 1, false)
+ENTRY1(q1_planes_2, 2, false)
+ENTRY1(q1_shift_0, 0, true)
+ENTRY1(q1_shift_1, 1, true)
+ENTRY1(q1_shift_2, 2, true)
+#endif
 
 // The shift path's own pass: group sums of y [rows][n] as the step writes them (even columns' sum plus odd
 // columns', each in increasing order), one thread a group.
@@ -263,27 +398,27 @@ extern "C" __global__ void group_sums(const float* __restrict__ y, float* __rest
 }
 
 // Plain bf16 weights [hidden][n] against f32 y [tokens][n]: the unquantized tail. A lane takes 8 columns (one
-// 16-byte load a row) at a time; a warp owns BF_ROWS rows, a block BF_WARPS warps.
-extern "C" __global__ void __launch_bounds__(32 * BF_WARPS)
+// 16-byte load a row) at a time; the same warp layout as above.
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
     bf16_product(const u16* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, int hidden,
                  int n, int tokens) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    const int o0 = (blockIdx.x * BF_WARPS + warp) * BF_ROWS;
+    const int o0 = (blockIdx.x * WARPS + warp) * ROWS;
     const int t0 = blockIdx.y * TT;
     if (o0 >= hidden) return;
     const int nt = min(TT, tokens - t0);
     const int chunks = n / 8;
-    float acc[BF_ROWS][TT];
+    float acc[ROWS][TT];
 #pragma unroll
-    for (int r = 0; r < BF_ROWS; r++)
+    for (int r = 0; r < ROWS; r++)
 #pragma unroll
         for (int t = 0; t < TT; t++) acc[r][t] = 0.0f;
 #pragma unroll 2
     for (int c = lane; c < chunks; c += 32) {
-        float v[BF_ROWS][8];
+        float v[ROWS][8];
 #pragma unroll
-        for (int r = 0; r < BF_ROWS; r++) {
+        for (int r = 0; r < ROWS; r++) {
             const int o = min(o0 + r, hidden - 1);
             uint4 q = __ldg(reinterpret_cast<const uint4*>(w + (size_t)o * n) + c);
             u32 words[4] = {q.x, q.y, q.z, q.w};
@@ -300,7 +435,7 @@ extern "C" __global__ void __launch_bounds__(32 * BF_WARPS)
                 float4 f0 = __ldg(xp), f1 = __ldg(xp + 1);
                 float xv[8] = {f0.x, f0.y, f0.z, f0.w, f1.x, f1.y, f1.z, f1.w};
 #pragma unroll
-                for (int r = 0; r < BF_ROWS; r++) {
+                for (int r = 0; r < ROWS; r++) {
                     float a = acc[r][t];
 #pragma unroll
                     for (int e = 0; e < 8; e++) a = fmaf(v[r][e], xv[e], a);
@@ -310,7 +445,7 @@ extern "C" __global__ void __launch_bounds__(32 * BF_WARPS)
         }
     }
 #pragma unroll
-    for (int r = 0; r < BF_ROWS; r++)
+    for (int r = 0; r < ROWS; r++)
 #pragma unroll
         for (int t = 0; t < TT; t++) {
             float a = acc[r][t];

@@ -20,25 +20,27 @@ use crate::{drv, Cuda};
 /// The kernels' source.
 pub const QUANT_SRC: &str = include_str!("../kernels/quant.cu");
 
+/// Output rows a warp owns in the `q_*` kernels (the kernel's ROWS).
+pub const ROWS: usize = 4;
 /// Tokens a block takes (the kernel's TT), one module each: 1 for calls of fewer than [`TILE_FROM`] rows (a
-/// decode step: few registers, many blocks), 8 from there (each decoded field used for 8 tokens). A row's sum
-/// is ordered by n alone (see `kernels/quant.cu`), the same in both modules, so its bits do not depend on the
-/// rest of the call.
+/// decode step: few registers), 8 from there (each decoded field used for 8 tokens). A one-token call runs the
+/// TT 1 module's `q1_*` kernel (weights streamed, activations in shared memory). A row's sum has the same order
+/// in every kernel (see `kernels/quant.cu`), so its bits do not depend on the rest of the call.
 pub const TILES: [usize; 2] = [1, 8];
 pub const TILE_FROM: usize = 4;
-/// Most warps a block: one a part of a row's groups (128 groups a part; n 6144 has 3).
 const WARPS: usize = 4;
-/// The bf16 baseline's block: 4 warps of 4 rows.
-const BF_BLOCK_ROWS: usize = 16;
-const BF_WARPS: usize = 4;
+/// Most warps a `q1_*` block (the kernel's MAXW1).
+const MAXW1: usize = 16;
 
-/// The quant kernels' launch shape, a module's compile-time choices; none changes a bit of the result.
+/// The one-token kernel's launch shape, compile-time and launch choices; none changes a bit of the result.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct QuantTune {
-    /// Output rows a block owns, by packing (`Q2U16`, `Q8U32`, `Q8U16`), for each tile of [`TILES`].
-    pub rows: [[usize; 3]; 2],
-    /// Blocks a multiprocessor should hold at once (ptxas's register budget), for each tile.
-    pub min_blocks: [usize; 2],
+    /// Rows a warp sums at once, by packing (`Q2U16`, `Q8U32`, `Q8U16`).
+    pub rows: [usize; 3],
+    /// Chunks (32 groups of each of those rows) whose loads are in flight while one is summed, by packing.
+    pub depth: [usize; 3],
+    /// Blocks a multiprocessor (the grid is this times the multiprocessors, at most one a row set).
+    pub blocks_per_sm: usize,
     /// Weights loaded past L1 with a 256-byte L2 prefetch hint (else plain read-only loads).
     pub stream_hint: bool,
 }
@@ -46,14 +48,11 @@ pub struct QuantTune {
 impl QuantTune {
     /// The measured choice (NOTES.md, "The quantized out_proj").
     pub const DEFAULT: QuantTune = QuantTune {
-        rows: [[4, 2, 2], [4, 2, 2]],
-        min_blocks: [5, 1],
+        rows: [4, 4, 4],
+        depth: [4, 2, 2],
+        blocks_per_sm: 1,
         stream_hint: true,
     };
-
-    fn rows_of(&self, p: Packing, tokens: usize) -> usize {
-        self.rows[tile(tokens)][pack_index(p)]
-    }
 }
 
 impl Default for QuantTune {
@@ -68,18 +67,19 @@ pub fn compiled_quant(arch: (i32, i32), tt: usize) -> Result<Arc<Compiled>> {
     compiled_quant_with(arch, tt, &QuantTune::DEFAULT)
 }
 
-/// The same under `tune`.
+/// The same under `tune` (which only the TT 1 module's `q1_*` kernels read).
 pub fn compiled_quant_with(arch: (i32, i32), tt: usize, tune: &QuantTune) -> Result<Arc<Compiled>> {
-    let k = usize::from(tt != TILES[0]);
-    let r = tune.rows[k];
-    let src = format!(
-        "#define TT {tt}\n#define ROWS_0 {}\n#define ROWS_1 {}\n#define ROWS_2 {}\n#define WARPS {WARPS}\n#define MIN_BLOCKS {}\n#define STREAM_HINT {}\n{QUANT_SRC}",
-        r[0],
-        r[1],
-        r[2],
-        tune.min_blocks[k],
-        u8::from(tune.stream_hint)
-    );
+    let mut src = format!("#define ROWS {ROWS}\n#define TT {tt}\n");
+    if tt == 1 {
+        for k in 0..3 {
+            src += &format!(
+                "#define R1_{k} {}\n#define D1_{k} {}\n",
+                tune.rows[k], tune.depth[k]
+            );
+        }
+        src += &format!("#define STREAM_HINT {}\n", u8::from(tune.stream_hint));
+    }
+    src += QUANT_SRC;
     crate::spec::compiled_source(&src, "quant.cu", arch)
 }
 
@@ -89,6 +89,8 @@ struct Kernels {
     _module: Arc<CudaModule>,
     planes: [CudaFunction; 3],
     shift: [CudaFunction; 3],
+    /// The TT 1 module's one-token kernels (planes, shift).
+    one: Option<([CudaFunction; 3], [CudaFunction; 3])>,
     group_sums: CudaFunction,
     bf16: CudaFunction,
     empty: CudaFunction,
@@ -104,6 +106,14 @@ fn kernels(cuda: &Cuda, tt: usize, tune: &QuantTune) -> Result<Kernels> {
     Ok(Kernels {
         planes: [f("q_planes_0")?, f("q_planes_1")?, f("q_planes_2")?],
         shift: [f("q_shift_0")?, f("q_shift_1")?, f("q_shift_2")?],
+        one: if tt == 1 {
+            Some((
+                [f("q1_planes_0")?, f("q1_planes_1")?, f("q1_planes_2")?],
+                [f("q1_shift_0")?, f("q1_shift_1")?, f("q1_shift_2")?],
+            ))
+        } else {
+            None
+        },
         group_sums: f("group_sums")?,
         bf16: f("bf16_product")?,
         empty: f("empty_kernel")?,
@@ -142,48 +152,9 @@ fn tile(tokens: usize) -> usize {
     usize::from(tokens >= TILE_FROM)
 }
 
-/// Groups of a row on the device: n / 16 padded to a multiple of 4 (a lane's quad is one 16-byte load).
-fn padded_groups(n: usize) -> usize {
-    (n / 16).next_multiple_of(4)
-}
-
-/// The launch of a product over `tokens` rows: blocks of `rows` outputs and a tile of tokens, a warp a part of
-/// 128 groups (at most [`WARPS`]), the parts' sums in dynamic shared memory.
-fn grid(
-    p: Packing,
-    hidden: usize,
-    n: usize,
-    tokens: usize,
-    tune: &QuantTune,
-) -> Result<LaunchConfig> {
-    let rows = tune.rows_of(p, tokens);
-    let tt = TILES[tile(tokens)];
-    let y = tokens.div_ceil(tt);
-    if y > 65535 {
-        return Err(Error::Param {
-            name: "rows",
-            why: format!("{tokens} rows: at most {} a call", 65535 * tt),
-        });
-    }
-    let parts = padded_groups(n).div_ceil(128);
-    let shared = parts * rows * tt * 4;
-    if shared > 48 << 10 {
-        return Err(Error::Param {
-            name: "n",
-            why: format!(
-                "{n} columns need {shared} bytes of shared memory a block (at most 48 KiB)"
-            ),
-        });
-    }
-    Ok(LaunchConfig {
-        grid_dim: (int(hidden.div_ceil(rows), "hidden")? as u32, y as u32, 1),
-        block_dim: ((32 * parts.clamp(1, WARPS)) as u32, 1, 1),
-        shared_mem_bytes: shared as u32,
-    })
-}
-
-/// The bf16 baseline's launch grid.
-fn bf16_grid(hidden: usize, tokens: usize) -> Result<LaunchConfig> {
+/// The launch grid of a product over `tokens` rows and `hidden` outputs.
+fn grid(hidden: usize, tokens: usize) -> Result<LaunchConfig> {
+    let x = hidden.div_ceil(ROWS * WARPS);
     let tt = TILES[tile(tokens)];
     let y = tokens.div_ceil(tt);
     if y > 65535 {
@@ -193,51 +164,34 @@ fn bf16_grid(hidden: usize, tokens: usize) -> Result<LaunchConfig> {
         });
     }
     Ok(LaunchConfig {
-        grid_dim: (
-            int(hidden.div_ceil(BF_BLOCK_ROWS), "hidden")? as u32,
-            y as u32,
-            1,
-        ),
-        block_dim: ((32 * BF_WARPS) as u32, 1, 1),
+        grid_dim: (int(x, "hidden")? as u32, y as u32, 1),
+        block_dim: ((32 * WARPS) as u32, 1, 1),
         shared_mem_bytes: 0,
     })
 }
 
-/// The weights as the kernels read them: each row's groups padded to [`padded_groups`] (zero words, scales
-/// and zero terms); an 8-bit group's 4 words permuted within its row so that, for a part i of 32 quads (width
-/// w, 32 but in a last part), group 4 q + j of quad q = 32 i + l sits at 16-byte slot 128 i + j w + l: a warp's
-/// j-th load covers 512 contiguous bytes.
-fn device_weights(w: &QuantWeights) -> (Vec<u32>, Vec<f32>, Vec<f32>) {
-    let (p, hidden, n) = w.shape();
-    let (groups, gp) = (n / 16, padded_groups(n));
-    let wpg = if p == Packing::Q2U16 { 1 } else { 4 };
-    let bytes = w.word_bytes_le();
-    // a 16-bit packing's rows hold n / 8 or n / 2 u16: n a multiple of 16 makes every row whole u32s
-    let src: Vec<u32> = bytes
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    let mut words = vec![0u32; hidden * gp * wpg];
-    let mut scale = vec![0.0f32; hidden * gp];
-    let mut zs = vec![0.0f32; hidden * gp];
-    let quads = gp / 4;
-    for o in 0..hidden {
-        scale[o * gp..o * gp + groups].copy_from_slice(&w.scales()[o * groups..(o + 1) * groups]);
-        zs[o * gp..o * gp + groups].copy_from_slice(&w.zero_terms()[o * groups..(o + 1) * groups]);
-        for g in 0..groups {
-            let from = &src[(o * groups + g) * wpg..(o * groups + g + 1) * wpg];
-            let slot = if wpg == 1 {
-                g
-            } else {
-                let (q, j) = (g / 4, g % 4);
-                let (i, l) = (q / 32, q % 32);
-                let width = (quads - 32 * i).min(32);
-                128 * i + j * width + l
-            };
-            words[(o * gp + slot) * wpg..(o * gp + slot + 1) * wpg].copy_from_slice(from);
-        }
-    }
-    (words, scale, zs)
+/// Shared bytes of the one-token kernel at n columns: the token's activations and group sums.
+fn one_shared(n: usize) -> usize {
+    (n / 16) * (64 + 4)
+}
+
+/// The one-token kernel's launch: about `blocks_per_sm` blocks a multiprocessor, each a contiguous range of row
+/// sets, a warp a set at a time (at most [`MAXW1`] warps).
+fn one_grid(
+    p: Packing,
+    hidden: usize,
+    n: usize,
+    sms: usize,
+    tune: &QuantTune,
+) -> Result<LaunchConfig> {
+    let sets = hidden.div_ceil(tune.rows[pack_index(p)]);
+    let blocks = (sms * tune.blocks_per_sm).clamp(1, sets.max(1));
+    let warps = sets.div_ceil(blocks).clamp(1, MAXW1);
+    Ok(LaunchConfig {
+        grid_dim: (int(blocks, "hidden")? as u32, 1, 1),
+        block_dim: ((32 * warps) as u32, 1, 1),
+        shared_mem_bytes: one_shared(n) as u32,
+    })
 }
 
 /// Quantized out_proj weights on the device, with the host path's staging buffers.
@@ -256,33 +210,47 @@ pub struct CudaOutProj {
     out: CudaSlice<f32>,
 }
 
+/// The packed words as u32 (a 16-bit packing's rows hold n / 8 or n / 2 u16: n a multiple of 16 makes every
+/// row whole u32s).
+fn device_words(w: &QuantWeights) -> Vec<u32> {
+    w.word_bytes_le()
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
 impl Cuda {
     /// Uploads quantized out_proj weights (once; every product reads them there).
     pub fn load_out_proj(&self, w: &QuantWeights) -> Result<CudaOutProj> {
         self.load_out_proj_with(w, QuantTune::DEFAULT)
     }
 
-    /// The same, launched under `tune` (the same bits under any: benchmarks and tests compare shapes).
+    /// The same, the one-token kernel launched under `tune` (the same bits under any: for benchmarks, tests).
     pub fn load_out_proj_with(&self, w: &QuantWeights, tune: QuantTune) -> Result<CudaOutProj> {
-        if tune.rows.iter().flatten().any(|&r| r == 0 || r > 8)
-            || tune.min_blocks.iter().any(|&b| b == 0 || b > 16)
-        {
+        let bad = |v: &[usize; 3], hi: usize| v.iter().any(|&r| r == 0 || r > hi);
+        if bad(&tune.rows, 8) || bad(&tune.depth, 12) || !(1..=8).contains(&tune.blocks_per_sm) {
             return Err(Error::Param {
                 name: "tune",
                 why: format!(
-                    "rows a block {:?} (1 to 8), blocks a multiprocessor {:?} (1 to 16)",
-                    tune.rows, tune.min_blocks
+                    "{tune:?}: rows 1 to 8, depth 1 to 12, blocks a multiprocessor 1 to 8"
                 ),
             });
         }
-        self.load_laid_out(w.shape(), &device_weights(w), tune)
+        self.load_words(
+            w.shape(),
+            &device_words(w),
+            w.scales(),
+            w.zero_terms(),
+            tune,
+        )
     }
 
-    /// Uploads weights already laid out by [`device_weights`].
-    fn load_laid_out(
+    fn load_words(
         &self,
         shape: (Packing, usize, usize),
-        (words, scale, zs): &(Vec<u32>, Vec<f32>, Vec<f32>),
+        words: &[u32],
+        scale: &[f32],
+        zs: &[f32],
         tune: QuantTune,
     ) -> Result<CudaOutProj> {
         let s = &self.stream;
@@ -327,7 +295,7 @@ impl Cuda {
 }
 
 impl CudaOutProj {
-    /// Bytes of the fields, scales and zero terms on the device (rows padded to a multiple of 4 groups).
+    /// Bytes of the fields, scales and zero terms on the device.
     pub fn bytes(&self) -> usize {
         4 * (self.words.len() + self.scale.len() + self.zs.len())
     }
@@ -352,20 +320,37 @@ impl CudaOutProj {
         if tokens == 0 {
             return Ok(());
         }
-        let cfg = grid(p, hidden, n, tokens, &self.tune)?;
-        let (hidden, n, tokens) = (int(hidden, "hidden")?, int(n, "n")?, int(tokens, "rows")?);
         let s = &self.cuda.stream;
         let (w, sc, z) = (
             addr(&self.words, s),
             addr(&self.scale, s),
             addr(&self.zs, s),
         );
-        let k = &self.k[tile(tokens as usize)];
-        let f = if shift {
-            &k.shift[pack_index(p)]
-        } else {
-            &k.planes[pack_index(p)]
+        let k = &self.k[tile(tokens)];
+        // one token whose activations fit the shared memory: the streaming kernel
+        let one = match &k.one {
+            Some(f) if tokens == 1 && one_shared(n) <= 48 << 10 => Some(f),
+            _ => None,
         };
+        let (f, cfg) = match one {
+            Some((planes1, shift1)) => (
+                if shift {
+                    &shift1[pack_index(p)]
+                } else {
+                    &planes1[pack_index(p)]
+                },
+                one_grid(p, hidden, n, self.cuda.multiprocessors(), &self.tune)?,
+            ),
+            None => (
+                if shift {
+                    &k.shift[pack_index(p)]
+                } else {
+                    &k.planes[pack_index(p)]
+                },
+                grid(hidden, tokens)?,
+            ),
+        };
+        let (hidden, n, tokens) = (int(hidden, "hidden")?, int(n, "n")?, int(tokens, "rows")?);
         let mut b = s.launch_builder(f);
         b.arg(&w)
             .arg(&sc)
@@ -374,10 +359,12 @@ impl CudaOutProj {
             .arg(&gsum)
             .arg(&out)
             .arg(&hidden)
-            .arg(&n)
-            .arg(&tokens);
-        // SAFETY: the arguments match the kernel's signature; the weights are this object's (hidden rows laid out
-        // by `device_weights`, which the kernel's indexing follows), the grid is `grid`'s for this shape, and
+            .arg(&n);
+        if one.is_none() {
+            b.arg(&tokens);
+        }
+        // SAFETY: the arguments match the kernel's signature (the q1 kernels take no token count; their shared
+        // memory is `one_shared`, their grid `one_grid`'s); the weights are this object's (hidden x n), and
         // the callers checked that x holds `tokens` rows of n, gsum `tokens` rows of n / 16 and out `tokens`
         // rows of hidden floats, x 16-byte aligned.
         unsafe { b.launch(cfg) }.map_err(drv)?;
@@ -578,7 +565,7 @@ impl CudaBf16OutProj {
         if rows == 0 {
             return Ok(());
         }
-        let cfg = bf16_grid(self.hidden, rows)?;
+        let cfg = grid(self.hidden, rows)?;
         let s = &self.cuda.stream;
         let (w, x, o) = (addr(&self.w, s), addr(y, s), addr_mut(out, s));
         let (hidden, n, tokens) = (
@@ -822,9 +809,10 @@ pub fn time_tail(
 mod tests {
     use super::*;
 
-    /// Widths the seed's shape does not reach: a row of 3 groups (padded to 4), 130 (a last part of 1 quad) and
-    /// 600 (5 parts, more than a block's warps: warps loop), every packing, both paths, 1 and 9 rows, under the
-    /// default launch shape and another: within 1e-5 of the dequantized product in f64, planes == shift
+    /// Widths the seed's shape does not reach: rows of 3 groups (one partial chunk), 130 (5 chunks, the last of 2
+    /// groups), 600 (19 chunks) and 800 (activations past the shared memory: the tiled kernel at one token too),
+    /// every packing, both paths, 1 and 9 rows, under the default one-token shape and another (other rows, depths
+    /// that do and do not divide the chunks): within 1e-5 of the dequantized product in f64, planes == shift
     /// bitwise, a row alone == the same row inside the 9-row call, and both shapes the same bits.
     #[test]
     fn odd_widths_padding_and_looping_warps() {
@@ -836,12 +824,13 @@ mod tests {
             }
         };
         let other = QuantTune {
-            rows: [[3, 1, 5], [1, 3, 8]],
-            min_blocks: [1, 1],
+            rows: [3, 1, 5],
+            depth: [5, 3, 1],
+            blocks_per_sm: 2,
             stream_hint: false,
         };
         let mut rng = gdn::synth::Synth::new(17);
-        for h_v in [3usize, 130, 600] {
+        for h_v in [3usize, 130, 600, 800] {
             let sh = gdn::Shape::new(16, 1, h_v).unwrap();
             let (n, hidden) = (sh.n(), 37);
             let w = rng.uniform(hidden * n, -0.05, 0.05);
@@ -898,6 +887,39 @@ mod tests {
         }
     }
 
+    /// A few planes products at the seed's out_proj, 2-bit, one token (the one-token kernel) and two (the tiled
+    /// kernel), for a profiler (`--ignored`; ncu flushes the caches between the calls it profiles).
+    #[test]
+    #[ignore]
+    fn quant_profile_target() {
+        let cuda = match Cuda::new() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("quant_profile_target skipped: {e}");
+                return;
+            }
+        };
+        let (hidden, n) = (5120, 6144);
+        let mut rng = gdn::synth::Synth::new(5);
+        let w = rng.uniform(hidden * n, -0.02, 0.02);
+        let s = cuda.stream.clone();
+        for p in [Packing::Q2U16, Packing::Q8U32] {
+            let q = QuantWeights::quantize(&w, hidden, n, p).unwrap();
+            let prod = cuda.load_out_proj(&q).unwrap();
+            for rows in [1usize, 2] {
+                let xd = s.clone_htod(&rng.uniform(rows * n, -1.0, 1.0)).unwrap();
+                let gd = s
+                    .clone_htod(&rng.uniform(rows * (n / 16), -1.0, 1.0))
+                    .unwrap();
+                let mut od = s.alloc_zeros::<f32>(rows * hidden).unwrap();
+                let (x, g) = (addr(&xd, &s), addr(&gd, &s));
+                let o = addr_mut(&mut od, &s);
+                prod.launch(false, x, g, o, rows).unwrap();
+                s.synchronize().unwrap();
+            }
+        }
+    }
+
     /// The planes product at the seed's out_proj (n 6144 -> 5120) under several launch shapes, on the device
     /// (`--ignored --nocapture`): every shape's bits equal the default's, and its time per call (CUDA graphs,
     /// weights rotated over 256 MiB of copies) is printed as a table. For choosing [`QuantTune::DEFAULT`].
@@ -923,37 +945,37 @@ mod tests {
         };
         let tunes: Vec<(&str, QuantTune)> = vec![
             ("default", d),
+            ("2 blocks an SM", with(&|t| t.blocks_per_sm = 2)),
             ("no stream hint", with(&|t| t.stream_hint = false)),
+            ("depth 6,3,3", with(&|t| t.depth = [6, 3, 3])),
+            ("depth 3,4,4", with(&|t| t.depth = [3, 4, 4])),
             (
-                "TT1 rows 2,2,2 min 8",
+                "rows 2 depth 6,4,4",
                 with(&|t| {
-                    t.rows[0] = [2, 2, 2];
-                    t.min_blocks[0] = 8;
+                    t.rows = [2, 2, 2];
+                    t.depth = [6, 4, 4];
                 }),
             ),
             (
-                "TT1 rows 4,4,4 min 3",
+                "rows 2 depth 4 2 blocks",
                 with(&|t| {
-                    t.rows[0] = [4, 4, 4];
-                    t.min_blocks[0] = 3;
+                    t.rows = [2, 2, 2];
+                    t.depth = [4, 4, 4];
+                    t.blocks_per_sm = 2;
                 }),
             ),
             (
-                "TT1 rows 8,2,2 min 2",
+                "rows 8,2,2 depth 2,6,6",
                 with(&|t| {
-                    t.rows[0] = [8, 2, 2];
-                    t.min_blocks[0] = 2;
+                    t.rows = [8, 2, 2];
+                    t.depth = [2, 6, 6];
                 }),
             ),
-            ("TT1 min 4", with(&|t| t.min_blocks[0] = 4)),
-            ("TT1 min 6", with(&|t| t.min_blocks[0] = 6)),
-            ("TT8 rows 2,2,2", with(&|t| t.rows[1] = [2, 2, 2])),
-            ("TT8 rows 4,4,4", with(&|t| t.rows[1] = [4, 4, 4])),
             (
-                "TT8 rows 2,1,1 min 3",
+                "rows 1 depth 12,6,6",
                 with(&|t| {
-                    t.rows[1] = [2, 1, 1];
-                    t.min_blocks[1] = 3;
+                    t.rows = [1, 1, 1];
+                    t.depth = [12, 6, 6];
                 }),
             ),
         ];
@@ -962,8 +984,8 @@ mod tests {
         for p in Packing::ALL {
             let q = QuantWeights::quantize(&w, hidden, n, p).unwrap();
             let copies = (256usize << 20).div_ceil(q.bytes()).max(1);
-            let laid = device_weights(&q);
-            for rows in [1usize, 2, 8, 64] {
+            let words = device_words(&q);
+            for rows in [1usize, 2, 3, 8, 64] {
                 let xh = rng.uniform(rows * n, -1.0, 1.0);
                 let gh = rng.uniform(rows * groups, -1.0, 1.0);
                 let xd = s.clone_htod(&xh).unwrap();
@@ -971,16 +993,15 @@ mod tests {
                 let mut od = s.alloc_zeros::<f32>(rows * hidden).unwrap();
                 let mut reference: Option<Vec<u32>> = None;
                 for (name, tune) in &tunes {
-                    let which = usize::from(rows >= TILE_FROM);
-                    if *name != "default"
-                        && tune.rows[which] == d.rows[which]
-                        && tune.min_blocks[which] == d.min_blocks[which]
-                        && tune.stream_hint == d.stream_hint
-                    {
+                    // the launch shape is the one-token kernel's
+                    if *name != "default" && rows != 1 {
                         continue;
                     }
                     let qs: Vec<CudaOutProj> = (0..copies)
-                        .map(|_| cuda.load_laid_out(q.shape(), &laid, *tune).unwrap())
+                        .map(|_| {
+                            cuda.load_words(q.shape(), &words, q.scales(), q.zero_terms(), *tune)
+                                .unwrap()
+                        })
                         .collect();
                     let (x, g) = (addr(&xd, &s), addr(&gd, &s));
                     let o = addr_mut(&mut od, &s);
