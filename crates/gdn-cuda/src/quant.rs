@@ -43,6 +43,8 @@ pub struct QuantTune {
     pub blocks_per_sm: usize,
     /// Weights loaded past L1 with a 256-byte L2 prefetch hint (else plain read-only loads).
     pub stream_hint: bool,
+    /// One-token calls on the `q1_*` kernel (else on the tiled kernel's TT 1 module, as calls of 2 or 3 rows).
+    pub one_kernel: bool,
 }
 
 impl QuantTune {
@@ -52,6 +54,7 @@ impl QuantTune {
         depth: [4, 2, 2],
         blocks_per_sm: 1,
         stream_hint: true,
+        one_kernel: true,
     };
 }
 
@@ -329,7 +332,7 @@ impl CudaOutProj {
         let k = &self.k[tile(tokens)];
         // one token whose activations fit the shared memory: the streaming kernel
         let one = match &k.one {
-            Some(f) if tokens == 1 && one_shared(n) <= 48 << 10 => Some(f),
+            Some(f) if tokens == 1 && self.tune.one_kernel && one_shared(n) <= 48 << 10 => Some(f),
             _ => None,
         };
         let (f, cfg) = match one {
@@ -828,6 +831,7 @@ mod tests {
             depth: [5, 3, 1],
             blocks_per_sm: 2,
             stream_hint: false,
+            one_kernel: true,
         };
         let mut rng = gdn::synth::Synth::new(17);
         for h_v in [3usize, 130, 600, 800] {
@@ -945,6 +949,7 @@ mod tests {
         };
         let tunes: Vec<(&str, QuantTune)> = vec![
             ("default", d),
+            ("tiled kernel (before)", with(&|t| t.one_kernel = false)),
             ("2 blocks an SM", with(&|t| t.blocks_per_sm = 2)),
             ("no stream hint", with(&|t| t.stream_hint = false)),
             ("depth 6,3,3", with(&|t| t.depth = [6, 3, 3])),
