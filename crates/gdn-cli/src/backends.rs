@@ -13,7 +13,7 @@ pub fn names() -> clap::builder::PossibleValuesParser {
 pub fn make(name: &str) -> Result<Box<dyn Backend>> {
     match name {
         "cpu" => Ok(Box::new(cpu())),
-        "cuda" => Ok(Box::new(gdn_cuda::Cuda::new()?)),
+        "cuda" => Ok(Box::new(cuda()?)),
         "wgpu" => Ok(Box::new(gdn_wgpu::Wgpu::with_options(wgpu_options())?)),
         other => Err(Error::Unavailable(format!(
             "no backend '{other}' in this build (known: {})",
@@ -33,6 +33,14 @@ fn cpu() -> gdn::Cpu {
         .filter(|&n: &usize| n > 0)
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     gdn::Cpu::with_calling_thread(threads).unwrap_or_default()
+}
+
+/// The CUDA backend with its options from the environment (the library itself reads none): `GDN_CUDA_WINDOW=1`
+/// runs windows of two tokens or more in the window kernel (eight tokens at a time in the chunked form).
+pub fn cuda() -> Result<gdn_cuda::Cuda> {
+    let mut c = gdn_cuda::Cuda::new()?;
+    c.set_window_kernel(std::env::var("GDN_CUDA_WINDOW").is_ok_and(|v| v == "1"));
+    Ok(c)
 }
 
 /// The wgpu backend's options from the environment (the library itself reads none): `GDN_WGPU_ADAPTER` (a part

@@ -57,8 +57,9 @@ pub struct Args {
     /// verifies a window of W drafted tokens per sequence and accepts a random prefix (0..=W, seeded) of the
     /// last one; the backend's one-pass `step_spec` beside the seed's two-pass flow (verify, then commit the
     /// prefix) on the same backend. With --rotate-mib the calls rotate among slot sets as above. Timed with the
-    /// host clock around whole calls, so on a GPU backend the host-slice uploads and downloads are in it (the
-    /// CUDA crate's `spec_bench` example times the kernels alone, in CUDA graphs).
+    /// host clock around whole calls (on wgpu the host-slice uploads and downloads are in it); on CUDA device
+    /// time instead: CUDA-graph replays of the one-pass kernel beside the two-pass flow's commit and verify
+    /// kernels (`CudaPool::time_spec_rotating`, `time_varlen_rotating`).
     #[arg(long, value_delimiter = ',')]
     spec: Option<Vec<usize>>,
     /// Time the layer's out_proj over quantized weights (n -> this hidden size) and the layer's tail instead, at
@@ -247,6 +248,16 @@ pub fn run(args: Args) -> Result<()> {
     }
     if let Some(windows) = &args.spec {
         progress.finish_and_clear();
+        if args.backend == "cuda" {
+            return run_spec_cuda(
+                &layer,
+                options,
+                args.io,
+                &batches,
+                windows,
+                (args.rotate_mib as usize) << 20,
+            );
+        }
         return run_spec(
             backend.as_ref(),
             &layer,
@@ -292,7 +303,7 @@ pub fn run(args: Args) -> Result<()> {
         };
         // CUDA times a rotation on the device (graph replays over the sets): its own pool type
         let mut pool = if cuda_rotation {
-            CasePool::Cuda(Box::new(gdn_cuda::Cuda::new()?.create_cuda_pool(
+            CasePool::Cuda(Box::new(crate::backends::cuda()?.create_cuda_pool(
                 &layer,
                 b * sets,
                 options,
@@ -613,7 +624,7 @@ fn run_out_proj(
     let n = sh.n();
     let device = backends::is_device(backend_name);
     let cuda = if backend_name == "cuda" {
-        Some(gdn_cuda::Cuda::new()?)
+        Some(crate::backends::cuda()?)
     } else if device {
         return Err(gdn::Error::Unsupported(format!(
             "--out-proj is benchmarked on the CPU and CUDA backends, not {backend_name}"
@@ -780,7 +791,7 @@ fn run_spec(
     let mut rng = Synth::new(77);
     println!("speculative loop on {} (state {}, io {}), seconds per speculative step (one call: verify W tokens per sequence, accept a random prefix of the last window)", backend.name(), options.state.name(), io.name());
     if !backend.name().starts_with("cpu") {
-        println!("host clock around whole host-slice calls (uploads and downloads included); device time of the kernels alone: the CUDA crate's spec_bench example");
+        println!("host clock around whole host-slice calls (uploads and downloads included)");
     }
     println!();
     println!("| B | W | slot sets | one-pass step_spec us | two-pass flow us | speed-up | state GB/s (one pass: 1 read + 1 write) |");
@@ -881,6 +892,122 @@ fn run_spec(
         }
     }
     Ok(())
+}
+
+/// `gdn bench --backend cuda --spec`: device time per speculative step, the kernels alone as `time_varlen`
+/// times a step (CUDA graphs of 20 calls replayed, events, median): the one-pass kernel (each slot holds a
+/// window of W and accepts a random prefix of it, then holds the next) beside the two-pass flow's k-token commit
+/// and verify kernels. With --rotate-mib the calls rotate among slot sets (states from memory).
+fn run_spec_cuda(
+    layer: &gdn::Layer,
+    options: PoolOptions,
+    io: DType,
+    batches: &[usize],
+    windows: &[usize],
+    rotate_bytes: usize,
+) -> Result<()> {
+    let sh = *layer.shape();
+    let cuda = gdn_cuda::Cuda::new()?;
+    let mut rng = Synth::new(77);
+    let ceiling = gdn::Backend::copy_ceiling(&cuda, 256 * sh.state_len() * options.state.size())?;
+    println!(
+        "speculative step on cuda (state {} {}, io {}): device us per speculative step, CUDA graphs of 20 calls replayed, events, median; copy ceiling {:.2} TB/s",
+        options.state.name(),
+        options.layout.name(),
+        io.name(),
+        ceiling / 1e12
+    );
+    println!();
+    println!("| B | W | slot sets | mean accepted | one-pass us | verify us | commit k us | two-pass us | speed-up | one-pass state bytes / ceiling |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for &b in batches {
+        let state_bytes = b * sh.state_len() * options.state.size();
+        let sets = rotate_bytes.div_ceil(state_bytes).max(1);
+        let mut one = cuda.create_cuda_pool(layer, b * sets, options)?;
+        let mut two = cuda.create_cuda_pool(layer, b * sets, options)?;
+        for s in 0..b * sets {
+            let (st, h) = rng.seq_state(layer);
+            one.write_slot(s, &st, &h)?;
+            two.write_slot(s, &st, &h)?;
+        }
+        for &w in windows {
+            if w == 0 {
+                return Err(gdn::Error::Param {
+                    name: "spec",
+                    why: "a window has at least one token".into(),
+                });
+            }
+            let data = random_rows(&mut rng, layer, b * w, io);
+            let seqs_of = |commit: &dyn Fn(usize) -> Option<Commit>| -> Vec<Vec<Seq>> {
+                (0..sets)
+                    .map(|set| {
+                        (0..b)
+                            .filter_map(|i| {
+                                commit(i).map(|c| Seq {
+                                    slot: (set * b + i) as i32,
+                                    start: i * w,
+                                    len: w,
+                                    commit: c,
+                                })
+                            })
+                            .collect()
+                    })
+                    .collect()
+            };
+            let verify = seqs_of(&|_| Some(Commit::Verify));
+            let accept: Vec<usize> = rng
+                .uniform(b, 0.0, (w + 1) as f32)
+                .iter()
+                .map(|&x| (x as usize).min(w))
+                .collect();
+            let commit = seqs_of(&|i| (accept[i] > 0).then_some(Commit::First(accept[i])));
+            // every slot holds a window of W (whatever it held before dropped), then the timed calls accept
+            for s in 0..b * sets {
+                one.commit_held(s, 0)?;
+            }
+            let mut out = gdn::TensorData::filled(b * w * sh.n(), 0.0, io);
+            for st in spec_steps(&data, &verify) {
+                one.step_spec(&st, &vec![0; b], out.view_mut())?;
+            }
+            let t1 = one
+                .time_spec_rotating(&spec_steps(&data, &verify), &accept, io, 20)?
+                .per_call
+                .as_secs_f64();
+            let tc = if commit[0].is_empty() {
+                0.0
+            } else {
+                two.time_varlen_rotating(&spec_steps(&data, &commit), io, 20)?
+                    .per_call
+                    .as_secs_f64()
+            };
+            let tv = two
+                .time_varlen_rotating(&spec_steps(&data, &verify), io, 20)?
+                .per_call
+                .as_secs_f64();
+            let mean = accept.iter().sum::<usize>() as f64 / b as f64;
+            println!(
+                "| {b} | {w} | {sets} | {mean:.2} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2}x | {:.1}% |",
+                t1 * 1e6,
+                tv * 1e6,
+                tc * 1e6,
+                (tv + tc) * 1e6,
+                (tv + tc) / t1,
+                100.0 * 2.0 * state_bytes as f64 / t1 / ceiling
+            );
+        }
+    }
+    Ok(())
+}
+
+/// One step over `data` per entry of `seqs`.
+fn spec_steps<'a>(data: &'a RowsData, seqs: &'a [Vec<Seq>]) -> Vec<Step<'a>> {
+    seqs.iter()
+        .map(|q| Step {
+            rows: data.view(),
+            seqs: q,
+            plane_stride: None,
+        })
+        .collect()
 }
 
 fn timing_method(pool: &mut dyn LayerPool) -> Result<String> {

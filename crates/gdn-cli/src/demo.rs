@@ -43,7 +43,7 @@ pub struct Args {
 fn quant_backend(name: &str) -> Result<Box<dyn gdn::quant::QuantBackend>> {
     Ok(match name {
         "cpu" => Box::new(gdn::Cpu::new()),
-        "cuda" => Box::new(gdn_cuda::Cuda::new()?),
+        "cuda" => Box::new(crate::backends::cuda()?),
         "wgpu" => Box::new(gdn_wgpu::Wgpu::new()?),
         other => {
             return Err(Error::Unavailable(format!(

@@ -35,6 +35,35 @@ fn main() {
     if std::env::args().any(|a| a == "decode") {
         return;
     }
+    // the window kernel: every state and layout, verify and commit, T 4, 8 and the run-time length
+    let p = Plan::choose(128, 48, 256, 132).expect("a split for d 128");
+    for state in [DType::F32, DType::Bf16] {
+        for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+            for (t, commit, planes) in [
+                (Some(4), false, false),
+                (Some(8), false, false),
+                (Some(8), true, false),
+                (None, true, false),
+                (None, true, true),
+            ] {
+                let s = Spec::new((9, 0), &cfg, t, commit, planes, p)
+                    .with_pool(PoolOptions { state, layout })
+                    .with_window();
+                match compiled(&s) {
+                    Ok(c) => println!(
+                        "window state {} {} T {t:?} commit {commit} planes {planes}: {}",
+                        state.name(),
+                        layout.name(),
+                        resource_line(&c.log)
+                    ),
+                    Err(e) => println!("{s:?}: {e}"),
+                }
+            }
+        }
+    }
+    if std::env::args().any(|a| a == "window") {
+        return;
+    }
     let p = Plan::choose(128, 48, 256, 132).expect("a split for d 128");
     for state in [DType::F32, DType::Bf16] {
         for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {

@@ -2,7 +2,9 @@
 //! random prefix of each slot's held window of W tokens, verify the next W) beside the two-pass flow's two
 //! kernels (a k-token commit of the held rows, then the verify), each timed as `time_varlen` times a step (a
 //! CUDA graph of 20 steps replayed 10 times, events, median of 7). Same-run ratios; device runs only.
-//! `spec_bench [B,B,..] [W,W,..]` (default 1,64,256 and 4,8).
+//! `spec_bench [B,B,..] [W,W,..]` (default 1,64,256 and 4,8). `spec_bench B W profile`: no timing, for a profiler: f32
+//! state, the four kernels once each in this order: the one-pass kernel holding a first window (nothing accepted),
+//! the one-pass kernel accepting a random prefix of it, the two-pass flow's k-token commit, its verify.
 
 use gdn::synth::Synth;
 use gdn::{
@@ -19,6 +21,9 @@ fn main() -> gdn::Result<()> {
     let mut args = std::env::args().skip(1);
     let batches = list(args.next(), &[1, 64, 256]);
     let windows = list(args.next(), &[4, 8]);
+    if args.next().as_deref() == Some("profile") {
+        return profile(batches[0], windows[0]);
+    }
     let cuda = Cuda::new()?;
     let mut rng = Synth::new(15);
     let layer = rng.layer(Config::new(Shape::SEED))?;
@@ -111,5 +116,62 @@ fn main() -> gdn::Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// The launches `spec_bench B W profile` makes (see the module's comment), one of each kernel, outside graphs.
+fn profile(b: usize, w: usize) -> gdn::Result<()> {
+    let cuda = Cuda::new()?;
+    let mut rng = Synth::new(15);
+    let layer = rng.layer(Config::new(Shape::SEED))?;
+    let sh = *layer.shape();
+    let opts = PoolOptions::default();
+    let mut one = cuda.create_cuda_pool(&layer, b, opts)?;
+    let mut two = cuda.create_cuda_pool(&layer, b, opts)?;
+    for slot in 0..b {
+        let (s, h) = rng.seq_state(&layer);
+        one.write_slot(slot, &s, &h)?;
+        two.write_slot(slot, &s, &h)?;
+    }
+    let data = rng.batch(&layer, b * w, 1);
+    let rows = RowsData::from_f32(&data.qkv, &data.alpha, &data.beta, &data.z, [DType::F32; 4]);
+    let verify: Vec<Seq> = (0..b)
+        .map(|i| Seq {
+            slot: i as i32,
+            start: i * w,
+            len: w,
+            commit: Commit::Verify,
+        })
+        .collect();
+    let step = Step {
+        rows: rows.view(),
+        seqs: &verify,
+        plane_stride: None,
+    };
+    let accept: Vec<usize> = rng
+        .uniform(b, 0.0, (w + 1) as f32)
+        .iter()
+        .map(|&x| (x as usize).min(w))
+        .collect();
+    let commit: Vec<Seq> = (0..b)
+        .map(|i| Seq {
+            slot: i as i32,
+            start: i * w,
+            len: w,
+            commit: Commit::First(accept[i].max(1)),
+        })
+        .collect();
+    let cstep = Step {
+        rows: rows.view(),
+        seqs: &commit,
+        plane_stride: None,
+    };
+    let mut out = gdn::TensorData::filled(b * w * sh.n(), 0.0, DType::F32);
+    one.step_spec(&step, &vec![0; b], out.view_mut())?;
+    one.step_spec(&step, &accept, out.view_mut())?;
+    two.step_varlen(&cstep, out.view_mut())?;
+    two.step_varlen(&step, out.view_mut())?;
+    let mean = accept.iter().sum::<usize>() as f64 / b as f64;
+    println!("profile: B {b} W {w}, mean accepted {mean:.2}; launches: hold, accept + hold, commit k, verify");
     Ok(())
 }

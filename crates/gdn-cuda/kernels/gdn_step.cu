@@ -30,6 +30,8 @@
 //                           many blocks after it in launch order (its loads then hit L2); a hint, no value changes
 //   GDN_PREWAIT             1: before waiting for the previous kernel, prefetch the block's own state into L2
 //                           (the slot read only for that, as a relaxed load; see Launch below)
+//   GDN_ROUTE               1: the window kernel (gdn_window.cu) runs in the same call; leave it the sequences of
+//                           two tokens or more whose commit point is not 1 (after the checks: faults reported alike)
 //
 // Sequences. Sequence s of the call has pool slot seq_slot[s], rows seq_start[s] .. + seq_len[s] of the packed
 // inputs and of the output, and commit point seq_commit[s]. A sequence whose slot is outside the pool, whose
@@ -73,12 +75,14 @@
 // (per value head and column) and the raw (widened) qkv row (q / k by that first value head, v by each head's
 // column owners). Per slot two buffers of that pending region: seq_acc[s] = acc | (buf << 8) names the buffer
 // holding the slot's held window and how many of its tokens are accepted; a window held now is written to the
-// other buffer, so no block ever writes what any block of the launch reads. After its state load the block
-// applies the first acc updates in order with the token update's own operations (st = fmaf(g, st, k * delta)),
-// rounds a bf16 state once (as the k-token commit stores it and the next window loads it), shifts the last
-// accepted rows into the history, and runs its window from there; if that window is held too, the accepted
-// state and history are written back first (a committing window writes them at its commit). A sequence of
-// length 0 only accepts (commit_held). One state read and one write per speculative step.
+// other buffer, so no block ever writes what any block of the launch reads. The accepted prefix's keys, deltas
+// and gates, and the raw rows the history keeps, are copied into shared memory (cp.async) as soon as the block
+// knows its sequence; after its state load the block applies the first acc updates in order with the token
+// update's own operations (st = fmaf(g, st, k * delta)), rounds a bf16 state once (as the k-token commit stores
+// it and the next window loads it), shifts the last accepted rows into the history, and runs its window from
+// there; if that window is held too, the accepted state and history are written back first (a committing window
+// writes them at its commit). A sequence of length 0 only accepts (commit_held). One state read and one write
+// per speculative step.
 //
 // Launch: with programmatic dependent launch the kernel loads a few of the layer's weights, then waits for
 // the previous kernel in the stream (griddepcontrol.wait) before it reads anything a previous kernel may write.
@@ -125,6 +129,9 @@
 #ifndef GDN_PREWAIT
 #define GDN_PREWAIT 0
 #endif
+#ifndef GDN_ROUTE
+#define GDN_ROUTE 0
+#endif
 
 #define D GDN_D
 #define HK GDN_HK
@@ -162,6 +169,8 @@ static_assert(!GDN_SPEC || (GDN_COMMIT && !GDN_EXT), "the speculative step is th
 #define PD_OFF (PK_OFF + HK * MAXH * D)
 #define PR_OFF (PD_OFF + HV * MAXH * D)
 #define PEND_PB (PR_OFF + MAXH * C_ALL)
+// offsets inside one buffer are int arithmetic (cheaper addressing for the per-token stores)
+static_assert((long long)PEND_PB < 0x7fffffffLL, "a pending buffer's offsets fit an int");
 #endif
 
 // Element types (Elt<code>): kernels/gdn_elt.cuh, prepended to this source.
@@ -225,14 +234,13 @@ struct GdnExt {
 #define VEC_STATE 0
 #endif
 
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-__device__ __forceinline__ float softplus_decay(float u, float a) {
-    const float ex = expf(u);
-    const float w = 1.0f + ex;
-    const float sp = u > 20.0f ? u : (w == 1.0f ? ex : logf(w) * ex / (w - 1.0f));
-    return expf(sp * a);
+#if GDN_SPEC
+__device__ __forceinline__ float* pend_new(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.shared.u64 %0, [%1];" : "=l"(v) : "r"((unsigned)__cvta_generic_to_shared(p)));
+    return reinterpret_cast<float*>(v);
 }
+#endif
 
 #if GDN_NCB > 1
 __device__ __forceinline__ void cluster_sync_all() {
@@ -250,20 +258,6 @@ __device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
     return v;
 }
 #endif
-
-// the largest power of two below n (n >= 2)
-constexpr int below_pow2(int n) { return n <= 2 ? 1 : 2 * below_pow2((n + 1) / 2); }
-
-// p[0] + ... + p[N - 1] as a fixed pairwise tree (the first power-of-two part, then the rest)
-template <int N> struct Tree {
-    static __device__ __forceinline__ float sum(const float* p) {
-        constexpr int H = below_pow2(N);
-        return Tree<H>::sum(p) + Tree<N - H>::sum(p + H);
-    }
-};
-template <> struct Tree<1> {
-    static __device__ __forceinline__ float sum(const float* p) { return p[0]; }
-};
 
 // L2 prefetch of the part of a slot's state block (head hh, rank rr) reads (one bulk prefetch per state row of
 // the block, thread-strided); a hint only, it changes no value
@@ -361,6 +355,19 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #if GDN_PLANES
     __shared__ float ys[COLS];
 #endif
+#if GDN_SPEC
+    // the accepted prefix of the held window, copied in at the start (cp.async, in flight during the prologue):
+    // per token the gate, the key head's normalized keys (in kn's layout, kidx) and this block's deltas
+    __shared__ __align__(16) float acc_k[MAXH * RG * KPAD];
+    __shared__ __align__(16) float acc_d[MAXH * COLS];
+    __shared__ float acc_g[MAXH];
+    // the last (up to) three accepted raw rows of the block's conv channels, [3][NE] by list entry (each
+    // thread copies and reads its own entries, so no barrier)
+    __shared__ float acc_r[3 * NE];
+    // per warp the pointer to the buffer a held window goes to, re-read at every store: kept in registers it
+    // is rematerialised with 64-bit arithmetic at each of them (register pressure)
+    __shared__ unsigned long long pnew_w[NW];
+#endif
 #if STAGE
     // row = key i (key-major) or value column j (value-major) of this head: D bf16 and a skew
     __shared__ __align__(16) unsigned char sst[D * SPITCH];
@@ -394,8 +401,17 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                 : -1;
     }
     const float gam = rg == 0 ? gamma[j] : 0.0f;
+#if GDN_SPEC
+    // read by the gate's thread where it uses them (held in registers they spill under the speculative kernel's
+    // pressure, and the spill store waits for the load at the very start)
+#define DTH __ldg(dt + h)
+#define AH __ldg(ssm_a + h)
+#else
     const float dth = dt[h];
     const float ah = ssm_a[h];
+#define DTH dth
+#define AH ah
+#endif
 
 #if __CUDA_ARCH__ >= 900
 #if GDN_PREWAIT
@@ -507,6 +523,13 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     if (!commit_ok && report) atomicOr(fault, 8u);
     const int commit_at = commit_ok ? commit_in : 0;
 #endif
+#if GDN_ROUTE
+#if GDN_COMMIT
+    if (T >= 2 && commit_at != 1) return;
+#else
+    if (T >= 2) return;
+#endif
+#endif
 #if GDN_SPEC
     // the held window's buffer and accepted count (bit 16 of the fault word: a count above MAXH, none applied)
     const bool acc_ok = acc_raw >= 0 && (acc_raw & 0xff) <= MAXH && (acc_raw >> 9) == 0;
@@ -514,7 +537,14 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     const int acc = acc_ok ? acc_raw & 0xff : 0;
     const int rbuf = (acc_raw >> 8) & 1;
     const float* pold = pend + ((size_t)slot * 2 + rbuf) * PEND_PB;
-    float* pnew = pend + ((size_t)slot * 2 + (rbuf ^ 1)) * PEND_PB;
+    {
+        const unsigned long long pn = (unsigned long long)(pend + ((size_t)slot * 2 + (rbuf ^ 1)) * PEND_PB);
+        if (lane == 0)
+            asm volatile("st.shared.u64 [%0], %1;" ::"r"((unsigned)__cvta_generic_to_shared(pnew_w + warp)), "l"(pn)
+                         : "memory");
+        __syncwarp();
+    }
+#define PNEW pend_new(pnew_w + warp)
     const bool held = commit_at == 0;
     // the first value head of a key head (its rank 0) keeps the key head's normalized keys and raw q / k rows
 #if GDN_GROUPED
@@ -523,6 +553,46 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     const bool qkw = h < HK && rank == 0;
 #endif
     const bool rows_in = T > 0;
+    {
+        // the accepted prefix into shared memory, 16 bytes a copy (gates 4): keys D / 4 and deltas COLS / 4
+        // copies a token; the loads overlap the state's and the prologue, the apply reads shared memory
+        const unsigned sk = (unsigned)__cvta_generic_to_shared(acc_k);
+        const unsigned sd = (unsigned)__cvta_generic_to_shared(acc_d);
+        const unsigned sg = (unsigned)__cvta_generic_to_shared(acc_g);
+        const int nk = acc * (D / 4), nd = acc * (COLS / 4);
+        for (int c = tid; c < nk + nd + acc; c += NT) {
+            if (c < nk) {
+                const int u = c / (D / 4), i = (c % (D / 4)) * 4;
+                const float* src = pold + PK_OFF + ((size_t)g * MAXH + u) * D + i;
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sk + 4u * (u * RG * KPAD + kidx(i))), "l"(src)
+                             : "memory");
+            } else if (c < nk + nd) {
+                const int u = (c - nk) / (COLS / 4), jj = ((c - nk) % (COLS / 4)) * 4;
+                const float* src = pold + PD_OFF + ((size_t)h * MAXH + u) * D + rank * COLS + jj;
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sd + 4u * (u * COLS + jj)), "l"(src)
+                             : "memory");
+            } else {
+                const int u = c - nk - nd;
+                const float* src = pold + PG_OFF + h * MAXH + u;
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(sg + 4u * u), "l"(src) : "memory");
+            }
+        }
+        // the raw rows of the history after the accepted prefix: rows acc - 3 .. acc - 1 (those that exist)
+        const unsigned sr = (unsigned)__cvta_generic_to_shared(acc_r);
+#pragma unroll
+        for (int i = 0; i < 3; ++i) {
+            const int u = acc - 3 + i;
+#pragma unroll
+            for (int m = 0; m < NCH; ++m) {
+                if (u >= 0 && chan[m] >= 0) {
+                    const float* src = pold + PR_OFF + (size_t)u * C_ALL + chan[m];
+                    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(sr + 4u * (i * NE + tid + m * NT)), "l"(src)
+                                 : "memory");
+                }
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
 #else
     constexpr bool rows_in = true;
 #endif
@@ -631,16 +701,17 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 
 #if GDN_SPEC
     if (acc > 0) {
-        // the history after the accepted rows of the held window: only the last three of them can remain
-        for (int u = acc > 3 ? acc - 3 : 0; u < acc; ++u) {
-            const float* raw = pold + PR_OFF + (size_t)u * C_ALL;
+        // the history after the accepted rows of the held window: the last three of (history, rows 0 .. acc - 1),
+        // the rows from this thread's own copies (acc_r slot i holds row acc - 3 + i)
+        asm volatile("cp.async.wait_all;" ::: "memory");
 #pragma unroll
-            for (int m = 0; m < NCH; ++m) {
-                if (chan[m] >= 0) {
-                    hst[m][0] = hst[m][1];
-                    hst[m][1] = hst[m][2];
-                    hst[m][2] = raw[chan[m]];
-                }
+        for (int m = 0; m < NCH; ++m) {
+            if (chan[m] >= 0) {
+                const float h1 = hst[m][1], h2 = hst[m][2];
+                const int e = tid + m * NT;
+                hst[m][0] = acc >= 3 ? acc_r[e] : acc == 2 ? h2 : h1;
+                hst[m][1] = acc >= 2 ? acc_r[NE + e] : h2;
+                hst[m][2] = acc_r[2 * NE + e];
             }
         }
         if (held) {
@@ -673,14 +744,15 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         // the accepted prefix of the held window applied to the state as it is first used (its loads had
         // the prologue to land), token by token with the update's own operations (step 3's
         // st = fmaf(gt, st, k4 * delta)) on the gate, key and delta bits the held window computed
+        // (read from the shared copies: the caller waited for them and passed a barrier)
         for (int u = 0; u < acc; ++u) {
-            const float gu = pold[PG_OFF + h * MAXH + u];
-            const float du = pold[PD_OFF + ((size_t)h * MAXH + u) * D + j];
-            const float* ku = pold + PK_OFF + ((size_t)g * MAXH + u) * D;
+            const float gu = acc_g[u];
+            const float du = acc_d[u * COLS + col];
+            const float* ku = acc_k + u * RG * KPAD + rg * KPAD;
 #pragma unroll
             for (int r = 0; r < RPT; r += 4) {
-                // keys KEY(rg, r) .. + 3 are contiguous in both layouts: the rows kn[rg * KPAD + r ..] holds
-                const float4 k4 = *reinterpret_cast<const float4*>(ku + KEY(rg, r));
+                // register rows r .. r + 3 (keys KEY(rg, r) ..), as kn holds them
+                const float4 k4 = *reinterpret_cast<const float4*>(ku + r);
                 st[r + 0] = fmaf(gu, st[r + 0], k4.x * du);
                 st[r + 1] = fmaf(gu, st[r + 1], k4.y * du);
                 st[r + 2] = fmaf(gu, st[r + 2], k4.z * du);
@@ -743,7 +815,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                 s = fmaf(hst[m][2], w.z, s);
                 const float x = EQ::ld(in[m]);
 #if GDN_SPEC
-                if (held && t < MAXH && (e >= 2 * D || qkw)) pnew[PR_OFF + (size_t)t * C_ALL + chan[m]] = x;
+                if (held && t < MAXH && (e >= 2 * D || qkw)) PNEW[PR_OFF + t * C_ALL + chan[m]] = x;
 #endif
                 s = fmaf(x, w.w, s);
                 cv = s / (1.0f + expf(-s));
@@ -763,9 +835,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         }
         // gate and write strength, and the next token's alpha / beta
         if (tid == NT - 1) {
-            gb[0] = softplus_decay(EA::ld(a_in) + dth, ah);
+            gb[0] = softplus_decay(EA::ld(a_in) + DTH, AH);
 #if GDN_SPEC
-            if (held && t < MAXH && rank == 0) pnew[PG_OFF + h * MAXH + t] = gb[0];
+            if (held && t < MAXH && rank == 0) PNEW[PG_OFF + h * MAXH + t] = gb[0];
 #endif
             a_in = more ? alpha[(row + 1) * A_RS + h] : (EA::T)0;
         } else if (tid == NT - 2) {
@@ -794,12 +866,15 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                 if (e < D) qn[kidx(e)] = x;
                 else kn[kidx(e - D)] = x;
 #if GDN_SPEC
-                if (e >= D && held && t < MAXH && qkw) pnew[PK_OFF + ((size_t)g * MAXH + t) * D + (e - D)] = x;
+                if (e >= D && held && t < MAXH && qkw) PNEW[PK_OFF + (g * MAXH + t) * D + (e - D)] = x;
 #endif
             }
         }
 #if STAGE
         asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's copies; the barrier makes all visible
+#endif
+#if GDN_SPEC
+        if (t == 0) asm volatile("cp.async.wait_all;" ::: "memory");  // the accepted prefix (as above)
 #endif
         __syncthreads();
 
@@ -840,7 +915,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         const float gt = gb[0], bt = gb[1];
         const float delta = (vs[col] - gt * kv) * bt;
 #if GDN_SPEC
-        if (held && t < MAXH && rg == 0) pnew[PD_OFF + ((size_t)h * MAXH + t) * D + j] = delta;
+        if (held && t < MAXH && rg == 0) PNEW[PD_OFF + (h * MAXH + t) * D + j] = delta;
 #endif
         float o0 = 0.0f, o1 = 0.0f;
 #if STAGE
@@ -1012,7 +1087,11 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #endif
     }
 #if GDN_SPEC
-    if (T == 0) apply_accepted();
+    if (T == 0) {
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        __syncthreads();  // uniform: T is the sequence's
+        apply_accepted();
+    }
 #endif
 #if GDN_NCB > 1
     // no block leaves while another may still read its shared memory

@@ -325,7 +325,7 @@ impl CudaPool {
         ops: Operands,
     ) -> Result<Option<Operands>> {
         let min_len = self.chunk_min_len();
-        let (lo, hi) = ops.lens.unwrap_or((1, rows));
+        let (lo, hi) = ops.known.map_or((1, rows), |k| (k.lo, k.hi));
         if hi < min_len || rows < min_len {
             return Ok(Some(ops));
         }

@@ -115,6 +115,8 @@ pub struct Cuda {
     /// Windows of at least this many tokens take the chunked path (`None`: [`chunk::DEFAULT_CHUNK_MIN_LEN`];
     /// [`Cuda::set_chunk_min_len`]).
     pub(crate) chunk_min_len: Option<usize>,
+    /// Windows of two tokens or more run in the window kernel ([`Cuda::set_window_kernel`]; off by default).
+    pub(crate) window: bool,
 }
 
 impl Cuda {
@@ -181,6 +183,7 @@ impl Cuda {
             pdl: true,
             tune_override: None,
             chunk_min_len: None,
+            window: false,
         })
     }
 
@@ -224,6 +227,15 @@ impl Cuda {
     /// choice is per sequence, from its own length only, so a sequence's bits do not depend on its batch.
     pub fn set_chunk_min_len(&mut self, min_len: Option<usize>) {
         self.chunk_min_len = min_len;
+    }
+
+    /// Runs windows of two tokens or more (whose commit point is not 1) in the window kernel, eight tokens at a
+    /// time in the chunked form, or token after token like one-token steps (`false`, the default), in pools
+    /// created afterwards. Bits differ between the two; within either, a sequence's bits depend only on its
+    /// own inputs. The speculative step (`step_spec`) runs on the token-serial kernels only: a pool of the
+    /// window kernel answers it with `Error::Unsupported`.
+    pub fn set_window_kernel(&mut self, on: bool) {
+        self.window = on;
     }
 
     /// The CUDA context this backend runs in (the device's primary context, the one torch and most engines

@@ -139,8 +139,38 @@ pub(crate) struct Operands {
     pub(crate) commit_at: sys::CUdeviceptr,
     /// The speculative step's per-sequence `accepted | buffer << 8` (None: a plain step).
     pub(crate) accept: Option<sys::CUdeviceptr>,
-    /// The shortest and the longest window of the call where the host knows them (picks the chunked path).
-    pub(crate) lens: Option<(usize, usize)>,
+    /// What the host knows of the call's windows (picks the chunked path and the kernels).
+    pub(crate) known: Option<Known>,
+}
+
+/// What the host knows of a call's windows: the shortest and the longest, and whether some sequence is the
+/// token-serial kernel's when the window kernel runs (one token, or a commit after its first).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Known {
+    pub(crate) lo: usize,
+    pub(crate) hi: usize,
+    pub(crate) serial: bool,
+}
+
+impl Known {
+    /// From the live sequences' lengths and commit points (0: none).
+    pub(crate) fn of(lens_commits: impl Iterator<Item = (usize, usize)>) -> Option<Known> {
+        lens_commits.fold(None, |k: Option<Known>, (len, c)| {
+            let serial = len == 1 || c == 1;
+            Some(match k {
+                None => Known {
+                    lo: len,
+                    hi: len,
+                    serial,
+                },
+                Some(k) => Known {
+                    lo: k.lo.min(len),
+                    hi: k.hi.max(len),
+                    serial: k.serial || serial,
+                },
+            })
+        })
+    }
 }
 
 /// Longest window a slot holds for a speculative step (the kernel's `MAXH`).
@@ -351,6 +381,21 @@ impl CudaPool {
         self.cuda.plan_for(sh.d, sh.h_v)
     }
 
+    /// Whether this pool runs windows of two tokens or more in the window kernel ([`Cuda::set_window_kernel`]
+    /// and a shape it takes).
+    pub fn window_runs(&self) -> bool {
+        self.cuda.window
+            && self
+                .spec(&StepKind {
+                    uniform_len: None,
+                    commits: true,
+                    planes: false,
+                    io: Io::all(DType::F32),
+                    seqs: 1,
+                })
+                .is_ok_and(|s| s.window_fits())
+    }
+
     /// The kernel specialisation a step of this kind runs.
     pub fn spec(&self, kind: &StepKind) -> Result<Spec> {
         let heads = kind.seqs.saturating_mul(self.layer.shape().h_v);
@@ -376,7 +421,13 @@ impl CudaPool {
     /// Compiles and loads the kernel a step of this kind needs, so that a later step (for instance one
     /// being captured into a graph) does no compilation.
     pub fn prepare(&self, kind: &StepKind) -> Result<()> {
-        self.function(&self.spec(kind)?).map(|_| ())
+        let spec = self.spec(kind)?;
+        self.function(&spec)?;
+        if self.cuda.window && spec.window_fits() && kind.uniform_len != Some(1) {
+            self.function(&spec.with_window())?;
+            self.function(&spec.with_route())?;
+        }
+        Ok(())
     }
 
     /// Bytes of staging held now (0: none).
@@ -429,13 +480,13 @@ impl CudaPool {
 
     /// `step_device`, or with `accept` (a device array of `accepted | buffer << 8` per sequence, see the
     /// kernel's SPECULATIVE) the speculative kernel.
-    /// `lens`: the call's shortest and longest window where the caller knows them (else `uniform_len`'s).
+    /// `known`: what the caller knows of the call's windows (else `uniform_len`'s).
     fn step_device_with(
         &mut self,
         step: &DeviceStep<'_>,
         out: &mut DeviceTensorMut<'_, '_>,
         accept: Option<sys::CUdeviceptr>,
-        lens: Option<(usize, usize)>,
+        known: Option<Known>,
     ) -> Result<()> {
         let sh = *self.layer.shape();
         let rows = step.rows;
@@ -505,7 +556,11 @@ impl CudaPool {
             len: ptr(step.len, &self.cuda),
             commit_at: ptr(step.commit_at, &self.cuda),
             accept,
-            lens: lens.or(step.uniform_len.map(|t| (t, t))),
+            known: known.or(step.uniform_len.map(|t| Known {
+                lo: t,
+                hi: t,
+                serial: t == 1 || step.commits,
+            })),
         };
         self.launch(&kind, n, rows, step.plane_stride, ops)
     }
@@ -530,11 +585,37 @@ impl CudaPool {
         } else {
             ops
         };
-        let sh = *self.layer.shape();
         let mut spec = self.spec(kind)?;
         if ops.accept.is_some() {
             spec = spec.with_speculative();
+        } else if self.cuda.window && spec.window_fits() {
+            // windows of two tokens or more (commit point not 1) go to the window kernel, the rest of the call to
+            // the token-serial one; unknown lengths: both, each taking its own sequences
+            let (lo, hi, serial) = ops
+                .known
+                .map_or((1, usize::MAX, true), |k| (k.lo, k.hi, k.serial));
+            if hi >= 2 {
+                self.launch_spec(&spec.with_window(), n_seqs, rows, plane_stride, ops)?;
+                if !(serial || lo < 2) {
+                    return Ok(());
+                }
+                spec = spec.with_route();
+            }
         }
+        self.launch_spec(&spec, n_seqs, rows, plane_stride, ops)
+    }
+
+    /// One launch of one specialisation over the call's sequences.
+    fn launch_spec(
+        &mut self,
+        spec: &Spec,
+        n_seqs: usize,
+        rows: usize,
+        plane_stride: Option<usize>,
+        ops: Operands,
+    ) -> Result<()> {
+        let sh = *self.layer.shape();
+        let spec = *spec;
         let f = self.function(&spec)?;
         let mut p_pend = match (&mut self.pend, ops.accept) {
             (Some(p), Some(_)) => ptr_mut(p, &self.cuda),
@@ -703,7 +784,10 @@ impl CudaPool {
                 commit_at: ints_at(3),
                 accept: accept.map(|_| ints_at(4)),
                 out: at(5),
-                lens: Some((step.seqs[live[n - 1]].len, first)),
+                known: Known::of(
+                    live.iter()
+                        .map(|&i| (step.seqs[i].len, checked.commit_at[i])),
+                ),
             };
             self.launch(&kind, n, rows, step.plane_stride, ops)?;
             let st = self
@@ -921,6 +1005,14 @@ impl LayerPool for CudaPool {
     }
 
     fn step_spec(&mut self, step: &Step<'_>, accept: &[usize], out: TensorMut<'_>) -> Result<()> {
+        if self.window_runs() {
+            // the one-pass kernel replays token-serial windows; this pool's plain steps are not token-serial
+            return Err(Error::Unsupported(
+                "the CUDA speculative step needs a pool of the token-serial kernels (Cuda::set_window_kernel(false)); \
+                 with the window kernel, run the two-pass flow (gdn::spec::TwoPass)"
+                    .into(),
+            ));
+        }
         let checked = step.validate(&self.layer, self.slots, out.len())?;
         let held = |slot| self.held[slot];
         gdn::spec::check_spec(
@@ -982,7 +1074,7 @@ impl LayerPool for CudaPool {
                 len: base + 8,
                 commit_at: base + 12,
                 accept: Some(base + 16),
-                lens: None,
+                known: None,
             };
             let kind = StepKind {
                 uniform_len: None,
@@ -1090,8 +1182,8 @@ impl CudaPool {
             n: usize,
             uniform_len: Option<usize>,
             commits: bool,
-            /// the shortest and longest window (the chunked path's choice)
-            lens: Option<(usize, usize)>,
+            /// what the host knows of the windows (the chunked path's and the kernels' choice)
+            known: Option<Known>,
         }
         let mut sets = Vec::with_capacity(steps.len());
         for st in steps {
@@ -1128,7 +1220,7 @@ impl CudaPool {
                 n: live.len(),
                 uniform_len: (uniform && first <= MAX_CONST_T).then_some(first),
                 commits: live.iter().any(|&i| checked.commit_at[i] > 0),
-                lens: live.last().map(|&i| (st.seqs[i].len, first)),
+                known: Known::of(live.iter().map(|&i| (st.seqs[i].len, checked.commit_at[i]))),
             });
         }
         let mut out = Owned::zeros(&s, out_dtype, layout.len().max(1))?;
@@ -1164,7 +1256,7 @@ impl CudaPool {
         let one = |pool: &mut CudaPool, out: &mut Owned| -> Result<()> {
             let k = next.get();
             next.set((k + 1) % dss.len());
-            out.step_with(pool, &dss[k], out_len, acc_ptrs[k], sets[k].lens)
+            out.step_with(pool, &dss[k], out_len, acc_ptrs[k], sets[k].known)
         };
         // warm-up (compiles and loads the kernel)
         for _ in 0..3.max(dss.len()) {
@@ -1237,21 +1329,36 @@ impl CudaPool {
         out_dtype: DType,
         iters: usize,
     ) -> Result<StepTiming> {
-        let layout = step.layout(self.layer.shape())?;
-        let checked = step.validate(&self.layer, self.slots, layout.len())?;
-        let held = |slot| self.held[slot];
-        gdn::spec::check_spec(
-            step,
-            &checked.commit_at,
-            accept,
-            held,
-            MAX_HELD,
-            "the CUDA pool",
-        )?;
+        self.time_spec_rotating(std::slice::from_ref(step), accept, out_dtype, iters)
+    }
+
+    /// `time_spec` over several steps taken in turn, one per call (as `time_varlen_rotating`: each entry names
+    /// its own slots, so each call's state comes from memory); every entry's sequence `i` accepts `accept[i]`.
+    /// The same caveat: the named slots' states, histories and held windows are unspecified afterwards.
+    pub fn time_spec_rotating(
+        &mut self,
+        steps: &[Step<'_>],
+        accept: &[usize],
+        out_dtype: DType,
+        iters: usize,
+    ) -> Result<StepTiming> {
+        for step in steps {
+            let layout = step.layout(self.layer.shape())?;
+            let checked = step.validate(&self.layer, self.slots, layout.len())?;
+            let held = |slot| self.held[slot];
+            gdn::spec::check_spec(
+                step,
+                &checked.commit_at,
+                accept,
+                held,
+                MAX_HELD,
+                "the CUDA pool",
+            )?;
+        }
         self.take_fault()?;
         self.pending()?;
-        let t = self.time_inner(std::slice::from_ref(step), out_dtype, iters, Some(accept));
-        for s in step.seqs.iter().filter(|s| s.slot >= 0) {
+        let t = self.time_inner(steps, out_dtype, iters, Some(accept));
+        for s in steps.iter().flat_map(|st| st.seqs).filter(|s| s.slot >= 0) {
             self.held[s.slot as usize] = 0;
         }
         t
@@ -1326,26 +1433,26 @@ impl Owned {
         step: &DeviceStep<'_>,
         len: usize,
         accept: Option<sys::CUdeviceptr>,
-        lens: Option<(usize, usize)>,
+        known: Option<Known>,
     ) -> Result<()> {
         match self {
             Owned::F32(x) => pool.step_device_with(
                 step,
                 &mut DeviceTensorMut::F32(&mut x.slice_mut(0..len)),
                 accept,
-                lens,
+                known,
             ),
             Owned::Bf16(x) => pool.step_device_with(
                 step,
                 &mut DeviceTensorMut::Bf16(&mut x.slice_mut(0..len)),
                 accept,
-                lens,
+                known,
             ),
             Owned::F16(x) => pool.step_device_with(
                 step,
                 &mut DeviceTensorMut::F16(&mut x.slice_mut(0..len)),
                 accept,
-                lens,
+                known,
             ),
         }
     }

@@ -10,6 +10,9 @@ use gdn::{Config, DType, Error, Gate, HeadMap, PoolOptions, Result, Shape, State
 
 /// The kernel source: macros select the specialisation (see the comment at its top).
 pub const KERNEL_SRC: &str = include_str!("../kernels/gdn_step.cu");
+/// The window kernel's source (windows of two tokens or more in chunks of eight, [`Spec::window`]): the same
+/// macros, entry point and arguments.
+pub const WINDOW_SRC: &str = include_str!("../kernels/gdn_window.cu");
 /// The element types every kernel source of the crate uses, prepended to each after its `#define` lines.
 pub const ELT_SRC: &str = include_str!("../kernels/gdn_elt.cuh");
 
@@ -100,6 +103,12 @@ pub struct Spec {
     pub ahead: u32,
     /// Prefetch the block's own state into L2 before waiting for the previous kernel (`GDN_PREWAIT`).
     pub prewait: bool,
+    /// The window kernel (`kernels/gdn_window.cu`): the sequences of two tokens or more whose commit point is
+    /// not 1, eight tokens at a time in the chunked form.
+    pub window: bool,
+    /// The token-serial kernel leaves the window kernel's sequences to it (`GDN_ROUTE`): set when one call
+    /// launches both.
+    pub route: bool,
 }
 
 /// Memory hints of a launch (no bits depend on them): how far ahead each block prefetches another block's
@@ -298,6 +307,34 @@ impl Spec {
             speculative: false,
             ahead: 0,
             prewait: false,
+            window: false,
+            route: false,
+        }
+    }
+
+    /// Whether the window kernel takes this shape: d 64 or 128 (its split: tiles of 16 keys x 4 columns, d / 16
+    /// row groups in a warp), under a plan of one block a head.
+    pub fn window_fits(&self) -> bool {
+        self.plan.ncb == 1 && matches!(self.shape.d, 64 | 128)
+    }
+
+    /// The window kernel's specialisation of the same call (no staging, no memory hints: it has neither).
+    pub fn with_window(self) -> Spec {
+        Spec {
+            window: true,
+            route: false,
+            stage: false,
+            ahead: 0,
+            prewait: false,
+            ..self
+        }
+    }
+
+    /// The token-serial kernel leaving the window kernel's sequences to it.
+    pub fn with_route(self) -> Spec {
+        Spec {
+            route: true,
+            ..self
         }
     }
 
@@ -403,6 +440,9 @@ impl Spec {
         if self.prewait {
             h.push_str("#define GDN_PREWAIT 1\n");
         }
+        if self.route {
+            h.push_str("#define GDN_ROUTE 1\n");
+        }
         if let Some(conv) = self.ext {
             h.push_str(&format!(
                 "#define GDN_EXT 1\n#define GDN_CONV_DT {}\n",
@@ -443,12 +483,17 @@ impl Spec {
     }
 
     pub fn source(&self) -> String {
-        format!("{}{}{}", self.header(), ELT_SRC, KERNEL_SRC)
+        let body = if self.window { WINDOW_SRC } else { KERNEL_SRC };
+        format!("{}{}{}", self.header(), ELT_SRC, body)
     }
 
-    /// The threads of one block.
+    /// The threads of one block (the window kernel's: d x d / 64).
     pub fn threads(&self) -> usize {
-        self.plan.threads(self.shape.d)
+        if self.window {
+            self.shape.d * self.shape.d / 64
+        } else {
+            self.plan.threads(self.shape.d)
+        }
     }
 }
 
@@ -511,7 +556,11 @@ fn log_of(prog: nvrtc_sys::nvrtcProgram) -> String {
 fn compile(spec: &Spec) -> std::result::Result<Compiled, String> {
     compile_source(
         &spec.source(),
-        "gdn_step.cu",
+        if spec.window {
+            "gdn_window.cu"
+        } else {
+            "gdn_step.cu"
+        },
         spec.arch,
         &format!("{spec:?}"),
         &spec.header(),

@@ -454,11 +454,13 @@ fn pool_sizes_that_overflow_are_errors() {
 /// `commit_held` (the kernel's window-less sequence), forks and resets of slots holding windows.
 #[test]
 fn speculative_steps_are_bitwise_the_two_pass_flow_in_every_pool_kind() {
-    let Some(cuda) =
+    let Some(mut cuda) =
         cuda_or_skip("speculative_steps_are_bitwise_the_two_pass_flow_in_every_pool_kind")
     else {
         return;
     };
+    // the one-pass kernel replays token-serial windows (the window kernel's pools run the two-pass flow)
+    cuda.set_window_kernel(false);
     let mut cases = Vec::new();
     for (state, layout, io) in [
         (DType::F32, StateLayout::KeyMajor, DType::F32),

@@ -13,9 +13,14 @@ use gdn_cuda::cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
 use gdn_cuda::{Cuda, CudaLayer, RawConv, RawState, RawStep, RawTensor, SeqRows};
 use std::sync::Arc;
 
+/// The backend with the window kernel off: the external step runs the token-serial kernels, and its pool
+/// counterpart must too for the bits to be comparable.
 fn cuda_or_skip(test: &str) -> Option<Cuda> {
     match Cuda::new() {
-        Ok(c) => Some(c),
+        Ok(mut c) => {
+            c.set_window_kernel(false);
+            Some(c)
+        }
         Err(gdn::Error::Unavailable(why)) => {
             use std::io::Write;
             let _ = writeln!(

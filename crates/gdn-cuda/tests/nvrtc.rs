@@ -439,3 +439,56 @@ fn every_memory_hint_compiles() {
     specs.dedup();
     assert_all_compile(specs);
 }
+
+/// The window kernel and the routed token-serial kernel beside it, for the head dims the window kernel takes (64
+/// and 128), every state dtype and layout, 16-bit tensors, planes, verify and commit,
+/// T 2..=8 and the run-time length, both gates and head maps.
+#[test]
+fn every_window_specialisation_compiles() {
+    if !nvrtc_or_skip("every_window_specialisation_compiles") {
+        return;
+    }
+    let mut specs = Vec::new();
+    for d in (16..=256).step_by(16) {
+        let shape = Shape::new(d, 2, 4).unwrap();
+        let cfg = Config::new(shape);
+        let plan = Plan::choose(d, 4, 1, 132).unwrap();
+        let base = Spec::new((9, 0), &cfg, None, true, false, plan);
+        assert_eq!(base.window_fits(), d == 64 || d == 128, "d {d}");
+        if !base.window_fits() {
+            continue;
+        }
+        specs.push(base.with_window());
+        specs.push(base.with_route());
+    }
+    let plan = Plan::choose(128, 48, 256, 132).unwrap();
+    for (gate, map) in [
+        (Gate::Sigmoid, HeadMap::Tiled),
+        (Gate::Silu, HeadMap::Grouped),
+    ] {
+        let mut cfg = Config::new(Shape::SEED);
+        cfg.gate = gate;
+        cfg.head_map = map;
+        for state in [DType::F32, DType::Bf16] {
+            for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+                for t in (2..=MAX_CONST_T).map(Some).chain([None]) {
+                    for (commit, planes, io) in [
+                        (false, false, DType::F32),
+                        (true, true, DType::Bf16),
+                        (true, false, DType::F16),
+                    ] {
+                        let s = Spec::new((9, 0), &cfg, t, commit, planes, plan)
+                            .with_io(Io::all(io))
+                            .with_pool(PoolOptions { state, layout });
+                        specs.push(s.with_window());
+                        if t.is_none() {
+                            specs.push(s.with_route());
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let n = assert_all_compile(specs);
+    assert!(n > 200, "{n}");
+}
