@@ -44,18 +44,20 @@ pub struct QuantTune {
     /// Weights loaded past L1 with a 256-byte L2 prefetch hint (else plain read-only loads).
     pub stream_hint: bool,
     /// One-token calls on the `q1_*` kernel (else on the tiled kernel's TT 1 module, as calls of 2 or 3 rows).
-    /// Off by default until it is measured on a device (NOTES.md, "The quantized out_proj").
     pub one_kernel: bool,
 }
 
 impl QuantTune {
-    /// The measured choice (NOTES.md, "The quantized out_proj").
+    /// The measured choice (H200, 2026-12-01, the crate's `quant_tune_sweep`; NOTES.md, "The quantized
+    /// out_proj"): one-token calls on `q1_*`, 2 rows a warp, 4 chunks in flight, 2 blocks an SM (B 1: 2-bit 14.65
+    /// against the tiled kernel's 14.92 us, 8-bit u32 18.40 against 23.05, u16 18.42 against 24.14; the same
+    /// bits in every shape).
     pub const DEFAULT: QuantTune = QuantTune {
-        rows: [4, 4, 4],
-        depth: [4, 2, 2],
-        blocks_per_sm: 1,
+        rows: [2, 2, 2],
+        depth: [4, 4, 4],
+        blocks_per_sm: 2,
         stream_hint: true,
-        one_kernel: false,
+        one_kernel: true,
     };
 }
 
@@ -947,10 +949,18 @@ mod tests {
         let mut rng = gdn::synth::Synth::new(5);
         let w = rng.uniform(hidden * n, -0.02, 0.02);
         let d = QuantTune::DEFAULT;
-        // the one-token kernel's shapes, against the tiled kernel (the default until measured)
-        let one = QuantTune {
-            one_kernel: true,
+        let tiled = QuantTune {
+            one_kernel: false,
             ..d
+        };
+        // the one-token kernel's shapes around its first one (4 rows, depth 4,2,2, one block an SM), against the
+        // tiled kernel
+        let one = QuantTune {
+            rows: [4, 4, 4],
+            depth: [4, 2, 2],
+            blocks_per_sm: 1,
+            stream_hint: true,
+            one_kernel: true,
         };
         let with = |f: &dyn Fn(&mut QuantTune)| {
             let mut t = one;
@@ -958,7 +968,8 @@ mod tests {
             t
         };
         let tunes: Vec<(&str, QuantTune)> = vec![
-            ("default (tiled kernel)", d),
+            ("tiled kernel", tiled),
+            ("default", d),
             ("q1 rows 4 depth 4,2,2", one),
             ("q1 2 blocks an SM", with(&|t| t.blocks_per_sm = 2)),
             ("q1 no stream hint", with(&|t| t.stream_hint = false)),
