@@ -294,6 +294,7 @@ type Row = [f32; CHUNK];
 /// `gq = gam / sqrt(d)`.
 struct Shared<'a> {
     kt: &'a mut [Row],
+    qt: &'a mut [Row],
     ktd: &'a mut [Row],
     tm: &'a mut [Row],
     mm: &'a mut [Row],
@@ -304,12 +305,13 @@ struct Shared<'a> {
 
 /// Floats of the buffers of [`Shared`].
 const fn shared_len(d: usize) -> usize {
-    2 * d * CHUNK + 3 * CHUNK * CHUNK + 2 * CHUNK
+    3 * d * CHUNK + 3 * CHUNK * CHUNK + 2 * CHUNK
 }
 
 impl<'a> Shared<'a> {
     fn of(buf: &'a mut [f32], d: usize) -> Shared<'a> {
         let (kt, rest) = buf.split_at_mut(d * CHUNK);
+        let (qt, rest) = rest.split_at_mut(d * CHUNK);
         let (ktd, rest) = rest.split_at_mut(d * CHUNK);
         let (tm, rest) = rest.split_at_mut(CHUNK * CHUNK);
         let (mm, rest) = rest.split_at_mut(CHUNK * CHUNK);
@@ -317,6 +319,7 @@ impl<'a> Shared<'a> {
         let (gam, rest) = rest.split_at_mut(CHUNK);
         Shared {
             kt: kt.as_chunks_mut().0,
+            qt: qt.as_chunks_mut().0,
             ktd: ktd.as_chunks_mut().0,
             tm: tm.as_chunks_mut().0,
             mm: mm.as_chunks_mut().0,
@@ -410,6 +413,10 @@ fn prepare<'a, 'b>(
         for (s, x) in row.iter_mut().enumerate() {
             *x = k[s * d + i];
         }
+        let row = &mut sh.qt[i];
+        for (s, x) in row.iter_mut().enumerate() {
+            *x = q[s * d + i];
+        }
     }
     let last = sh.rr[CHUNK - 1];
     for i in 0..d {
@@ -478,29 +485,28 @@ fn chunk_block<'a, 'b>(
     let d = inp.d;
     let c0 = cb * LANES;
     let s = &mut s[..d];
-    let k = &inp.k[p0 * d..(p0 + CHUNK) * d];
-    let q = &inp.q[p0 * d..(p0 + CHUNK) * d];
     let mut rhs = [[0.0f32; LANES]; CHUNK];
     let mut oq = [[0.0f32; LANES]; CHUNK];
     // S0^T k_t and S0^T q_t, GA tokens at a time over one pass of the block's rows
     for g in 0..CHUNK / GA {
         let (mut ap, mut aq) = ([[0.0f32; LANES]; GA], [[0.0f32; LANES]; GA]);
-        // the tokens' rows as they are ([t][d]): a panel of GA tokens side by side made LLVM's SLP vectorizer pack
-        // across the tokens and leave the accumulators scalar
-        let kr: [&[f32]; GA] = std::array::from_fn(|r| &k[(g * GA + r) * d..(g * GA + r + 1) * d]);
-        let qr: [&[f32]; GA] = std::array::from_fn(|r| &q[(g * GA + r) * d..(g * GA + r + 1) * d]);
         for i in 0..d {
             // opaque, so that LLVM keeps each accumulator one vector of 16 lanes (left to itself it vectorized
-            // across rows, with a gather and a scatter per lane, as in `kernels::update_rows`)
+            // across rows, with a gather and a scatter per lane, as in `kernels::update_rows`); the keys and
+            // queries from the chunk's transposes, so a row's GA operands sit at fixed offsets of one pointer
             let i = std::hint::black_box(i);
             let x = &s[i];
-            for r in 0..GA {
-                let (kv, qv) = (kr[r][i], qr[r][i]);
+            let (kr, qr) = (
+                &sh.kt[i][g * GA..g * GA + GA],
+                &sh.qt[i][g * GA..g * GA + GA],
+            );
+            each!(r: 0 1 2 3 4 5 6 7 => {
+                let (kv, qv) = (kr[r], qr[r]);
                 for l in 0..LANES {
                     ap[r][l] = kv.mul_add(x[l], ap[r][l]);
                     aq[r][l] = qv.mul_add(x[l], aq[r][l]);
                 }
-            }
+            });
         }
         for r in 0..GA {
             let tok = g * GA + r;
