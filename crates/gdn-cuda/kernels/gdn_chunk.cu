@@ -52,15 +52,6 @@ typedef Elt<GDN_Z_DT> EZ;
 typedef Elt<GDN_OUT_DT> EO;
 typedef Elt<GDN_STATE_DT> ES;
 
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-__device__ __forceinline__ float softplus_decay(float u, float a) {
-    const float ex = expf(u);
-    const float w = 1.0f + ex;
-    const float sp = u > 20.0f ? u : (w == 1.0f ? ex : logf(w) * ex / (w - 1.0f));
-    return expf(sp * a);
-}
-
 // Row t of the chunk's decays: out[s] = D[t][s] = g_{s+1} ... g_t for s <= t (D[t][t] = 1), from the chunk's
 // gates g[0..t]; returns gamma_t = D[t][0] g_0 (the decay of the chunk's initial state through token t).
 // One sequential product a row, the same code in the prep and state kernels, so both get the same bits.

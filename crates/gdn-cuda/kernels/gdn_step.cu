@@ -30,8 +30,9 @@
 //                           many blocks after it in launch order (its loads then hit L2); a hint, no value changes
 //   GDN_PREWAIT             1: before waiting for the previous kernel, prefetch the block's own state into L2
 //                           (the slot read only for that, as a relaxed load; see Launch below)
-//   GDN_ROUTE               1: the window kernel (gdn_window.cu) runs in the same call; leave it the sequences of
-//                           two tokens or more whose commit point is not 1 (after the checks: faults reported alike)
+//   GDN_ROUTE               1: the window kernel (gdn_window.cu) runs in the same call; leave it the sequences whose
+//                           effective length (commit point, or length without one) is in GDN_WMIN ..= GDN_WMAX
+//                           (after the checks: faults reported alike)
 //
 // Sequences. Sequence s of the call has pool slot seq_slot[s], rows seq_start[s] .. + seq_len[s] of the packed
 // inputs and of the output, and commit point seq_commit[s]. A sequence whose slot is outside the pool, whose
@@ -234,15 +235,6 @@ struct GdnExt {
 #define VEC_STATE 0
 #endif
 
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-__device__ __forceinline__ float softplus_decay(float u, float a) {
-    const float ex = expf(u);
-    const float w = 1.0f + ex;
-    const float sp = u > 20.0f ? u : (w == 1.0f ? ex : logf(w) * ex / (w - 1.0f));
-    return expf(sp * a);
-}
-
 #if GDN_SPEC
 __device__ __forceinline__ float* pend_new(const unsigned long long* p) {
     unsigned long long v;
@@ -267,20 +259,6 @@ __device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
     return v;
 }
 #endif
-
-// the largest power of two below n (n >= 2)
-constexpr int below_pow2(int n) { return n <= 2 ? 1 : 2 * below_pow2((n + 1) / 2); }
-
-// p[0] + ... + p[N - 1] as a fixed pairwise tree (the first power-of-two part, then the rest)
-template <int N> struct Tree {
-    static __device__ __forceinline__ float sum(const float* p) {
-        constexpr int H = below_pow2(N);
-        return Tree<H>::sum(p) + Tree<N - H>::sum(p + H);
-    }
-};
-template <> struct Tree<1> {
-    static __device__ __forceinline__ float sum(const float* p) { return p[0]; }
-};
 
 // L2 prefetch of the part of a slot's state block (head hh, rank rr) reads (one bulk prefetch per state row of
 // the block, thread-strided); a hint only, it changes no value
@@ -547,11 +525,14 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     const int commit_at = commit_ok ? commit_in : 0;
 #endif
 #if GDN_ROUTE
+    {
 #if GDN_COMMIT
-    if (T >= 2 && commit_at != 1) return;
+        const int eff = commit_at > 0 ? commit_at : T;
 #else
-    if (T >= 2) return;
+        const int eff = T;
 #endif
+        if (eff >= GDN_WMIN && eff <= GDN_WMAX) return;
+    }
 #endif
 #if GDN_SPEC
     // the held window's buffer and accepted count (bit 16 of the fault word: a count above MAXH, none applied)

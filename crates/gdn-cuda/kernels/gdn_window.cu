@@ -1,15 +1,16 @@
-// gdn_window.cu: the GDN window step (SPEC.md) of windows of two tokens or more, eight tokens at a time in the
-// chunked (WY) form with the state in registers (see NOTES.md, "Windows in chunks of eight").
+// gdn_window.cu: the GDN window step (SPEC.md) of windows of a few tokens (the host's window_range), eight tokens
+// at a time in the chunked (WY) form with the state in registers (see NOTES.md, "Windows in chunks of eight").
 //
 // Specialised by the same macros as gdn_step.cu (src/spec.rs writes one header for both): GDN_D, GDN_HK,
 // GDN_HV, GDN_T (0: each sequence's own length), GDN_SILU, GDN_GROUPED, GDN_PLANES, GDN_COMMIT, the element types,
 // GDN_STATE_DT, GDN_VMAJOR; one block a value head (GDN_NCB 1), D 64 or 128 (its own split, below: GDN_RG
 // and GDN_MINB are the token-serial kernel's).
 //
-// Which sequences. This kernel takes a sequence of at least two tokens whose commit point is not 1; the
-// token-serial kernel (gdn_step.cu, compiled with GDN_ROUTE) takes the others of the same call. A commit after
-// one token of a longer window is therefore a one-token step's arithmetic, and a commit after k >= 2 tokens runs
-// here like a k-token window: bitwise the same state, history and outputs for its first k tokens.
+// Which sequences. This kernel takes a sequence whose effective length (its commit point, or its length if it
+// commits nothing) is in GDN_WMIN ..= GDN_WMAX (the host's window_range, where it measured faster); the
+// token-serial kernel (gdn_step.cu, compiled with GDN_ROUTE) takes the others of the same call. A commit after k
+// tokens of a longer window therefore runs in the kernel a k-token window runs in: bitwise the same state,
+// history and outputs for its first k tokens.
 //
 // The form. For a chunk of c <= 8 tokens starting from S0 (keys i, value columns j), with gates g_t, write
 // strengths b_t, normalized keys k_t and queries q_t (t = 0 .. c-1), r(t, s) = g_{s+1} ... g_t (r(t, t) = 1) and
@@ -54,26 +55,6 @@ typedef Elt<GDN_BETA_DT> EB;
 typedef Elt<GDN_Z_DT> EZ;
 typedef Elt<GDN_OUT_DT> EO;
 typedef Elt<GDN_STATE_DT> ES;
-
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-__device__ __forceinline__ float softplus_decay(float u, float a) {
-    const float ex = expf(u);
-    const float w = 1.0f + ex;
-    const float sp = u > 20.0f ? u : (w == 1.0f ? ex : logf(w) * ex / (w - 1.0f));
-    return expf(sp * a);
-}
-
-constexpr int below_pow2(int n) { return n <= 2 ? 1 : 2 * below_pow2((n + 1) / 2); }
-template <int N> struct Tree {
-    static __device__ __forceinline__ float sum(const float* p) {
-        constexpr int H = below_pow2(N);
-        return Tree<H>::sum(p) + Tree<N - H>::sum(p + H);
-    }
-};
-template <> struct Tree<1> {
-    static __device__ __forceinline__ float sum(const float* p) { return p[0]; }
-};
 
 // the sum over the RG lanes of a column (the row groups), the same bits in each
 __device__ __forceinline__ float rows_sum(float x) {
@@ -188,12 +169,14 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     const bool commit_ok = commit_in >= 0 && commit_in <= T;
     if (!commit_ok && report) atomicOr(fault, 8u);
     const int commit_at = commit_ok ? commit_in : 0;
-    // the token-serial kernel's sequences (it reports their faults too)
-    if (T < 2 || commit_at == 1) return;
 #else
     constexpr int commit_at = 0;
-    if (T < 2) return;
 #endif
+    // the token-serial kernel's sequences (it reports their faults too): effective length outside the range
+    {
+        const int eff = commit_at > 0 ? commit_at : T;
+        if (eff < GDN_WMIN || eff > GDN_WMAX || T < 2) return;
+    }
 
     const EQ::T* qkv_b = qkv + (size_t)start * C_ALL;
     float* hist_head = hist + ((size_t)slot * HV + h) * (3 * D * 3);

@@ -12,12 +12,15 @@
 // and 3 are masked in the upper half moved down and take their 2^16 back in the same FMA that removes 2^23
 // (exact: the product is a representable integer).
 //
-// Threads: a warp owns ROWS consecutive output rows and a tile of TT tokens (grid.y); lane l takes groups l,
-// l + 32, ...; the fields of a group are decoded once for the ROWS rows, each token's 16 activations loaded once
-// for them. The lanes' partial sums meet in a shuffle reduction in a fixed order (no atomics: the same bits on
-// every run).
+// Order of a row's sum, the same in every kernel below (so a row's bits depend on n alone, not on the call):
+// lane l takes groups l, l + 32, ... in turn into one accumulator (a group: two chains of 8 products, then its
+// scale and its zero term); the 32 lane sums meet in a butterfly (offsets 16, 8, 4, 2, 1).
 //
-// Compiled by NVRTC with ROWS and TT defined ahead of this source (see src/quant.rs).
+// Two kernels keep it. `q_*` (calls of TT tokens a block, grid.y the tiles): a warp owns ROWS consecutive
+// output rows, the fields of a group are decoded once for the ROWS rows and each token's 16 activations loaded
+// once for them. `q1_*` (one token, the decode step; TT 1 modules only): see product_one.
+//
+// Compiled by NVRTC with ROWS, TT, R1_0..2, D1_0..2 and STREAM_HINT defined ahead of this source (src/quant.rs).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -29,6 +32,9 @@ typedef unsigned short u16;
 #define TT 8
 #endif
 #define WARPS 4
+#ifndef STREAM_HINT
+#define STREAM_HINT 1
+#endif
 
 __device__ __forceinline__ float from_masked(u32 bits) {
     return __uint_as_float(0x4B000000u | bits) - 8388608.0f;
@@ -39,13 +45,12 @@ __device__ __forceinline__ float from_masked_hi(u32 bits) {
     return fmaf(__uint_as_float(0x4B000000u | bits), 65536.0f, -549755813888.0f);
 }
 
-// Decodes one group's 16 fields of row `o` into v: planes path (masked in place) or shift path (shifted down).
-// PACK 0: 2-bit, eight to a u16 (one u32 a group); 1: 8-bit four to a u32; 2: 8-bit two to a u16 (four u32 a
-// group).
+// One group's 16 fields from its words in registers (w0 for 2-bit, eight to a u16: the group's u32; w0..w3 for
+// 8-bit, four to a u32 or two to a u16) into v: planes path (masked in place) or shift path (shifted down).
 template <int PACK, bool SHIFT>
-__device__ __forceinline__ void decode(const u32* __restrict__ w, size_t at, float v[16]) {
+__device__ __forceinline__ void unpack(u32 w0, u32 w1, u32 w2, u32 w3, float v[16]) {
     if (PACK == 0) {
-        u32 word = __ldg(w + at);
+        u32 word = w0;
         u32 hi = word >> 16;
 #pragma unroll
         for (int e = 0; e < 8; e++) {
@@ -58,8 +63,7 @@ __device__ __forceinline__ void decode(const u32* __restrict__ w, size_t at, flo
             }
         }
     } else {
-        uint4 q = __ldg(reinterpret_cast<const uint4*>(w + at));
-        u32 words[4] = {q.x, q.y, q.z, q.w};
+        u32 words[4] = {w0, w1, w2, w3};
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             u32 word = words[k];
@@ -79,6 +83,17 @@ __device__ __forceinline__ void decode(const u32* __restrict__ w, size_t at, flo
                 }
             }
         }
+    }
+}
+
+// Loads and decodes one group's 16 fields of row `o` (words from u32 `at`; one u32 a 2-bit group, four an 8-bit).
+template <int PACK, bool SHIFT>
+__device__ __forceinline__ void decode(const u32* __restrict__ w, size_t at, float v[16]) {
+    if (PACK == 0) {
+        unpack<PACK, SHIFT>(__ldg(w + at), 0u, 0u, 0u, v);
+    } else {
+        uint4 q = __ldg(reinterpret_cast<const uint4*>(w + at));
+        unpack<PACK, SHIFT>(q.x, q.y, q.z, q.w, v);
     }
 }
 
@@ -166,6 +181,203 @@ ENTRY(q_planes_2, 2, false)
 ENTRY(q_shift_0, 0, true)
 ENTRY(q_shift_1, 1, true)
 ENTRY(q_shift_2, 2, true)
+
+#if TT == 1
+#ifndef R1_0
+#define R1_0 4
+#endif
+#ifndef R1_1
+#define R1_1 4
+#endif
+#ifndef R1_2
+#define R1_2 4
+#endif
+#ifndef D1_0
+#define D1_0 4
+#endif
+#ifndef D1_1
+#define D1_1 2
+#endif
+#ifndef D1_2
+#define D1_2 2
+#endif
+// most warps a q1 block (ptxas's register budget: 65536 / (32 x this))
+#define MAXW1 16
+
+// Weights are read once a step: past L1 (the activations' shared copy and the rest of the block keep it), with
+// a 256-byte L2 prefetch.
+__device__ __forceinline__ u32 ld_w1(const u32* p) {
+#if STREAM_HINT
+    u32 r;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+#else
+    return __ldg(p);
+#endif
+}
+
+__device__ __forceinline__ uint4 ld_w4(const u32* p) {
+#if STREAM_HINT
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+#else
+    return __ldg(reinterpret_cast<const uint4*>(p));
+#endif
+}
+
+// Where group g's 16-byte piece k sits in shared memory: consecutive lanes reading consecutive groups' k-th
+// piece hit 8 distinct 16-byte bank quads in each phase of 8 lanes (no conflict).
+__device__ __forceinline__ int slot(int g, int k) { return 4 * g + (k ^ ((g >> 1) & 3)); }
+
+template <int PACK>
+struct One {
+    static constexpr int R = PACK == 0 ? R1_0 : PACK == 1 ? R1_1 : R1_2;
+    static constexpr int D = PACK == 0 ? D1_0 : PACK == 1 ? D1_1 : D1_2;
+};
+
+// One token (the decode step): the sum's order above, on a grid of about one block a multiprocessor. Block b
+// takes row sets (R rows each) b sets / blocks .. (b + 1) sets / blocks, its warps one set at a time in turn.
+// The token's activations and group sums are copied once a block into shared memory, so a row set reads them
+// from there, not through L1 (a lane's 16-byte pieces of its own group are 64 bytes apart: 16 L1 wavefronts a
+// warp load). A lane's groups of a set come in chunks (chunk c: group 32 c + lane of each of the R rows: word(s),
+// scale, zero term); D chunks' loads are in flight while one is summed, the next set's first ones issued while
+// the last of this set are summed, and the first set's before the shared copy, so that the weights stream.
+template <int PACK, bool SHIFT>
+__device__ __forceinline__ void product_one(const u32* __restrict__ words, const float* __restrict__ scale,
+                                            const float* __restrict__ zs, const float* __restrict__ x,
+                                            const float* __restrict__ gsum, float* __restrict__ out, int hidden,
+                                            int n) {
+    constexpr int R = One<PACK>::R;
+    constexpr int D = One<PACK>::D;
+    constexpr int WPG = PACK == 0 ? 1 : 4;
+    const int groups = n / 16;
+    const int chunks = (groups + 31) >> 5;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int nw = blockDim.x >> 5;
+    const int sets = (hidden + R - 1) / R;
+    const int s0 = (int)((long long)blockIdx.x * sets / gridDim.x);
+    const int s1 = (int)((long long)(blockIdx.x + 1) * sets / gridDim.x);
+    // the next set's chunks are loaded into the slots this set's last chunks leave when D divides the chunks
+    const bool wrap = chunks % D == 0;
+    extern __shared__ float4 xs[];
+    float* gss = reinterpret_cast<float*>(xs + 4 * groups);
+
+    u32 wb[D][R][WPG];
+    float sb[D][R], zb[D][R];
+    // chunk c of the set at row o0 into slot d (lanes past the row's groups load nothing)
+    auto load = [&](int d, int o0, int c) {
+        const int g = 32 * c + lane;
+        if (g < groups) {
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const size_t at = (size_t)min(o0 + r, hidden - 1) * groups + g;
+                if (PACK == 0) {
+                    wb[d][r][0] = ld_w1(words + at);
+                } else {
+                    uint4 q = ld_w4(words + 4 * at);
+                    wb[d][r][0] = q.x;
+                    wb[d][r][WPG > 1 ? 1 : 0] = q.y;
+                    wb[d][r][WPG > 2 ? 2 : 0] = q.z;
+                    wb[d][r][WPG > 3 ? 3 : 0] = q.w;
+                }
+                sb[d][r] = __uint_as_float(ld_w1(reinterpret_cast<const u32*>(scale) + at));
+                zb[d][r] = __uint_as_float(ld_w1(reinterpret_cast<const u32*>(zs) + at));
+            }
+        }
+    };
+    int s = s0 + warp;
+    if (s < s1) {
+#pragma unroll
+        for (int d = 0; d < D; d++)
+            if (d < chunks) load(d, s * R, d);
+    }
+    for (int k = threadIdx.x; k < 4 * groups; k += blockDim.x)
+        xs[slot(k >> 2, k & 3)] = __ldg(reinterpret_cast<const float4*>(x) + k);
+    for (int k = threadIdx.x; k < groups; k += blockDim.x) gss[k] = __ldg(gsum + k);
+    __syncthreads();
+    bool first = true;
+    for (; s < s1; s += nw) {
+        const int o0 = s * R;
+        const bool next = s + nw < s1;
+        if (!first && !wrap) {
+#pragma unroll
+            for (int d = 0; d < D; d++)
+                if (d < chunks) load(d, o0, d);
+        }
+        first = false;
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r] = 0.0f;
+        for (int c0 = 0; c0 < chunks; c0 += D) {
+#pragma unroll
+            for (int d = 0; d < D; d++) {
+                const int c = c0 + d;
+                if (c < chunks) {
+                    const int g = 32 * c + lane;
+                    if (g < groups) {
+                        float xv[16];
+#pragma unroll
+                        for (int k = 0; k < 4; k++) {
+                            float4 f = xs[slot(g, k)];
+                            xv[4 * k] = f.x;
+                            xv[4 * k + 1] = f.y;
+                            xv[4 * k + 2] = f.z;
+                            xv[4 * k + 3] = f.w;
+                        }
+                        const float gs = gss[g];
+#pragma unroll
+                        for (int r = 0; r < R; r++) {
+                            float v[16];
+                            unpack<PACK, SHIFT>(wb[d][r][0], wb[d][r][WPG > 1 ? 1 : 0], wb[d][r][WPG > 2 ? 2 : 0],
+                                                wb[d][r][WPG > 3 ? 3 : 0], v);
+                            // two chains of 8 for latency, then the group's scale and zero term
+                            float a = 0.0f, b = 0.0f;
+#pragma unroll
+                            for (int e = 0; e < 16; e += 2) {
+                                a = fmaf(v[e], xv[e], a);
+                                b = fmaf(v[e + 1], xv[e + 1], b);
+                            }
+                            acc[r] = fmaf(-zb[d][r], gs, fmaf(sb[d][r], a + b, acc[r]));
+                        }
+                    }
+                    // refill the slot: this set's chunk c + D, else (wrap) the next set's chunk c + D - chunks
+                    if (c + D < chunks) {
+                        load(d, o0, c + D);
+                    } else if (wrap && next) {
+                        load(d, o0 + nw * R, c + D - chunks);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            float a = acc[r];
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
+            if (lane == 0 && o0 + r < hidden) out[o0 + r] = a;
+        }
+    }
+}
+
+#define ENTRY1(name, PACK, SHIFT)                                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * MAXW1)                                                  \
+        name(const u32* __restrict__ words, const float* __restrict__ scale, const float* __restrict__ zs,   \
+             const float* __restrict__ x, const float* __restrict__ gsum, float* __restrict__ out, int hidden, \
+             int n) {                                                                                         \
+        product_one<PACK, SHIFT>(words, scale, zs, x, gsum, out, hidden, n);                                  \
+    }
+
+ENTRY1(q1_planes_0, 0, false)
+ENTRY1(q1_planes_1, 1, false)
+ENTRY1(q1_planes_2, 2, false)
+ENTRY1(q1_shift_0, 0, true)
+ENTRY1(q1_shift_1, 1, true)
+ENTRY1(q1_shift_2, 2, true)
+#endif
 
 // The shift path's own pass: group sums of y [rows][n] as the step writes them (even columns' sum plus odd
 // columns', each in increasing order), one thread a group.

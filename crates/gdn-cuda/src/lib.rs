@@ -115,7 +115,7 @@ pub struct Cuda {
     /// Windows of at least this many tokens take the chunked path (`None`: [`chunk::DEFAULT_CHUNK_MIN_LEN`];
     /// [`Cuda::set_chunk_min_len`]).
     pub(crate) chunk_min_len: Option<usize>,
-    /// Windows of two tokens or more run in the window kernel ([`Cuda::set_window_kernel`]; off by default).
+    /// Windows in [`spec::window_range`] run in the window kernel ([`Cuda::set_window_kernel`]; off by default).
     pub(crate) window: bool,
 }
 
@@ -229,9 +229,9 @@ impl Cuda {
         self.chunk_min_len = min_len;
     }
 
-    /// Runs windows of two tokens or more (whose commit point is not 1) in the window kernel, eight tokens at a
-    /// time in the chunked form, or token after token like one-token steps (`false`, the default), in pools
-    /// created afterwards. Bits differ between the two; within either, a sequence's bits depend only on its
+    /// Runs the windows whose effective length (commit point, or length without one) is in
+    /// [`spec::window_range`] in the window kernel, eight tokens at a time in the chunked form, or every window
+    /// token after token like one-token steps (`false`, the default), in pools created afterwards. Bits differ between the two; within either, a sequence's bits depend only on its
     /// own inputs. The speculative step (`step_spec`) runs on the token-serial kernels only: a pool of the
     /// window kernel answers it with `Error::Unsupported`.
     pub fn set_window_kernel(&mut self, on: bool) {

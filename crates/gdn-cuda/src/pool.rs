@@ -12,7 +12,7 @@ use gdn::{
     Tensor, TensorMut,
 };
 
-use crate::spec::{Io, Plan, Spec, MAX_CONST_T};
+use crate::spec::{window_range, Io, Plan, Spec, MAX_CONST_T};
 use crate::{drv, Cuda};
 
 /// A device tensor of activations in one of the [`DType`]s (flat, row-major).
@@ -143,33 +143,56 @@ pub(crate) struct Operands {
     pub(crate) known: Option<Known>,
 }
 
-/// What the host knows of a call's windows: the shortest and the longest, and whether some sequence is the
-/// token-serial kernel's when the window kernel runs (one token, or a commit after its first).
+/// What the host knows of a call's windows: the shortest and the longest, and, for the window kernel's range of
+/// effective lengths (`spec::window_range`: commit point, or length without one), whether some sequence is its
+/// (`window`) and whether some is the token-serial kernel's (`serial`).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Known {
     pub(crate) lo: usize,
     pub(crate) hi: usize,
+    pub(crate) window: bool,
     pub(crate) serial: bool,
 }
 
 impl Known {
-    /// From the live sequences' lengths and commit points (0: none).
-    pub(crate) fn of(lens_commits: impl Iterator<Item = (usize, usize)>) -> Option<Known> {
+    /// From the live sequences' lengths and commit points (0: none), for the window kernel's range `wr`.
+    pub(crate) fn of(
+        lens_commits: impl Iterator<Item = (usize, usize)>,
+        wr: (usize, usize),
+    ) -> Option<Known> {
         lens_commits.fold(None, |k: Option<Known>, (len, c)| {
-            let serial = len == 1 || c == 1;
+            let eff = if c > 0 { c } else { len };
+            let window = len >= 2 && (wr.0..=wr.1).contains(&eff);
             Some(match k {
                 None => Known {
                     lo: len,
                     hi: len,
-                    serial,
+                    window,
+                    serial: !window,
                 },
                 Some(k) => Known {
                     lo: k.lo.min(len),
                     hi: k.hi.max(len),
-                    serial: k.serial || serial,
+                    window: k.window || window,
+                    serial: k.serial || !window,
                 },
             })
         })
+    }
+
+    /// All windows of length `t`, commit points unknown when `commits`.
+    pub(crate) fn uniform(t: usize, commits: bool, wr: (usize, usize)) -> Known {
+        let verify_in = t >= 2 && (wr.0..=wr.1).contains(&t);
+        Known {
+            lo: t,
+            hi: t,
+            window: if commits {
+                t >= 2 && t >= wr.0
+            } else {
+                verify_in
+            },
+            serial: commits || !verify_in,
+        }
     }
 }
 
@@ -381,7 +404,7 @@ impl CudaPool {
         self.cuda.plan_for(sh.d, sh.h_v)
     }
 
-    /// Whether this pool runs windows of two tokens or more in the window kernel ([`Cuda::set_window_kernel`]
+    /// Whether this pool runs windows in the window kernel ([`Cuda::set_window_kernel`]
     /// and a shape it takes).
     pub fn window_runs(&self) -> bool {
         self.cuda.window
@@ -423,7 +446,12 @@ impl CudaPool {
     pub fn prepare(&self, kind: &StepKind) -> Result<()> {
         let spec = self.spec(kind)?;
         self.function(&spec)?;
-        if self.cuda.window && spec.window_fits() && kind.uniform_len != Some(1) {
+        if self.cuda.window
+            && spec.window_fits()
+            && kind
+                .uniform_len
+                .is_none_or(|t| t >= window_range(self.options.state).0)
+        {
             self.function(&spec.with_window())?;
             self.function(&spec.with_route())?;
         }
@@ -556,11 +584,9 @@ impl CudaPool {
             len: ptr(step.len, &self.cuda),
             commit_at: ptr(step.commit_at, &self.cuda),
             accept,
-            known: known.or(step.uniform_len.map(|t| Known {
-                lo: t,
-                hi: t,
-                serial: t == 1 || step.commits,
-            })),
+            known: known.or(step
+                .uniform_len
+                .map(|t| Known::uniform(t, step.commits, window_range(self.options.state)))),
         };
         self.launch(&kind, n, rows, step.plane_stride, ops)
     }
@@ -589,14 +615,12 @@ impl CudaPool {
         if ops.accept.is_some() {
             spec = spec.with_speculative();
         } else if self.cuda.window && spec.window_fits() {
-            // windows of two tokens or more (commit point not 1) go to the window kernel, the rest of the call to
+            // sequences whose effective length is in the window kernel's range go to it, the rest of the call to
             // the token-serial one; unknown lengths: both, each taking its own sequences
-            let (lo, hi, serial) = ops
-                .known
-                .map_or((1, usize::MAX, true), |k| (k.lo, k.hi, k.serial));
-            if hi >= 2 {
+            let (window, serial) = ops.known.map_or((true, true), |k| (k.window, k.serial));
+            if window {
                 self.launch_spec(&spec.with_window(), n_seqs, rows, plane_stride, ops)?;
-                if !(serial || lo < 2) {
+                if !serial {
                     return Ok(());
                 }
                 spec = spec.with_route();
@@ -787,6 +811,7 @@ impl CudaPool {
                 known: Known::of(
                     live.iter()
                         .map(|&i| (step.seqs[i].len, checked.commit_at[i])),
+                    window_range(self.options.state),
                 ),
             };
             self.launch(&kind, n, rows, step.plane_stride, ops)?;
@@ -1220,7 +1245,10 @@ impl CudaPool {
                 n: live.len(),
                 uniform_len: (uniform && first <= MAX_CONST_T).then_some(first),
                 commits: live.iter().any(|&i| checked.commit_at[i] > 0),
-                known: Known::of(live.iter().map(|&i| (st.seqs[i].len, checked.commit_at[i]))),
+                known: Known::of(
+                    live.iter().map(|&i| (st.seqs[i].len, checked.commit_at[i])),
+                    window_range(self.options.state),
+                ),
             });
         }
         let mut out = Owned::zeros(&s, out_dtype, layout.len().max(1))?;
@@ -1329,24 +1357,7 @@ impl CudaPool {
         out_dtype: DType,
         iters: usize,
     ) -> Result<StepTiming> {
-        let layout = step.layout(self.layer.shape())?;
-        let checked = step.validate(&self.layer, self.slots, layout.len())?;
-        let held = |slot| self.held[slot];
-        gdn::spec::check_spec(
-            step,
-            &checked.commit_at,
-            accept,
-            held,
-            MAX_HELD,
-            "the CUDA pool",
-        )?;
-        self.take_fault()?;
-        self.pending()?;
-        let t = self.time_inner(std::slice::from_ref(step), out_dtype, iters, Some(accept));
-        for s in step.seqs.iter().filter(|s| s.slot >= 0) {
-            self.held[s.slot as usize] = 0;
-        }
-        t
+        self.time_spec_rotating(std::slice::from_ref(step), accept, out_dtype, iters)
     }
 
     /// `time_spec` over several steps taken in turn, one per call (as `time_varlen_rotating`: each entry names

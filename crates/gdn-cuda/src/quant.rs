@@ -20,19 +20,70 @@ use crate::{drv, Cuda};
 /// The kernels' source.
 pub const QUANT_SRC: &str = include_str!("../kernels/quant.cu");
 
-/// Output rows a warp owns (the kernel's ROWS).
+/// Output rows a warp owns in the `q_*` kernels (the kernel's ROWS).
 pub const ROWS: usize = 4;
 /// Tokens a block takes (the kernel's TT), one module each: 1 for calls of fewer than [`TILE_FROM`] rows (a
-/// decode step: few registers, full occupancy), 8 from there (each decoded field used for 8 tokens). A token's
-/// arithmetic is the same in both, so its bits do not depend on the rest of the call.
+/// decode step: few registers), 8 from there (each decoded field used for 8 tokens). A one-token call runs the
+/// TT 1 module's `q1_*` kernel (weights streamed, activations in shared memory). A row's sum has the same order
+/// in every kernel (see `kernels/quant.cu`), so its bits do not depend on the rest of the call.
 pub const TILES: [usize; 2] = [1, 8];
 pub const TILE_FROM: usize = 4;
 const WARPS: usize = 4;
+/// Most warps a `q1_*` block (the kernel's MAXW1).
+const MAXW1: usize = 16;
 
-/// Compiles the quant kernels for `arch` with `tt` tokens a block (the step kernel's NVRTC options and
-/// per-process cache, [`crate::spec::compiled_source`]); the cubin and ptxas's log.
+/// The one-token kernel's launch shape, compile-time and launch choices; none changes a bit of the result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct QuantTune {
+    /// Rows a warp sums at once, by packing (`Q2U16`, `Q8U32`, `Q8U16`).
+    pub rows: [usize; 3],
+    /// Chunks (32 groups of each of those rows) whose loads are in flight while one is summed, by packing.
+    pub depth: [usize; 3],
+    /// Blocks a multiprocessor (the grid is this times the multiprocessors, at most one a row set).
+    pub blocks_per_sm: usize,
+    /// Weights loaded past L1 with a 256-byte L2 prefetch hint (else plain read-only loads).
+    pub stream_hint: bool,
+    /// One-token calls on the `q1_*` kernel (else on the tiled kernel's TT 1 module, as calls of 2 or 3 rows).
+    /// Off by default until it is measured on a device (NOTES.md, "The quantized out_proj").
+    pub one_kernel: bool,
+}
+
+impl QuantTune {
+    /// The measured choice (NOTES.md, "The quantized out_proj").
+    pub const DEFAULT: QuantTune = QuantTune {
+        rows: [4, 4, 4],
+        depth: [4, 2, 2],
+        blocks_per_sm: 1,
+        stream_hint: true,
+        one_kernel: false,
+    };
+}
+
+impl Default for QuantTune {
+    fn default() -> Self {
+        QuantTune::DEFAULT
+    }
+}
+
+/// Compiles the quant kernels for `arch` with `tt` tokens a block under the default launch shape (the step
+/// kernel's NVRTC options and per-process cache, [`crate::spec::compiled_source`]); the cubin and ptxas's log.
 pub fn compiled_quant(arch: (i32, i32), tt: usize) -> Result<Arc<Compiled>> {
-    let src = format!("#define ROWS {ROWS}\n#define TT {tt}\n{QUANT_SRC}");
+    compiled_quant_with(arch, tt, &QuantTune::DEFAULT)
+}
+
+/// The same under `tune` (which only the TT 1 module's `q1_*` kernels read).
+pub fn compiled_quant_with(arch: (i32, i32), tt: usize, tune: &QuantTune) -> Result<Arc<Compiled>> {
+    let mut src = format!("#define ROWS {ROWS}\n#define TT {tt}\n");
+    if tt == 1 {
+        for k in 0..3 {
+            src += &format!(
+                "#define R1_{k} {}\n#define D1_{k} {}\n",
+                tune.rows[k], tune.depth[k]
+            );
+        }
+        src += &format!("#define STREAM_HINT {}\n", u8::from(tune.stream_hint));
+    }
+    src += QUANT_SRC;
     crate::spec::compiled_source(&src, "quant.cu", arch)
 }
 
@@ -42,13 +93,15 @@ struct Kernels {
     _module: Arc<CudaModule>,
     planes: [CudaFunction; 3],
     shift: [CudaFunction; 3],
+    /// The TT 1 module's one-token kernels (planes, shift).
+    one: Option<([CudaFunction; 3], [CudaFunction; 3])>,
     group_sums: CudaFunction,
     bf16: CudaFunction,
     empty: CudaFunction,
 }
 
-fn kernels(cuda: &Cuda, tt: usize) -> Result<Kernels> {
-    let c = compiled_quant(cuda.arch, tt)?;
+fn kernels(cuda: &Cuda, tt: usize, tune: &QuantTune) -> Result<Kernels> {
+    let c = compiled_quant_with(cuda.arch, tt, tune)?;
     let module = cuda
         .ctx
         .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin.clone()))
@@ -57,6 +110,14 @@ fn kernels(cuda: &Cuda, tt: usize) -> Result<Kernels> {
     Ok(Kernels {
         planes: [f("q_planes_0")?, f("q_planes_1")?, f("q_planes_2")?],
         shift: [f("q_shift_0")?, f("q_shift_1")?, f("q_shift_2")?],
+        one: if tt == 1 {
+            Some((
+                [f("q1_planes_0")?, f("q1_planes_1")?, f("q1_planes_2")?],
+                [f("q1_shift_0")?, f("q1_shift_1")?, f("q1_shift_2")?],
+            ))
+        } else {
+            None
+        },
         group_sums: f("group_sums")?,
         bf16: f("bf16_product")?,
         empty: f("empty_kernel")?,
@@ -113,10 +174,35 @@ fn grid(hidden: usize, tokens: usize) -> Result<LaunchConfig> {
     })
 }
 
+/// Shared bytes of the one-token kernel at n columns: the token's activations and group sums.
+fn one_shared(n: usize) -> usize {
+    (n / 16) * (64 + 4)
+}
+
+/// The one-token kernel's launch: about `blocks_per_sm` blocks a multiprocessor, each a contiguous range of row
+/// sets, a warp a set at a time (at most [`MAXW1`] warps).
+fn one_grid(
+    p: Packing,
+    hidden: usize,
+    n: usize,
+    sms: usize,
+    tune: &QuantTune,
+) -> Result<LaunchConfig> {
+    let sets = hidden.div_ceil(tune.rows[pack_index(p)]);
+    let blocks = (sms * tune.blocks_per_sm).clamp(1, sets.max(1));
+    let warps = sets.div_ceil(blocks).clamp(1, MAXW1);
+    Ok(LaunchConfig {
+        grid_dim: (int(blocks, "hidden")? as u32, 1, 1),
+        block_dim: ((32 * warps) as u32, 1, 1),
+        shared_mem_bytes: one_shared(n) as u32,
+    })
+}
+
 /// Quantized out_proj weights on the device, with the host path's staging buffers.
 pub struct CudaOutProj {
     cuda: Cuda,
     k: [Kernels; 2],
+    tune: QuantTune,
     shape: (Packing, usize, usize),
     words: CudaSlice<u32>,
     scale: CudaSlice<f32>,
@@ -128,22 +214,60 @@ pub struct CudaOutProj {
     out: CudaSlice<f32>,
 }
 
+/// The packed words as u32 (a 16-bit packing's rows hold n / 8 or n / 2 u16: n a multiple of 16 makes every
+/// row whole u32s).
+fn device_words(w: &QuantWeights) -> Vec<u32> {
+    w.word_bytes_le()
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
 impl Cuda {
     /// Uploads quantized out_proj weights (once; every product reads them there).
     pub fn load_out_proj(&self, w: &QuantWeights) -> Result<CudaOutProj> {
+        self.load_out_proj_with(w, QuantTune::DEFAULT)
+    }
+
+    /// The same, the one-token kernel launched under `tune` (the same bits under any: for benchmarks, tests).
+    pub fn load_out_proj_with(&self, w: &QuantWeights, tune: QuantTune) -> Result<CudaOutProj> {
+        let bad = |v: &[usize; 3], hi: usize| v.iter().any(|&r| r == 0 || r > hi);
+        if bad(&tune.rows, 8) || bad(&tune.depth, 12) || !(1..=8).contains(&tune.blocks_per_sm) {
+            return Err(Error::Param {
+                name: "tune",
+                why: format!(
+                    "{tune:?}: rows 1 to 8, depth 1 to 12, blocks a multiprocessor 1 to 8"
+                ),
+            });
+        }
+        self.load_words(
+            w.shape(),
+            &device_words(w),
+            w.scales(),
+            w.zero_terms(),
+            tune,
+        )
+    }
+
+    fn load_words(
+        &self,
+        shape: (Packing, usize, usize),
+        words: &[u32],
+        scale: &[f32],
+        zs: &[f32],
+        tune: QuantTune,
+    ) -> Result<CudaOutProj> {
         let s = &self.stream;
-        let bytes = w.word_bytes_le();
-        // a 16-bit packing's rows hold n / 8 or n / 2 u16: n a multiple of 16 makes every row whole u32s
-        let words: Vec<u32> = bytes
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
         Ok(CudaOutProj {
-            k: [kernels(self, TILES[0])?, kernels(self, TILES[1])?],
-            shape: w.shape(),
-            words: s.clone_htod(&words).map_err(drv)?,
-            scale: s.clone_htod(w.scales()).map_err(drv)?,
-            zs: s.clone_htod(w.zero_terms()).map_err(drv)?,
+            k: [
+                kernels(self, TILES[0], &tune)?,
+                kernels(self, TILES[1], &tune)?,
+            ],
+            tune,
+            shape,
+            words: s.clone_htod(words).map_err(drv)?,
+            scale: s.clone_htod(scale).map_err(drv)?,
+            zs: s.clone_htod(zs).map_err(drv)?,
             gsum: s.alloc_zeros::<f32>(16).map_err(drv)?,
             x: s.alloc_zeros::<f32>(16).map_err(drv)?,
             out: s.alloc_zeros::<f32>(16).map_err(drv)?,
@@ -160,8 +284,12 @@ impl Cuda {
             });
         }
         let bits: Vec<u16> = w.w.iter().map(|v| v.to_bits()).collect();
+        let tune = QuantTune::DEFAULT;
         Ok(CudaBf16OutProj {
-            k: [kernels(self, TILES[0])?, kernels(self, TILES[1])?],
+            k: [
+                kernels(self, TILES[0], &tune)?,
+                kernels(self, TILES[1], &tune)?,
+            ],
             hidden: w.rows,
             n: w.cols,
             w: self.stream.clone_htod(&bits).map_err(drv)?,
@@ -196,20 +324,37 @@ impl CudaOutProj {
         if tokens == 0 {
             return Ok(());
         }
-        let cfg = grid(hidden, tokens)?;
-        let (hidden, n, tokens) = (int(hidden, "hidden")?, int(n, "n")?, int(tokens, "rows")?);
         let s = &self.cuda.stream;
         let (w, sc, z) = (
             addr(&self.words, s),
             addr(&self.scale, s),
             addr(&self.zs, s),
         );
-        let k = &self.k[tile(tokens as usize)];
-        let f = if shift {
-            &k.shift[pack_index(p)]
-        } else {
-            &k.planes[pack_index(p)]
+        let k = &self.k[tile(tokens)];
+        // one token whose activations fit the shared memory: the streaming kernel
+        let one = match &k.one {
+            Some(f) if tokens == 1 && self.tune.one_kernel && one_shared(n) <= 48 << 10 => Some(f),
+            _ => None,
         };
+        let (f, cfg) = match one {
+            Some((planes1, shift1)) => (
+                if shift {
+                    &shift1[pack_index(p)]
+                } else {
+                    &planes1[pack_index(p)]
+                },
+                one_grid(p, hidden, n, self.cuda.multiprocessors(), &self.tune)?,
+            ),
+            None => (
+                if shift {
+                    &k.shift[pack_index(p)]
+                } else {
+                    &k.planes[pack_index(p)]
+                },
+                grid(hidden, tokens)?,
+            ),
+        };
+        let (hidden, n, tokens) = (int(hidden, "hidden")?, int(n, "n")?, int(tokens, "rows")?);
         let mut b = s.launch_builder(f);
         b.arg(&w)
             .arg(&sc)
@@ -218,9 +363,12 @@ impl CudaOutProj {
             .arg(&gsum)
             .arg(&out)
             .arg(&hidden)
-            .arg(&n)
-            .arg(&tokens);
-        // SAFETY: the arguments match the kernel's signature; the weights are this object's (hidden x n), and
+            .arg(&n);
+        if one.is_none() {
+            b.arg(&tokens);
+        }
+        // SAFETY: the arguments match the kernel's signature (the q1 kernels take no token count; their shared
+        // memory is `one_shared`, their grid `one_grid`'s); the weights are this object's (hidden x n), and
         // the callers checked that x holds `tokens` rows of n, gsum `tokens` rows of n / 16 and out `tokens`
         // rows of hidden floats, x 16-byte aligned.
         unsafe { b.launch(cfg) }.map_err(drv)?;
@@ -659,4 +807,254 @@ pub fn time_tail(
         planes_vs_shift,
         copies,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Widths the seed's shape does not reach: rows of 3 groups (one partial chunk), 130 (5 chunks, the last of 2
+    /// groups), 600 (19 chunks) and 800 (activations past the shared memory: the tiled kernel at one token too),
+    /// every packing, both paths, 1 and 9 rows, under the default one-token shape and another (other rows, depths
+    /// that do and do not divide the chunks): within 1e-5 of the dequantized product in f64, planes == shift
+    /// bitwise, a row alone == the same row inside the 9-row call, and both shapes the same bits.
+    #[test]
+    fn odd_widths_padding_and_looping_warps() {
+        let cuda = match Cuda::new() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("odd_widths_padding_and_looping_warps skipped: {e}");
+                return;
+            }
+        };
+        let other = QuantTune {
+            rows: [3, 1, 5],
+            depth: [5, 3, 1],
+            blocks_per_sm: 2,
+            stream_hint: false,
+            one_kernel: true,
+        };
+        let mut rng = gdn::synth::Synth::new(17);
+        for h_v in [3usize, 130, 600, 800] {
+            let sh = gdn::Shape::new(16, 1, h_v).unwrap();
+            let (n, hidden) = (sh.n(), 37);
+            let w = rng.uniform(hidden * n, -0.05, 0.05);
+            for rows in [1usize, 9] {
+                let y = rng.uniform(rows * n, -2.0, 2.0);
+                let lay = OutputLayout::for_rows(&sh, rows, Some(rows * n)).unwrap();
+                let mut buf = vec![0.0f32; lay.len()];
+                let p = rows * n;
+                for (i, &v) in y.iter().enumerate() {
+                    buf[i] = v;
+                    for k in 1..4 {
+                        buf[k * p + i] = v * gdn::plane_scale(k, i % n);
+                    }
+                }
+                let gs = quant::group_sums(&y);
+                buf[4 * p..4 * p + gs.len()].copy_from_slice(&gs);
+                for pk in Packing::ALL {
+                    let what = format!("{pk:?} n {n} rows {rows}");
+                    let q = QuantWeights::quantize(&w, hidden, n, pk).unwrap();
+                    let dq = q.dequantized();
+                    let want: Vec<f64> = (0..rows)
+                        .flat_map(|r| {
+                            let (y, dq) = (&y, &dq);
+                            (0..hidden).map(move |o| {
+                                (0..n)
+                                    .map(|m| dq[o * n + m] * y[r * n + m] as f64)
+                                    .sum::<f64>()
+                            })
+                        })
+                        .collect();
+                    let mut first: Option<Vec<u32>> = None;
+                    for tune in [QuantTune::DEFAULT, other] {
+                        let mut prod = cuda.load_out_proj_with(&q, tune).unwrap();
+                        let mut a = vec![f32::NAN; rows * hidden];
+                        let mut b = vec![f32::NAN; rows * hidden];
+                        prod.product_planes(&buf, &lay, &mut a).unwrap();
+                        prod.product_shift(&y, rows, &mut b).unwrap();
+                        let e = gdn::relative_error(&a, &want);
+                        assert!(e < 1e-5, "{what}: {e:.2e} from the f64 product");
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&a), bits(&b), "{what}: planes against shift");
+                        match &first {
+                            None => first = Some(bits(&a)),
+                            Some(f) => assert_eq!(*f, bits(&a), "{what}: launch shapes differ"),
+                        }
+                        if rows > 1 {
+                            let mut one = vec![f32::NAN; hidden];
+                            prod.product_shift(&y[8 * n..9 * n], 1, &mut one).unwrap();
+                            assert_eq!(bits(&one), bits(&b[8 * hidden..]), "{what}: row 8 alone");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A planes product at the seed's out_proj, 2-bit and 8-bit in u32, one token (the one-token kernel) and two
+    /// (the tiled kernel), for a profiler (`--ignored`; ncu flushes the caches between the calls it profiles).
+    #[test]
+    #[ignore]
+    fn quant_profile_target() {
+        let cuda = match Cuda::new() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("quant_profile_target skipped: {e}");
+                return;
+            }
+        };
+        let (hidden, n) = (5120, 6144);
+        let mut rng = gdn::synth::Synth::new(5);
+        let w = rng.uniform(hidden * n, -0.02, 0.02);
+        let s = cuda.stream.clone();
+        for p in [Packing::Q2U16, Packing::Q8U32] {
+            let q = QuantWeights::quantize(&w, hidden, n, p).unwrap();
+            let one = QuantTune {
+                one_kernel: true,
+                ..QuantTune::DEFAULT
+            };
+            let prod = cuda.load_out_proj_with(&q, one).unwrap();
+            for rows in [1usize, 2] {
+                let xd = s.clone_htod(&rng.uniform(rows * n, -1.0, 1.0)).unwrap();
+                let gd = s
+                    .clone_htod(&rng.uniform(rows * (n / 16), -1.0, 1.0))
+                    .unwrap();
+                let mut od = s.alloc_zeros::<f32>(rows * hidden).unwrap();
+                let (x, g) = (addr(&xd, &s), addr(&gd, &s));
+                let o = addr_mut(&mut od, &s);
+                prod.launch(false, x, g, o, rows).unwrap();
+                s.synchronize().unwrap();
+            }
+        }
+    }
+
+    /// The planes product at the seed's out_proj (n 6144 -> 5120) under several launch shapes, on the device
+    /// (`--ignored --nocapture`): every shape's bits equal the default's, and its time per call (CUDA graphs,
+    /// weights rotated over 256 MiB of copies) is printed as a table. For choosing [`QuantTune::DEFAULT`].
+    #[test]
+    #[ignore]
+    fn quant_tune_sweep() {
+        let cuda = match Cuda::new() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("quant_tune_sweep skipped: {e}");
+                return;
+            }
+        };
+        let (hidden, n) = (5120, 6144);
+        let groups = n / 16;
+        let mut rng = gdn::synth::Synth::new(5);
+        let w = rng.uniform(hidden * n, -0.02, 0.02);
+        let d = QuantTune::DEFAULT;
+        // the one-token kernel's shapes, against the tiled kernel (the default until measured)
+        let one = QuantTune {
+            one_kernel: true,
+            ..d
+        };
+        let with = |f: &dyn Fn(&mut QuantTune)| {
+            let mut t = one;
+            f(&mut t);
+            t
+        };
+        let tunes: Vec<(&str, QuantTune)> = vec![
+            ("default (tiled kernel)", d),
+            ("q1 rows 4 depth 4,2,2", one),
+            ("q1 2 blocks an SM", with(&|t| t.blocks_per_sm = 2)),
+            ("q1 no stream hint", with(&|t| t.stream_hint = false)),
+            ("q1 depth 6,3,3", with(&|t| t.depth = [6, 3, 3])),
+            ("q1 depth 3,4,4", with(&|t| t.depth = [3, 4, 4])),
+            (
+                "q1 rows 2 depth 6,4,4",
+                with(&|t| {
+                    t.rows = [2, 2, 2];
+                    t.depth = [6, 4, 4];
+                }),
+            ),
+            (
+                "q1 rows 2 depth 4, 2 blocks",
+                with(&|t| {
+                    t.rows = [2, 2, 2];
+                    t.depth = [4, 4, 4];
+                    t.blocks_per_sm = 2;
+                }),
+            ),
+            (
+                "q1 rows 8,2,2 depth 2,6,6",
+                with(&|t| {
+                    t.rows = [8, 2, 2];
+                    t.depth = [2, 6, 6];
+                }),
+            ),
+            (
+                "q1 rows 1 depth 12,6,6",
+                with(&|t| {
+                    t.rows = [1, 1, 1];
+                    t.depth = [12, 6, 6];
+                }),
+            ),
+        ];
+        let s = cuda.stream.clone();
+        let mut table = Vec::new();
+        for p in Packing::ALL {
+            let q = QuantWeights::quantize(&w, hidden, n, p).unwrap();
+            let copies = (256usize << 20).div_ceil(q.bytes()).max(1);
+            let words = device_words(&q);
+            for rows in [1usize, 2, 3, 8, 64] {
+                let xh = rng.uniform(rows * n, -1.0, 1.0);
+                let gh = rng.uniform(rows * groups, -1.0, 1.0);
+                let xd = s.clone_htod(&xh).unwrap();
+                let gd = s.clone_htod(&gh).unwrap();
+                let mut od = s.alloc_zeros::<f32>(rows * hidden).unwrap();
+                let mut reference: Option<Vec<u32>> = None;
+                for (name, tune) in &tunes {
+                    // the launch shape is the one-token kernel's
+                    if *tune != d && rows != 1 {
+                        continue;
+                    }
+                    let qs: Vec<CudaOutProj> = (0..copies)
+                        .map(|_| {
+                            cuda.load_words(q.shape(), &words, q.scales(), q.zero_terms(), *tune)
+                                .unwrap()
+                        })
+                        .collect();
+                    let (x, g) = (addr(&xd, &s), addr(&gd, &s));
+                    let o = addr_mut(&mut od, &s);
+                    qs[0].launch(false, x, g, o, rows).unwrap();
+                    let bits: Vec<u32> = s
+                        .clone_dtoh(&od)
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect();
+                    match &reference {
+                        None => reference = Some(bits),
+                        Some(r) => assert!(
+                            *r == bits,
+                            "{p:?} rows {rows}: {name} changes bits against the default"
+                        ),
+                    }
+                    let per = (2 * copies).clamp(8, 64);
+                    let t = time_graph(&cuda, per, &mut |i| {
+                        qs[i % copies].launch(false, x, g, o, rows)
+                    })
+                    .unwrap();
+                    let floor = q.bytes() as f64 / 4.2e12;
+                    let line = format!(
+                        "| {} | {rows} | {name} | {:.2} | {:.2} |",
+                        p.name(),
+                        t * 1e6,
+                        t / floor
+                    );
+                    eprintln!("{line}");
+                    table.push(line);
+                }
+            }
+        }
+        println!("| packing | rows | shape | planes us | / floor (4.2 TB/s) |");
+        println!("|---|---|---|---|---|");
+        for l in table {
+            println!("{l}");
+        }
+    }
 }

@@ -10,7 +10,7 @@ use gdn::{Config, DType, Error, Gate, HeadMap, PoolOptions, Result, Shape, State
 
 /// The kernel source: macros select the specialisation (see the comment at its top).
 pub const KERNEL_SRC: &str = include_str!("../kernels/gdn_step.cu");
-/// The window kernel's source (windows of two tokens or more in chunks of eight, [`Spec::window`]): the same
+/// The window kernel's source (windows in chunks of eight, [`Spec::window`]): the same
 /// macros, entry point and arguments.
 pub const WINDOW_SRC: &str = include_str!("../kernels/gdn_window.cu");
 /// The element types every kernel source of the crate uses, prepended to each after its `#define` lines.
@@ -103,12 +103,28 @@ pub struct Spec {
     pub ahead: u32,
     /// Prefetch the block's own state into L2 before waiting for the previous kernel (`GDN_PREWAIT`).
     pub prewait: bool,
-    /// The window kernel (`kernels/gdn_window.cu`): the sequences of two tokens or more whose commit point is
-    /// not 1, eight tokens at a time in the chunked form.
+    /// The window kernel (`kernels/gdn_window.cu`): the sequences in `wrange`, eight tokens at a time in the
+    /// chunked form.
     pub window: bool,
     /// The token-serial kernel leaves the window kernel's sequences to it (`GDN_ROUTE`): set when one call
     /// launches both.
     pub route: bool,
+    /// The window kernel's sequences (with `window` or `route`): those whose effective length (the commit point,
+    /// or the length of a window that commits nothing) lies in this range (`GDN_WMIN`, `GDN_WMAX`).
+    pub wrange: (usize, usize),
+}
+
+/// The effective lengths the window kernel takes for a state dtype, where it measured faster than the
+/// token-serial kernel (H200, 2026-12-01, NOTES.md "Windows in chunks of eight"): an f32 state from 4 to 8 tokens
+/// (B 256 T 4 677 against 720 us, T 8 917 against 1058; T 2 and T 16 slower), a bf16 state at 8 (935 against 968;
+/// T 2-4 slower). The effective length of a sequence is its commit point, or its length if it commits nothing: a
+/// commit after k tokens then runs in the kernel a k-token window runs in, so commit-first-k equals a k-token
+/// window bitwise.
+pub fn window_range(state: DType) -> (usize, usize) {
+    match state {
+        DType::F32 => (4, 8),
+        _ => (8, 8),
+    }
 }
 
 /// Memory hints of a launch (no bits depend on them): how far ahead each block prefetches another block's
@@ -309,6 +325,7 @@ impl Spec {
             prewait: false,
             window: false,
             route: false,
+            wrange: (0, 0),
         }
     }
 
@@ -318,11 +335,13 @@ impl Spec {
         self.plan.ncb == 1 && matches!(self.shape.d, 64 | 128)
     }
 
-    /// The window kernel's specialisation of the same call (no staging, no memory hints: it has neither).
+    /// The window kernel's specialisation of the same call (no staging, no memory hints: it has neither), for
+    /// the pool's [`window_range`].
     pub fn with_window(self) -> Spec {
         Spec {
             window: true,
             route: false,
+            wrange: window_range(self.pool.state),
             stage: false,
             ahead: 0,
             prewait: false,
@@ -334,6 +353,7 @@ impl Spec {
     pub fn with_route(self) -> Spec {
         Spec {
             route: true,
+            wrange: window_range(self.pool.state),
             ..self
         }
     }
@@ -442,6 +462,12 @@ impl Spec {
         }
         if self.route {
             h.push_str("#define GDN_ROUTE 1\n");
+        }
+        if self.route || self.window {
+            h.push_str(&format!(
+                "#define GDN_WMIN {}\n#define GDN_WMAX {}\n",
+                self.wrange.0, self.wrange.1
+            ));
         }
         if let Some(conv) = self.ext {
             h.push_str(&format!(
