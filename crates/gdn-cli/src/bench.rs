@@ -70,8 +70,8 @@ pub struct Args {
     #[arg(long)]
     out_proj: Option<usize>,
     /// Time one long window (prefill) instead, for each of these lengths: a sequence of T tokens committed in
-    /// full, at the seed's shape, on the backend's own path (on the CPU the chunked path, forced on), with the
-    /// CPU's token-serial path beside it up to T 4096; each case timed in 3 rounds (best and spread shown).
+    /// full, at the seed's shape, on the backend's own path (its crossover to chunks; the CPU runs every window
+    /// token after token); each case timed in 3 rounds (best and spread shown).
     #[arg(long, value_delimiter = ',')]
     prefill: Option<Vec<usize>>,
 }
@@ -1149,9 +1149,6 @@ pub fn print_table(
     }
 }
 
-/// The longest window `gdn bench --prefill` also times on the CPU's token-serial path.
-const PREFILL_SERIAL_UP_TO: usize = 4096;
-
 /// Best and worst of 3 rounds of one case, each of enough calls to last about `round_ms` (at least one).
 fn prefill_rounds(
     pool: &mut dyn LayerPool,
@@ -1174,8 +1171,6 @@ fn prefill_rounds(
     Ok((best, worst))
 }
 
-/// `gdn bench --prefill`: one window of T tokens per call at the seed's shape, beside the FMA ceiling; on the CPU
-/// the automatic path (chunked from the pool's crossover) and the token-serial path.
 /// The layer every timing runs (the seed's shape with the arguments' head map and gate, seeded weights), the
 /// generator that made it (for states and rows), and the arguments' pool options.
 fn seed_layer(args: &Args) -> Result<(Synth, gdn::Layer, PoolOptions)> {
@@ -1194,6 +1189,8 @@ fn seed_layer(args: &Args) -> Result<(Synth, gdn::Layer, PoolOptions)> {
     Ok((rng, layer, options))
 }
 
+/// `gdn bench --prefill`: one window of T tokens per call at the seed's shape, on the backend's own path (its
+/// crossover to chunks where it has one; the CPU runs every window token after token), beside the FMA ceiling.
 fn run_prefill(args: &Args, lens: &[usize]) -> Result<()> {
     if let Some(&t) = lens.iter().find(|&&t| t == 0) {
         return Err(gdn::Error::Param {
@@ -1201,38 +1198,15 @@ fn run_prefill(args: &Args, lens: &[usize]) -> Result<()> {
             why: format!("a window has at least 1 token, got {t}"),
         });
     }
-    let cpu = args.backend == "cpu";
-    // the CPU backend as `backends::make` builds it, kept concrete so that its token-serial twin can be made
-    let (backend, serial): (Box<dyn gdn::Backend>, Option<Box<dyn gdn::Backend>>) = if cpu {
-        let threads = std::env::var("RAYON_NUM_THREADS")
-            .ok()
-            .and_then(|n| n.parse().ok())
-            .filter(|&n: &usize| n > 0)
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-        let c = gdn::Cpu::with_calling_thread(threads).unwrap_or_default();
-        (
-            Box::new(c.clone().chunked_from(2)),
-            Some(Box::new(c.chunked_from(usize::MAX))),
-        )
-    } else {
-        (backends::make(&args.backend)?, None)
-    };
+    let backend = backends::make(&args.backend)?;
     let (mut rng, layer, options) = seed_layer(args)?;
     let (shape, config) = (*layer.shape(), layer.config);
     let fma = backend.fma_ceiling()?;
     let (st, h) = rng.seq_state(&layer);
     let mut pool = backend.create_pool_with(&layer, 1, options)?;
     pool.write_slot(0, &st, &h)?;
-    let mut serial_pool = match &serial {
-        Some(b) => {
-            let mut p = b.create_pool_with(&layer, 1, options)?;
-            p.write_slot(0, &st, &h)?;
-            Some(p)
-        }
-        None => None,
-    };
     println!(
-        "gdn bench --prefill: {}; d {} h_k {} h_v {}, {} map, {} gate, one window per call, commit all; {} state, {} activations{}",
+        "gdn bench --prefill: {}; d {} h_k {} h_v {}, {} map, {} gate, one window per call, commit all; {} state, {} activations",
         backend.name(),
         shape.d,
         shape.h_k,
@@ -1241,24 +1215,10 @@ fn run_prefill(args: &Args, lens: &[usize]) -> Result<()> {
         config.gate.name(),
         args.state.name(),
         args.io.name(),
-        if cpu {
-            let from = gdn::cpu::chunked::CHUNKED_FROM;
-            format!(
-                "; the chunked path (chunks of {}) beside the token-serial one; the pool's default takes the chunked path {}",
-                gdn::cpu::chunked::CHUNK,
-                if from == usize::MAX {
-                    "never (measured slower)".to_string()
-                } else {
-                    format!("from T {from}")
-                }
-            )
-        } else {
-            String::new()
-        }
     );
     println!(
-        "{:>6} {:>11} {:>7} {:>11} {:>8} {:>6} {:>13} {:>7} {:>8}",
-        "T", "ms/call", "spread", "tokens/s", "GFLOP/s", "% FMA", "serial ms", "spread", "speedup"
+        "{:>6} {:>11} {:>7} {:>11} {:>8} {:>6}",
+        "T", "ms/call", "spread", "tokens/s", "GFLOP/s", "% FMA"
     );
     for &t in lens {
         let data = random_rows(&mut rng, &layer, t, args.io);
@@ -1274,31 +1234,19 @@ fn run_prefill(args: &Args, lens: &[usize]) -> Result<()> {
             plane_stride: None,
         };
         let (best, worst) = prefill_rounds(pool.as_mut(), &step, args.io, args.round_ms)?;
-        let serial = match serial_pool.as_mut() {
-            Some(p) if t <= PREFILL_SERIAL_UP_TO => {
-                Some(prefill_rounds(p.as_mut(), &step, args.io, args.round_ms)?)
-            }
-            _ => None,
-        };
         let rate = flops(&shape, 1, t) / best;
         println!(
-            "{:>6} {:>11.3} {:>6.1}% {:>11.0} {:>8.1} {:>6} {:>13} {:>7} {:>8}",
+            "{:>6} {:>11.3} {:>6.1}% {:>11.0} {:>8.1} {:>6}",
             t,
             best * 1e3,
             100.0 * (worst / best - 1.0),
             t as f64 / best,
             rate / 1e9,
             fma.map_or_else(|| "-".to_string(), |c| format!("{:.1}%", 100.0 * rate / c)),
-            serial.map_or_else(|| "-".to_string(), |(b, _)| format!("{:.3}", b * 1e3)),
-            serial.map_or_else(
-                || "-".to_string(),
-                |(b, w)| format!("{:.1}%", 100.0 * (w / b - 1.0))
-            ),
-            serial.map_or_else(|| "-".to_string(), |(b, _)| format!("{:.2}x", b / best)),
         );
     }
     println!(
-        "ms/call: the best of 3 rounds (median call of each round); spread: the worst round over the best. GFLOP/s counts 7 d^2 FLOP per value head and token as `gdn bench` does (the chunked form executes 6 d^2 + 4 L d with L = 32: the same count at d 128; the token-serial path 6 d^2)"
+        "ms/call: the best of 3 rounds (median call of each round); spread: the worst round over the best. GFLOP/s counts 7 d^2 FLOP per value head and token as `gdn bench` does"
     );
     if let Some(c) = fma {
         println!(

@@ -129,17 +129,3 @@ fn cpu_work_buffers_stay_bounded_after_a_long_window() {
         "{after_decode} floats kept of the {after_long} after the long window"
     );
 }
-
-/// The whole suite with every window of 2 tokens or more on the chunked path (held windows aside), so that its
-/// partial chunks, commit points and crossover rule meet every check; and the prefill checks with the chunked
-/// path off (the token-serial path on long windows).
-mod chunked_everywhere {
-    gdn_conformance::conformance_tests!(|| Ok(Box::new(gdn::Cpu::new().chunked_from(2))));
-}
-
-#[test]
-fn prefill_checks_on_the_token_serial_path() {
-    let backend = gdn::Cpu::new().chunked_from(usize::MAX);
-    gdn_conformance::prefill::prefill_long_windows_match_oracle(&backend);
-    gdn_conformance::prefill::prefill_invariants_hold(&backend);
-}

@@ -22,12 +22,6 @@ pub fn sigmoid(x: f32) -> f32 {
 
 /// `gate = exp(softplus(alpha + dt) * a)` with SPEC.md's accurate softplus and its cut-over at 20.
 pub fn decay(alpha: f32, dt: f32, a: f32) -> f32 {
-    log_decay(alpha, dt, a).exp()
-}
-
-/// `softplus(alpha + dt) * a`, the logarithm of [`decay`]'s gate (the chunked path sums these).
-#[inline(always)]
-pub fn log_decay(alpha: f32, dt: f32, a: f32) -> f32 {
     let u = alpha + dt;
     let e = u.exp();
     let w = 1.0 + e;
@@ -38,14 +32,14 @@ pub fn log_decay(alpha: f32, dt: f32, a: f32) -> f32 {
     } else {
         w.ln() * e / (w - 1.0)
     };
-    sp * a
+    (sp * a).exp()
 }
 
 /// `exp(x)` lane by lane, for the logistic functions only: below -86 it returns 0 (where `1 + exp(x)` is 1
 /// anyway). Cody-Waite reduction to r in [-ln2/2, ln2/2] and a degree-7 Taylor polynomial: within 2 ulp of the
 /// exact value. NaN stays NaN, +inf and anything above 88.7 give +inf. Written so it vectorizes.
 #[inline(always)]
-pub(crate) fn exp_lanes(x: &[f32; LANES]) -> [f32; LANES] {
+fn exp_lanes(x: &[f32; LANES]) -> [f32; LANES] {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
@@ -283,7 +277,7 @@ impl<'a, const N: usize> Owed<'a, N> {
     }
 }
 
-pub(crate) type Lanes = [f32; LANES];
+type Lanes = [f32; LANES];
 
 /// The update of one column block's rows, `S = g S + k delta^T`, for every row in order, reading the rows from
 /// the pool (`FROM_POOL`: the window's first token when no deferred update is owed) or from `work`; with `MORE`
@@ -335,7 +329,7 @@ fn update_rows<E: StateElem, const FROM_POOL: bool, const MORE: bool, const COMM
 }
 
 #[inline(always)]
-pub(crate) fn add_lanes(a: &Lanes, b: &Lanes) -> Lanes {
+fn add_lanes(a: &Lanes, b: &Lanes) -> Lanes {
     std::array::from_fn(|l| a[l] + b[l])
 }
 
@@ -589,10 +583,9 @@ fn head_window_body<E: StateElem, const N: usize>(
     gated_norm(inp, o, y);
 }
 
-/// SPEC.md step 7 for every token of a head's window: y [t][d] from the readout `o` [t][d] (shared with the
-/// chunked path, so that both give the same bits from the same readout).
+/// SPEC.md step 7 for every token of a head's window: y [t][d] from the readout `o` [t][d].
 #[inline(always)]
-pub(crate) fn gated_norm(inp: &HeadInputs<'_>, o: &[f32], y: &mut [f32]) {
+fn gated_norm(inp: &HeadInputs<'_>, o: &[f32], y: &mut [f32]) {
     let (d, t) = (inp.d, inp.t);
     for tok in 0..t {
         let ot = &o[tok * d..(tok + 1) * d];
@@ -719,7 +712,7 @@ pub fn bf16_bits(x: f32) -> u16 {
 
 /// `x . y` with 16 partial sums in a fixed order.
 #[inline(always)]
-pub(crate) fn dot(x: &[f32], y: &[f32]) -> f32 {
+fn dot(x: &[f32], y: &[f32]) -> f32 {
     let mut acc = [0.0f32; LANES];
     for (a, b) in x
         .as_chunks::<LANES>()

@@ -3,7 +3,6 @@
 //! read from the pool once per window and written once at the commit.
 
 mod aligned;
-pub mod chunked;
 pub mod kernels;
 
 use std::sync::Arc;
@@ -23,8 +22,6 @@ pub struct Cpu {
     threads: Option<Arc<rayon::ThreadPool>>,
     /// Whether the thread that built the backend is one of its pool's threads (`with_calling_thread`).
     calling_thread: bool,
-    /// The window length from which its pools take the chunked path (None: [`chunked::CHUNKED_FROM`]).
-    chunked_from: Option<usize>,
 }
 
 impl Cpu {
@@ -41,7 +38,6 @@ impl Cpu {
         Ok(Cpu {
             threads: Some(Arc::new(pool)),
             calling_thread: false,
-            chunked_from: None,
         })
     }
 
@@ -74,17 +70,7 @@ impl Cpu {
         Ok(Cpu {
             threads: Some(pool),
             calling_thread: true,
-            chunked_from: None,
         })
-    }
-
-    /// The backend with its pools taking the chunked path (SPEC.md, "Chunked windows") for windows of at least
-    /// `t` tokens instead of the measured default [`chunked::CHUNKED_FROM`] (values below 2 count as 2;
-    /// `usize::MAX`: never). A choice of speed only: either path is within SPEC.md's bounds, and each
-    /// sequence's path follows from its own length.
-    pub fn chunked_from(mut self, t: usize) -> Self {
-        self.chunked_from = Some(t);
-        self
     }
 
     fn thread_count(&self) -> usize {
@@ -250,7 +236,6 @@ impl Cpu {
             owes: vec![0; slots],
             held: vec![0; slots],
             held_rows: vec![Vec::new(); slots],
-            chunked_from: self.chunked_from.unwrap_or(chunked::CHUNKED_FROM).max(2),
         })
     }
 }
@@ -330,8 +315,6 @@ pub struct CpuPool {
     held: Vec<usize>,
     /// Per slot, a held window's qkv rows (widened), for the conv history of its accepted prefix.
     held_rows: Vec<Vec<f32>>,
-    /// Windows of at least this many tokens (held ones aside) take the chunked path.
-    chunked_from: usize,
 }
 
 impl CpuPool {
@@ -348,16 +331,6 @@ impl CpuPool {
 
     /// The floats a work buffer may keep whatever the steps need.
     pub const WORK_KEEP: usize = Work::KEEP;
-
-    /// Windows of at least `t` tokens take the chunked path from the next step on (see [`Cpu::chunked_from`]).
-    pub fn set_chunked_from(&mut self, t: usize) {
-        self.chunked_from = t.max(2);
-    }
-
-    /// The window length from which this pool takes the chunked path.
-    pub fn chunked_from(&self) -> usize {
-        self.chunked_from
-    }
 
     /// One slot's S from `state` in the pool's public layout into its rows of `E`.
     fn write_state<E: StateElem>(&mut self, slot: usize, state: &[f32]) {
@@ -544,9 +517,6 @@ impl CpuPool {
         }
         head_tasks.sort_by_key(|task| std::cmp::Reverse(task.seq.len));
         let conv = &*conv_buf;
-        // the path follows from the window's own length, so a sequence's bits do not depend on the rest of the call
-        let chunked_from = self.chunked_from;
-        let chunked = |s: &LiveSeq| !s.hold && s.len >= chunked_from;
         let head_stage = |task: HeadTask<'_, E>, scratch: &mut [f32]| {
             let (s, h) = (task.seq, task.h);
             let g = layer.config.head_map.qk_head(&sh, h);
@@ -572,23 +542,9 @@ impl CpuPool {
                 owed: task.owes,
                 hold: s.hold,
             };
-            if chunked(&s) {
-                chunked::head_window::<E>(
-                    &hi,
-                    task.state,
-                    task.pending,
-                    scratch,
-                    task.y,
-                    chunked_from,
-                );
-            } else {
-                E::head_window(&hi, task.state, task.pending, scratch, task.y);
-            }
+            E::head_window(&hi, task.state, task.pending, scratch, task.y);
         };
-        let mut scratch_len = kernels::head_scratch_len(d, checked.max_len);
-        if live.iter().any(chunked) {
-            scratch_len = scratch_len.max(chunked::scratch_len(d, checked.max_len));
-        }
+        let scratch_len = kernels::head_scratch_len(d, checked.max_len);
         let threads = rayon::current_num_threads();
         if self.scratch.len() < threads {
             self.scratch.resize_with(threads, Default::default);
