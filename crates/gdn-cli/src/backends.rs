@@ -36,7 +36,8 @@ fn cpu() -> gdn::Cpu {
 }
 
 /// The CUDA backend with its options from the environment (the library itself reads none): `GDN_CUDA_WINDOW=1`
-/// runs windows of two tokens or more in the window kernel (eight tokens at a time in the chunked form).
+/// runs the windows of `gdn_cuda::spec::window_range` in the window kernel (eight tokens at a time in the chunked
+/// form).
 pub fn cuda() -> Result<gdn_cuda::Cuda> {
     let mut c = gdn_cuda::Cuda::new()?;
     c.set_window_kernel(std::env::var("GDN_CUDA_WINDOW").is_ok_and(|v| v == "1"));

@@ -531,7 +531,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #else
         const int eff = T;
 #endif
-        if (eff >= GDN_WMIN && eff <= GDN_WMAX) return;
+        if (T >= 2 && eff >= GDN_WMIN && eff <= GDN_WMAX) return;
     }
 #endif
 #if GDN_SPEC
