@@ -248,6 +248,12 @@ pub fn run(args: Args) -> Result<()> {
     }
     if let Some(windows) = &args.spec {
         progress.finish_and_clear();
+        if windows.contains(&0) {
+            return Err(gdn::Error::Param {
+                name: "spec",
+                why: "a window has at least one token".into(),
+            });
+        }
         if args.backend == "cuda" {
             return run_spec_cuda(
                 &layer,
@@ -800,12 +806,6 @@ fn run_spec(
         let state_bytes = b * sh.state_len() * options.state.size();
         let sets = rotate_bytes.div_ceil(state_bytes).max(1);
         for &w in windows {
-            if w == 0 {
-                return Err(gdn::Error::Param {
-                    name: "spec",
-                    why: "a window has at least one token".into(),
-                });
-            }
             let data = random_rows(&mut rng, layer, b * w, io);
             let set_seqs: Vec<Vec<Seq>> = (0..sets)
                 .map(|set| {
@@ -931,12 +931,6 @@ fn run_spec_cuda(
             two.write_slot(s, &st, &h)?;
         }
         for &w in windows {
-            if w == 0 {
-                return Err(gdn::Error::Param {
-                    name: "spec",
-                    why: "a window has at least one token".into(),
-                });
-            }
             let data = random_rows(&mut rng, layer, b * w, io);
             let seqs_of = |commit: &dyn Fn(usize) -> Option<Commit>| -> Vec<Vec<Seq>> {
                 (0..sets)

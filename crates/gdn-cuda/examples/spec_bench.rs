@@ -52,14 +52,7 @@ fn main() -> gdn::Result<()> {
             for &w in &windows {
                 let data = rng.batch(&layer, b * w, 1);
                 let rows = RowsData::from_f32(&data.qkv, &data.alpha, &data.beta, &data.z, [io; 4]);
-                let verify: Vec<Seq> = (0..b)
-                    .map(|i| Seq {
-                        slot: i as i32,
-                        start: i * w,
-                        len: w,
-                        commit: Commit::Verify,
-                    })
-                    .collect();
+                let verify = held_windows(b, w);
                 let step = Step {
                     rows: rows.view(),
                     seqs: &verify,
@@ -135,14 +128,7 @@ fn profile(b: usize, w: usize) -> gdn::Result<()> {
     }
     let data = rng.batch(&layer, b * w, 1);
     let rows = RowsData::from_f32(&data.qkv, &data.alpha, &data.beta, &data.z, [DType::F32; 4]);
-    let verify: Vec<Seq> = (0..b)
-        .map(|i| Seq {
-            slot: i as i32,
-            start: i * w,
-            len: w,
-            commit: Commit::Verify,
-        })
-        .collect();
+    let verify = held_windows(b, w);
     let step = Step {
         rows: rows.view(),
         seqs: &verify,
@@ -174,4 +160,16 @@ fn profile(b: usize, w: usize) -> gdn::Result<()> {
     let mean = accept.iter().sum::<usize>() as f64 / b as f64;
     println!("profile: B {b} W {w}, mean accepted {mean:.2}; launches: hold, accept + hold, commit k, verify");
     Ok(())
+}
+
+/// Sequence i of b on slot i, rows i w .. + w, held (verify) windows of w tokens.
+fn held_windows(b: usize, w: usize) -> Vec<Seq> {
+    (0..b)
+        .map(|i| Seq {
+            slot: i as i32,
+            start: i * w,
+            len: w,
+            commit: Commit::Verify,
+        })
+        .collect()
 }
