@@ -6,7 +6,7 @@
 # --no-run`, stripped and xz-compressed into .devbin/win/ and .devbin/win/tests/; carry [".devbin/win"].
 set -u
 . tools/device/setup.sh
-B=.devbin/win
+B=${AB_DIR:-.devbin/win}
 mkdir -p /work && ln -sfn "$PWD" /work/main
 xz -dkf $B/gdn.xz; chmod +x $B/gdn
 for name in ${AB_TESTS:-conformance_window}; do

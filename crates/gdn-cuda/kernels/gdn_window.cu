@@ -24,21 +24,26 @@
 // so a chunk's bits depend only on its own tokens: the committed state after k tokens equals a k-token window's,
 // and a sequence's bits do not depend on the call.
 //
-// Work split: block (value head, sequence) of D * D / 64 threads; a thread holds a tile of 16 rows (keys) x 4
-// columns of the state in registers for the whole window, so every key it loads from shared memory feeds four
-// columns (shared-memory bandwidth bounds a split of one column a thread: one 16-byte load a 4 multiply-adds).
-// Lane l of warp w: row group l / CQ (rows 16 g .. 16 g + 15), columns 4 (w CQ + l % CQ) .. + 3, CQ = 32 / RG
-// column quads a warp, RG = D / 16 row groups. Sums over rows are butterflies over the RG lanes of a column; the
+// Work split: block (value head, sequence) of 2 D threads, D / 16 warps; the state stays in registers for the
+// whole window, laid out as the accumulator fragments of the update's product S^T += W^T K (mma.sync m16n8k8,
+// 3xTF32, gdn_elt.cuh): warp w holds value columns 16 w .. 16 w + 15 (fragment row r < 8 is column 16 w + 2 r,
+// row r + 8 is 16 w + 2 r + 1) over every key, lane (g, q) = (lane / 4, lane % 4) of key tile s (keys 8 s ..
+// 8 s + 7) st[s] = S[8 s + 2 q][c0], S[8 s + 2 q + 1][c0], S[8 s + 2 q][c0 + 1], S[8 s + 2 q + 1][c0 + 1] with
+// c0 = 16 w + 2 g. The same registers are the B fragments of the chunk's products [K; Q] S0 (8 key rows and 8
+// query rows against the warp's 16 columns), with the products' k index q read from key 2 q of the tile and
+// q + 4 from key 2 q + 1 (the A fragments are loaded in that order: a sum over the same products). The small
 // per-column work (the deltas' forward substitution, the readout, the norm) runs on one thread a column, through
-// shared memory.
+// shared memory. A commit after n tokens gives the update's mma the weights and keys of tokens >= n as zeros
+// (selects), so it sees exactly the inputs an n-token chunk gives it; each product element depends only on its own
+// row and column, so a token's products do not depend on the tokens after it.
 
 #define D GDN_D
 #define HK GDN_HK
 #define HV GDN_HV
-#define RG (D / 16)
-#define CQ (32 / RG)
-#define NT (D * D / 64)
+#define NT (2 * D)
 #define NW (NT / 32)
+#define KT (D / 8)   // key tiles
+#define KP (D + 8)   // padded row of the keys and queries in shared memory: fragment loads without bank conflicts
 #define C_ALL ((2 * HK + HV) * D)
 #define N_OUT (HV * D)
 #define NE (3 * D)
@@ -56,25 +61,9 @@ typedef Elt<GDN_Z_DT> EZ;
 typedef Elt<GDN_OUT_DT> EO;
 typedef Elt<GDN_STATE_DT> ES;
 
-// the sum over the RG lanes of a column (the row groups), the same bits in each
-__device__ __forceinline__ float rows_sum(float x) {
-#pragma unroll
-    for (int off = CQ; off < 32; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-    return x;
-}
-
-// the pair (t, s) of dot product number p: p < 28 the keys' k_t . k_s (s < t), else q_t . k_s (s <= t)
-__device__ __forceinline__ void dot_pair(int p, int& t, int& s, bool& qk) {
-    qk = p >= CH * (CH - 1) / 2;
-    int q = qk ? p - CH * (CH - 1) / 2 : p;
-    int row = qk ? 0 : 1;
-    while (q >= (qk ? row + 1 : row)) {
-        q -= qk ? row + 1 : row;
-        ++row;
-    }
-    t = row;
-    s = q;
-}
+// the gates of the conv and the output in the fast division (within two ulps; the window kernel's own)
+__device__ __forceinline__ float silu_w(float x) { return __fdividef(x, 1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid_w(float x) { return __fdividef(1.0f, 1.0f + expf(-x)); }
 
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 
@@ -91,13 +80,14 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #if GDN_PLANES == 0
     (void)plane;
 #endif
-    __shared__ __align__(16) float qn[CH][D];
-    __shared__ __align__(16) float kn[CH][D];
+    // the normalized queries and keys as their splits for the tensor cores (split2_fast, made once for every
+    // warp): x = hi + lo exactly
+    __shared__ __align__(16) unsigned qh[CH][KP], ql[CH][KP], kh[CH][KP], kl[CH][KP];
     __shared__ float vs[CH][D];
     __shared__ float zs[CH][D];                 // the output gate's input, widened
     __shared__ __align__(16) float pks[CH][D];  // S0^T k_t
-    __shared__ __align__(16) float pqs[CH][D];  // S0^T q_t
-    __shared__ float os[CH][D];                 // the readout before the norm
+    __shared__ __align__(16) float pqs[CH][D];  // S0^T q_t, then (the same thread, the same column) the readout
+    float(*const os)[D] = pqs;                  // before the norm
     __shared__ __align__(16) float wsc[CH][D];  // the commit's update weights w_s
     __shared__ __align__(16) float wse[CH][D];  // the chunk end's (a window that goes on)
     __shared__ float gts[CH], bts[CH], gcum[CH];
@@ -119,8 +109,8 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #else
     const int g = h % HK;
 #endif
-    const int rg = lane / CQ;                      // row group: rows 16 rg .. + 15
-    const int j0 = 4 * (warp * CQ + lane % CQ);    // the tile's first column
+    const int fg = lane >> 2, fq = lane & 3;       // the lane's fragment row group and column pair
+    const int c0 = 16 * warp + 2 * fg;             // its two state columns c0, c0 + 1
     const float inv_sqrt_d = 1.0f / sqrtf((float)D);
 
     int chan[NCH];
@@ -193,90 +183,60 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         }
     }
 
-    // the state tile: st[r][c] = S[key 16 rg + r][column j0 + c]
+    // the state fragments (see the work split): st[s][0..3] = S[i][c0], S[i + 1][c0], S[i][c0 + 1], S[i + 1][c0 + 1],
+    // i = 8 s + 2 fq
     ES::T* const sbase = state + (size_t)slot * D * HV * D;
-    float st[16][4];
+    // element offsets of the pair (S[i][c], S[i + 1][c]) (value-major: contiguous) or (S[i][c0], S[i][c0 + 1])
+    // (key-major: contiguous) of tile s
 #if GDN_VMAJOR
-    // S[h][j][i]: each column's 16 keys contiguous
+    auto at = [&](int s, int c) { return ((size_t)h * D + c0 + c) * D + 8 * s + 2 * fq; };
+#else
+    auto at = [&](int s, int r) { return ((size_t)(8 * s + 2 * fq + r) * HV + h) * D + c0; };
+#endif
+    float st[KT][4];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        const ES::T* p = sbase + ((size_t)h * D + j0 + c) * D + 16 * rg;
+    for (int s = 0; s < KT; ++s) {
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
 #if GDN_STATE_DT == 0
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const float4 w = ld4(p + 4 * q);
-            st[4 * q][c] = w.x;
-            st[4 * q + 1][c] = w.y;
-            st[4 * q + 2][c] = w.z;
-            st[4 * q + 3][c] = w.w;
-        }
+            const float2 w = *reinterpret_cast<const float2*>(sbase + at(s, p));
+            const float lo = w.x, hi = w.y;
 #else
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            const uint4 w = *reinterpret_cast<const uint4*>(p + 8 * q);
-            const unsigned u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                st[8 * q + 2 * e][c] = __uint_as_float(u[e] << 16);
-                st[8 * q + 2 * e + 1][c] = __uint_as_float(u[e] & 0xffff0000u);
-            }
-        }
+            const unsigned w = *reinterpret_cast<const unsigned*>(sbase + at(s, p));
+            const float lo = __uint_as_float(w << 16), hi = __uint_as_float(w & 0xffff0000u);
 #endif
-    }
-#else
-    // S[i][h][j]: each key's 4 columns contiguous
-#pragma unroll
-    for (int r = 0; r < 16; ++r) {
-        const ES::T* p = sbase + ((size_t)(16 * rg + r) * HV + h) * D + j0;
-#if GDN_STATE_DT == 0
-        const float4 w = ld4(p);
-        st[r][0] = w.x;
-        st[r][1] = w.y;
-        st[r][2] = w.z;
-        st[r][3] = w.w;
-#else
-        const uint2 w = *reinterpret_cast<const uint2*>(p);
-        st[r][0] = __uint_as_float(w.x << 16);
-        st[r][1] = __uint_as_float(w.x & 0xffff0000u);
-        st[r][2] = __uint_as_float(w.y << 16);
-        st[r][3] = __uint_as_float(w.y & 0xffff0000u);
-#endif
-    }
-#endif
-
-    // stores rows 4 q .. 4 q + 3 of the tile (v[r][c]), rounded once for a bf16 pool
-    auto store4 = [&](int q, const float (*v)[4]) {
 #if GDN_VMAJOR
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            ES::T* p = sbase + ((size_t)h * D + j0 + c) * D + 16 * rg + 4 * q;
-#if GDN_STATE_DT == 0
-            *reinterpret_cast<float4*>(p) = make_float4(v[0][c], v[1][c], v[2][c], v[3][c]);
+            st[s][2 * p] = lo;  // column c0 + p, keys i and i + 1
+            st[s][2 * p + 1] = hi;
 #else
-            *reinterpret_cast<uint2*>(p) = make_uint2((unsigned)ES::st(v[0][c]) | ((unsigned)ES::st(v[1][c]) << 16),
-                                                      (unsigned)ES::st(v[2][c]) | ((unsigned)ES::st(v[3][c]) << 16));
+            st[s][p] = lo;  // key i + p, columns c0 and c0 + 1
+            st[s][p + 2] = hi;
 #endif
         }
-#else
+    }
+    // stores tile s (v[0..3] in st's order), rounded once for a bf16 pool
+    auto store_tile = [&](int s, const float* v) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            ES::T* p = sbase + ((size_t)(16 * rg + 4 * q + r) * HV + h) * D + j0;
-#if GDN_STATE_DT == 0
-            *reinterpret_cast<float4*>(p) = make_float4(v[r][0], v[r][1], v[r][2], v[r][3]);
+        for (int p = 0; p < 2; ++p) {
+#if GDN_VMAJOR
+            const float lo = v[2 * p], hi = v[2 * p + 1];
 #else
-            *reinterpret_cast<uint2*>(p) = make_uint2((unsigned)ES::st(v[r][0]) | ((unsigned)ES::st(v[r][1]) << 16),
-                                                      (unsigned)ES::st(v[r][2]) | ((unsigned)ES::st(v[r][3]) << 16));
+            const float lo = v[p], hi = v[p + 2];
+#endif
+#if GDN_STATE_DT == 0
+            *reinterpret_cast<float2*>(sbase + at(s, p)) = make_float2(lo, hi);
+#else
+            *reinterpret_cast<unsigned*>(sbase + at(s, p)) = (unsigned)ES::st(lo) | ((unsigned)ES::st(hi) << 16);
 #endif
         }
-#endif
     };
 
-    for (int c0 = 0; c0 < T; c0 += CH) {
-        const int tc = T - c0 < CH ? T - c0 : CH;  // tokens of this chunk
-        const size_t row0 = (size_t)start + c0;
+    for (int cb = 0; cb < T; cb += CH) {
+        const int tc = T - cb < CH ? T - cb : CH;  // tokens of this chunk
+        const size_t row0 = (size_t)start + cb;
         // the commit inside this chunk, as a count of its tokens (0: none here)
-        const int cl = commit_at > c0 && commit_at <= c0 + CH ? commit_at - c0 : 0;
-        const bool more = c0 + CH < T;
+        const int cl = commit_at > cb && commit_at <= cb + CH ? commit_at - cb : 0;
+        const bool more = cb + CH < T;
 
         // 1. every token's inputs in flight at once; conv + SiLU per channel, token after token
         EQ::T in[NCH][CH];
@@ -284,7 +244,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         for (int m = 0; m < NCH; ++m)
 #pragma unroll
             for (int t = 0; t < CH; ++t)
-                in[m][t] = chan[m] >= 0 && t < tc ? qkv_b[(size_t)(c0 + t) * C_ALL + chan[m]] : (EQ::T)0;
+                in[m][t] = chan[m] >= 0 && t < tc ? qkv_b[(size_t)(cb + t) * C_ALL + chan[m]] : (EQ::T)0;
         {
             constexpr int ZPT = (CH * D + NT - 1) / NT;
             EZ::T zv[ZPT];
@@ -322,7 +282,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                     s = fmaf(hst[m][2], w.z, s);
                     const float x = EQ::ld(in[m][t]);
                     s = fmaf(x, w.w, s);
-                    cv = s / (1.0f + expf(-s));
+                    cv = silu_w(s);
                     hst[m][0] = hst[m][1];
                     hst[m][1] = hst[m][2];
                     hst[m][2] = x;
@@ -363,8 +323,15 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                         for (int c = 0; c < D / 16; ++c) tot += part_qk[t][base + c];
                         const float r = rsqrtf(tot / (float)D + eps / (float)D);
                         const float x = (r * cvs[m][t]) * inv_sqrt_d;
-                        if (e < D) qn[t][e] = x;
-                        else kn[t][e - D] = x;
+                        unsigned hi, lo;
+                        split2_fast(x, hi, lo);
+                        if (e < D) {
+                            qh[t][e] = hi;
+                            ql[t][e] = lo;
+                        } else {
+                            kh[t][e - D] = hi;
+                            kl[t][e - D] = lo;
+                        }
                     }
                 }
             }
@@ -393,49 +360,56 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         }
         __syncthreads();
 
-        // 3. S0^T k_t and S0^T q_t for every token of the chunk: each key read once from shared memory for the
-        // tile's four columns, one sum a column over the tile's rows (in row order), then over the row groups
-        for (int t = 0; t < tc; ++t) {
-            float ak[4] = {0.0f, 0.0f, 0.0f, 0.0f}, aq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        // 3. S0^T k_t and S0^T q_t for every token of the chunk on tensor cores: A = [K; Q] (rows fg and fg + 8:
+        // the key and the query of token fg), B = the warp's state fragments; the big terms in two accumulators
+        // (even and odd key tiles) and the small ones in a third, so the dependent chains are short, summed in
+        // one fixed order. With the same A, B = K^T gives the chunk's dot products k_t . k_s and q_t . k_s (every
+        // warp computes them, warp 0 stores them, times r(t, s))
+        {
+            float pb[2][2][4] = {}, ps[2][4] = {}, db[4] = {}, ds[4] = {};
+            const bool live = fg < tc;
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const float4 k4 = ld4(&kn[t][16 * rg + 4 * q]);
-                const float4 q4 = ld4(&qn[t][16 * rg + 4 * q]);
-                const float kk[4] = {k4.x, k4.y, k4.z, k4.w}, qq[4] = {q4.x, q4.y, q4.z, q4.w};
+            for (int s = 0; s < KT; ++s) {
+                const int i = 8 * s + 2 * fq;
+                const uint2 z2 = make_uint2(0u, 0u);
+                const uint2 kh2 = live ? *reinterpret_cast<const uint2*>(&kh[fg][i]) : z2;
+                const uint2 kl2 = live ? *reinterpret_cast<const uint2*>(&kl[fg][i]) : z2;
+                const uint2 qh2 = live ? *reinterpret_cast<const uint2*>(&qh[fg][i]) : z2;
+                const uint2 ql2 = live ? *reinterpret_cast<const uint2*>(&ql[fg][i]) : z2;
+                const unsigned ah[4] = {kh2.x, qh2.x, kh2.y, qh2.y}, al[4] = {kl2.x, ql2.x, kl2.y, ql2.y};
 #pragma unroll
-                for (int r = 0; r < 4; ++r)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) {
-                        ak[c] = fmaf(st[4 * q + r][c], kk[r], ak[c]);
-                        aq[c] = fmaf(st[4 * q + r][c], qq[r], aq[c]);
-                    }
+                for (int n = 0; n < 2; ++n) {
+                    unsigned bh[2], bl[2];
+                    split2_fast(st[s][2 * n], bh[0], bl[0]);
+                    split2_fast(st[s][2 * n + 1], bh[1], bl[1]);
+                    mma_tf32(ps[n], al[0], al[1], al[2], al[3], bh[0], bh[1]);
+                    mma_tf32(ps[n], ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
+                    mma_tf32(pb[n][s & 1], ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
+                }
+                // B = K^T: column g is token g's key, its k index q key i, q + 4 key i + 1 (the A loads above)
+                mma_tf32(ds, al[0], al[1], al[2], al[3], kh2.x, kh2.y);
+                mma_tf32(ds, ah[0], ah[1], ah[2], ah[3], kl2.x, kl2.y);
+                mma_tf32(db, ah[0], ah[1], ah[2], ah[3], kh2.x, kh2.y);
             }
+            float pr[2][4];
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                ak[c] = rows_sum(ak[c]);
-                aq[c] = rows_sum(aq[c]);
+            for (int n = 0; n < 2; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) pr[n][e] = ps[n][e] + (pb[n][0][e] + pb[n][1][e]);
+            // n-tile n, element e: row fg (e < 2: the key) or fg + 8 (the query), column 16 w + 2 (2 fq + e % 2) + n
+            if (live) {
+                const int j = 16 * warp + 4 * fq;
+                *reinterpret_cast<float4*>(&pks[fg][j]) = make_float4(pr[0][0], pr[1][0], pr[0][1], pr[1][1]);
+                *reinterpret_cast<float4*>(&pqs[fg][j]) = make_float4(pr[0][2], pr[1][2], pr[0][3], pr[1][3]);
             }
-            if (rg == 0) {
-                *reinterpret_cast<float4*>(&pks[t][j0]) = make_float4(ak[0], ak[1], ak[2], ak[3]);
-                *reinterpret_cast<float4*>(&pqs[t][j0]) = make_float4(aq[0], aq[1], aq[2], aq[3]);
-            }
-        }
-        // the chunk's dot products k_t . k_s (s < t) and q_t . k_s (s <= t), times r(t, s): warp-strided pairs,
-        // each a lane-strided sum and a butterfly (a fixed order)
-        for (int p = warp; p < CH * (CH - 1) / 2 + CH * (CH + 1) / 2; p += NW) {
-            int t, s;
-            bool isq;
-            dot_pair(p, t, s, isq);
-            if (t >= tc) continue;  // uniform over the warp
-            const float* a = isq ? qn[t] : kn[t];
-            float acc = 0.0f;
+            // element e: k_t . k_s (e < 2) or q_t . k_s, t = fg, s = 2 fq + e % 2
+            if (warp == 0 && live) {
 #pragma unroll
-            for (int i = lane; i < D; i += 32) acc = fmaf(a[i], kn[s][i], acc);
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-            if (lane == 0) {
-                if (isq) aqk[t][s] = rat[t][s] * acc;
-                else akk[t][s] = rat[t][s] * acc;
+                for (int e = 0; e < 2; ++e) {
+                    const int t = fg, s = 2 * fq + e;
+                    if (s < t) akk[t][s] = rat[t][s] * (ds[e] + db[e]);
+                    if (s <= t) aqk[t][s] = rat[t][s] * (ds[2 + e] + db[2 + e]);
+                }
             }
         }
         __syncthreads();
@@ -488,9 +462,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                     const float rs = rsqrtf(tot / (float)D + eps);
                     const float zt = zs[t][jc];
 #if GDN_SILU
-                    const float act = zt * sigmoid_f(zt);
+                    const float act = zt * sigmoid_w(zt);
 #else
-                    const float act = sigmoid_f(zt);
+                    const float act = sigmoid_w(zt);
 #endif
                     const float yv = ((rs * os[t][jc]) * gam) * act;
                     const size_t yi = (row0 + t) * N_OUT + h * D + jc;
@@ -506,41 +480,35 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
             }
         }
 
-        // 6. the state after n tokens of the chunk, fmaf(G_{n-1}, S0, k_0 w_0 + ... + k_{n-1} w_{n-1}): stored
-        // (the commit) and / or kept in the registers (the next chunk starts from it)
+        // 6. the state after n tokens of the chunk, fmaf(G_{n-1}, S0, k_0 w_0 + ... + k_{n-1} w_{n-1}), the sum on
+        // tensor cores (A = W^T: the warp's columns x tokens; B = K: tokens x the tile's keys; tokens >= n zero):
+        // stored (the commit) and / or kept in the registers (the next chunk starts from it)
         auto advance = [&](int n, const float (*ws)[D], bool keep, bool store) {
             const float gn = gcum[n - 1];
+            unsigned ah[4], al[4];
+            {
+                const float2 w0 = fq < n ? *reinterpret_cast<const float2*>(&ws[fq][c0]) : make_float2(0.0f, 0.0f);
+                const float2 w1 = fq + 4 < n ? *reinterpret_cast<const float2*>(&ws[fq + 4][c0]) : make_float2(0.0f, 0.0f);
+                split2_fast(w0.x, ah[0], al[0]);
+                split2_fast(w0.y, ah[1], al[1]);
+                split2_fast(w1.x, ah[2], al[2]);
+                split2_fast(w1.y, ah[3], al[3]);
+            }
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                float u[4][4];
-                {
-                    const float4 k4 = ld4(&kn[0][16 * rg + 4 * q]);
-                    const float4 w4 = ld4(&ws[0][j0]);
-                    const float kk[4] = {k4.x, k4.y, k4.z, k4.w}, ww[4] = {w4.x, w4.y, w4.z, w4.w};
+            for (int s = 0; s < KT; ++s) {
+                const int i = 8 * s + fg;
+                const unsigned bh[2] = {fq < n ? kh[fq][i] : 0u, fq + 4 < n ? kh[fq + 4][i] : 0u};
+                const unsigned bl[2] = {fq < n ? kl[fq][i] : 0u, fq + 4 < n ? kl[fq + 4][i] : 0u};
+                float u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_tf32(u, al[0], al[1], al[2], al[3], bh[0], bh[1]);
+                mma_tf32(u, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
+                mma_tf32(u, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
 #pragma unroll
-                    for (int r = 0; r < 4; ++r)
-#pragma unroll
-                        for (int c = 0; c < 4; ++c) u[r][c] = kk[r] * ww[c];
-                }
-                for (int s = 1; s < n; ++s) {
-                    const float4 k4 = ld4(&kn[s][16 * rg + 4 * q]);
-                    const float4 w4 = ld4(&ws[s][j0]);
-                    const float kk[4] = {k4.x, k4.y, k4.z, k4.w}, ww[4] = {w4.x, w4.y, w4.z, w4.w};
-#pragma unroll
-                    for (int r = 0; r < 4; ++r)
-#pragma unroll
-                        for (int c = 0; c < 4; ++c) u[r][c] = fmaf(kk[r], ww[c], u[r][c]);
-                }
-#pragma unroll
-                for (int r = 0; r < 4; ++r)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) u[r][c] = fmaf(gn, st[4 * q + r][c], u[r][c]);
-                if (store) store4(q, u);
+                for (int e = 0; e < 4; ++e) u[e] = fmaf(gn, st[s][e], u[e]);
+                if (store) store_tile(s, u);
                 if (keep) {
 #pragma unroll
-                    for (int r = 0; r < 4; ++r)
-#pragma unroll
-                        for (int c = 0; c < 4; ++c) st[4 * q + r][c] = u[r][c];
+                    for (int e = 0; e < 4; ++e) st[s][e] = u[e];
                 }
             }
         };

@@ -115,15 +115,16 @@ pub struct Spec {
 }
 
 /// The effective lengths the window kernel takes for a state dtype, where it measured faster than the
-/// token-serial kernel (H200, 2026-12-01, NOTES.md "Windows in chunks of eight"): an f32 state from 4 to 8 tokens
-/// (B 256 T 4 677 against 720 us, T 8 917 against 1058; T 2 and T 16 slower), a bf16 state at 8 (935 against 968;
-/// T 2-4 slower). The effective length of a sequence is its commit point, or its length if it commits nothing: a
-/// commit after k tokens then runs in the kernel a k-token window runs in, so commit-first-k equals a k-token
-/// window bitwise.
+/// token-serial kernel (H200, 2026-12-01, NOTES.md "Windows in chunks of eight", window / token-serial, us):
+/// an f32 state from 4 to 8 tokens (B 256 T 4 673 / 730, T 8 792 / 1064; B 1 T 8 12.0 / 16.5; B 1 T 4 10.5 /
+/// 9.8 is the one loss kept for the batch), a bf16 state from 6 to 8 (B 256 T 6 750 / 769, T 8 820 / 968; T 5
+/// and below slower). The effective length of a sequence is its commit point, or its length if it commits
+/// nothing: a commit after k tokens then runs in the kernel a k-token window runs in, so commit-first-k equals
+/// a k-token window bitwise.
 pub fn window_range(state: DType) -> (usize, usize) {
     match state {
         DType::F32 => (4, 8),
-        _ => (8, 8),
+        _ => (6, 8),
     }
 }
 
@@ -329,8 +330,8 @@ impl Spec {
         }
     }
 
-    /// Whether the window kernel takes this shape: d 64 or 128 (its split: tiles of 16 keys x 4 columns, d / 16
-    /// row groups in a warp), under a plan of one block a head.
+    /// Whether the window kernel takes this shape: d 64 or 128 (its split: a warp per 16 value columns, the
+    /// state as mma fragments), under a plan of one block a head.
     pub fn window_fits(&self) -> bool {
         self.plan.ncb == 1 && matches!(self.shape.d, 64 | 128)
     }
@@ -513,10 +514,10 @@ impl Spec {
         format!("{}{}{}", self.header(), ELT_SRC, body)
     }
 
-    /// The threads of one block (the window kernel's: d x d / 64).
+    /// The threads of one block (the window kernel's: 2 d, a warp per 16 value columns).
     pub fn threads(&self) -> usize {
         if self.window {
-            self.shape.d * self.shape.d / 64
+            2 * self.shape.d
         } else {
             self.plan.threads(self.shape.d)
         }
