@@ -359,7 +359,7 @@ fn compare_slots(pool: &mut CudaPool, e: &Engine, what: &str) {
             e.c.name
         );
         assert_eq!(
-            held[i],
+            h,
             pool.held(i),
             "{}: {what}: slot {i} held length",
             e.c.name
