@@ -30,6 +30,12 @@
 //! sequences neither count nor write. So the steps of one `CudaLayer` must be ordered (one stream, or streams
 //! ordered by events): two steps of the same layer running at once would share counters.
 //!
+//! **Speculative steps.** [`CudaLayer::step_spec_raw`] runs the pool's one-pass speculative kernel on the same
+//! memory plus the engine's pending region ([`pending_bytes`], zeros: nothing held), its held words (`i32` per
+//! slot) and each sequence's accepted count (`i32` on the device); [`CudaLayer::commit_held_raw`] commits what
+//! slots hold. The kernel rewrites the held words itself (the last block of each sequence to read one), so
+//! nothing is read on the host; resets and forks are the engine's (see `step_spec_raw`).
+//!
 //! A decode step of 2 sequences at the seed shape on an engine's bf16 buffers (allocated here with cudarc; an
 //! engine passes its own addresses, torch's `data_ptr()` for instance) and on its stream:
 //!
