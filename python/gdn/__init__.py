@@ -2,18 +2,48 @@
 
 ``gdn.Layer`` holds one layer's weights (from the checkpoint's tensors or an HF module); ``gdn.step`` advances
 sequences of packed rows on the caller's state pool and conv state (torch tensors on the CPU or a CUDA device,
-or numpy arrays). See ``help(gdn.step)`` for every argument's shape and dtype. ``gdn.hf.patch(model)`` runs an
-HF Qwen3.5 / Qwen3-Next model's GDN layers through gdn; ``gdn.vllm.gdn_attention_core`` takes the inputs of
-vLLM's GDN attention core.
+or numpy arrays). See ``help(gdn.step)`` for every argument's shape and dtype. ``gdn.spec_step`` is the
+speculative form on CUDA (one state pass per step: the last window's accepted tokens are committed as the next
+window runs; ``gdn.spec_buffers`` makes its two extra buffers, ``gdn.commit_held`` commits what a slot holds).
+``gdn.hf.patch(model)`` runs an HF Qwen3.5 / Qwen3-Next model's GDN layers through gdn;
+``gdn.vllm.gdn_attention_core`` takes the inputs of vLLM's GDN attention core.
 
 Conventions: HF transformers' and vLLM's (mixed q|k|v before the conv, raw a/b logits, conv state
 ``[slot][C][w]`` with the history in its last three columns, value-major state ``[slot][head][v][k]`` as vLLM,
 SGLang and FlashInfer keep it), FLA's ``cu_seqlens``.
 """
 
-from gdn._native import Layer, step
+from gdn._native import Layer, pending_row, spec_step, step
 
-__all__ = ["Layer", "step", "hf", "vllm"]
+__all__ = ["Layer", "step", "spec_step", "spec_buffers", "commit_held", "pending_row", "hf", "vllm"]
+
+
+def spec_buffers(layer, slots, device):
+    """The speculative step's buffers for a pool of ``slots`` slots on ``device``, zeroed (nothing held):
+    ``(pending, held)``, ``pending`` ``[slots, gdn.pending_row(layer)]`` float32 and ``held`` ``[slots]`` int32
+    (see ``gdn.spec_step``)."""
+    import torch
+
+    pending = torch.zeros((slots, pending_row(layer)), dtype=torch.float32, device=device)
+    held = torch.zeros((slots,), dtype=torch.int32, device=device)
+    return pending, held
+
+
+def commit_held(layer, state, conv_state, slots, pending, held, accept, *, state_layout="value_major",
+                validate=False):
+    """Commits the first ``accept[s]`` tokens of the window slot ``slots[s]`` holds (state and conv history) and
+    drops the rest; the slot holds nothing after (a request's end; before reading or forking a slot). One
+    ``gdn.spec_step`` of sequences with no rows; ``accept[s] == 0`` only drops the window. Arguments as
+    ``gdn.spec_step``'s; ``slots`` and ``accept`` ``[N]`` int32 on the state's device."""
+    import torch
+
+    dev = state.device
+    n = slots.shape[0]
+    empty = lambda w: torch.zeros((0, w), dtype=torch.float32, device=dev)  # noqa: E731
+    c, hv, nn = layer.channels, layer.num_v_heads, layer.num_v_heads * layer.head_dim
+    lengths = torch.zeros((n,), dtype=torch.int32, device=dev)
+    spec_step(layer, empty(c), empty(hv), empty(hv), empty(nn), state, conv_state, slots, pending, held, accept,
+              lengths=lengths, out=empty(nn), state_layout=state_layout, validate=validate)
 
 
 def __getattr__(name):

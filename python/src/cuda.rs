@@ -6,7 +6,7 @@
 use std::sync::{Arc, Mutex};
 
 use gdn::{DType, StateLayout};
-use gdn_cuda::{Cuda, CudaLayer, RawConv, RawState, RawStep, RawTensor, SeqRows};
+use gdn_cuda::{Cuda, CudaLayer, RawConv, RawSpec, RawState, RawStep, RawTensor, SeqRows};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -164,6 +164,8 @@ pub struct Args<'a, 'py> {
     pub lengths: Option<&'a View<'py>>,
     pub commit: Option<&'a View<'py>>,
     pub layout: StateLayout,
+    /// The speculative step's pending region, held words and accepted counts (None: a plain step).
+    pub spec: Option<(&'a View<'py>, &'a View<'py>, &'a View<'py>)>,
 }
 
 fn dtype(v: &View<'_>) -> DType {
@@ -265,6 +267,11 @@ pub fn step(
         commits: true,
     };
     debug_assert!(x.slots.elem == Elem::I32);
+    let spec = x.spec.map(|(p, h, a)| RawSpec {
+        pending: p.ptr as u64,
+        held: h.ptr as u64,
+        accept: a.ptr as u64,
+    });
     let r = py.detach(|| {
         // SAFETY: every pointer is a torch CUDA tensor's on device `dev` (checked: one device for every tensor),
         // in the device's primary context, which is the CudaLayer's (step_raw checks the stream's context); the
@@ -272,7 +279,15 @@ pub fn step(
         // tensors the step writes are disjoint from the others (checked); torch keeps the memory alive for the
         // stream's work (its caching allocator reuses freed blocks only in stream order). Like any in-place torch
         // op, the caller must not have other streams write these tensors meanwhile.
-        unsafe { cl.step_raw(&raw, stream as cudarc::driver::sys::CUstream) }
+        // With `spec`: the pending region, held words and accepted counts are torch CUDA tensors of the extents
+        // step_spec_raw needs (checked), disjoint from the rest (checked), written only by these steps and the
+        // engine's resets and forks (the documented contract of gdn.spec_step).
+        match &spec {
+            None => unsafe { cl.step_raw(&raw, stream as cudarc::driver::sys::CUstream) },
+            Some(sp) => unsafe {
+                cl.step_spec_raw(&raw, sp, stream as cudarc::driver::sys::CUstream)
+            },
+        }
     });
     r.map_err(backend_err)
 }

@@ -257,7 +257,9 @@ fn host_seqs(
     cu: Option<&[i32]>,
     lengths: Option<&[i32]>,
     commit: Option<&[i32]>,
+    allow_empty: bool,
 ) -> PyResult<Vec<Seq>> {
+    let min = if allow_empty { 0 } else { 1 };
     let n = slots.len();
     let mut seqs = Vec::with_capacity(n);
     let mut start = 0usize;
@@ -265,18 +267,19 @@ fn host_seqs(
         let (st, len) = match (cu, lengths) {
             (Some(cu), _) => {
                 let (a, b) = (cu[s], cu[s + 1]);
-                if a < 0 || b <= a {
+                if a < 0 || b - a < min {
                     return Err(PyValueError::new_err(format!(
-                        "cu_seqlens must increase strictly from a value >= 0: cu_seqlens[{s}] = {a}, cu_seqlens[{}] = {b}",
+                        "cu_seqlens must increase {}from a value >= 0: cu_seqlens[{s}] = {a}, cu_seqlens[{}] = {b}",
+                        if allow_empty { "" } else { "strictly " },
                         s + 1
                     )));
                 }
                 (a as usize, (b - a) as usize)
             }
             (None, Some(l)) => {
-                if l[s] < 1 {
+                if l[s] < min {
                     return Err(PyValueError::new_err(format!(
-                        "lengths[{s}] = {} must be at least 1",
+                        "lengths[{s}] = {} must be at least {min}",
                         l[s]
                     )));
                 }
@@ -339,6 +342,7 @@ fn step_impl<'py>(
     state_layout: &str,
     validate: bool,
     dry: bool,
+    spec: Option<SpecObjs<'_, 'py>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let lay = layer.get();
     let sh = *lay.inner.shape();
@@ -369,9 +373,23 @@ fn step_impl<'py>(
     let lens = lengths.map(|x| View::of("lengths", x)).transpose()?;
     let com = commit.map(|x| View::of("commit", x)).transpose()?;
     let out_given = out.map(|x| View::of("out", x)).transpose()?;
+    let spec_v = spec
+        .map(|o| -> PyResult<SpecViews<'py>> {
+            Ok(SpecViews {
+                pending: View::of("pending", o.pending)?,
+                held: View::of("held", o.held)?,
+                accept: View::of("accept", o.accept)?,
+            })
+        })
+        .transpose()?;
 
     // devices: one for every tensor
     let device = qkv.device;
+    if spec_v.is_some() && !matches!(device, Device::Cuda(_)) {
+        return Err(pyo3::exceptions::PyNotImplementedError::new_err(
+            "qkv: gdn.spec_step runs on CUDA tensors (on the CPU, gdn's pools run the speculative step)",
+        ));
+    }
     if device == Device::Other {
         return Err(PyValueError::new_err(format!(
             "qkv is on {}, gdn runs on the CPU and on CUDA devices",
@@ -381,6 +399,9 @@ fn step_impl<'py>(
     {
         let mut all: Vec<&View<'_>> = vec![&a, &b, &z, &state, &conv, &slots];
         all.extend(cu.iter().chain(&lens).chain(&com).chain(&out_given));
+        if let Some(sv) = &spec_v {
+            all.extend([&sv.pending, &sv.held, &sv.accept]);
+        }
         for v in all {
             if v.device != device {
                 return Err(PyValueError::new_err(format!(
@@ -457,6 +478,29 @@ fn step_impl<'py>(
             format!("[R = {rows}, num_v_heads * head_dim = {n}]")
         })?;
     }
+    if let Some(sv) = &spec_v {
+        check_spec_views(sv, &sh, pool_slots, nseq)?;
+        let reads: Vec<&View<'_>> = [&qkv, &a, &b, &z, &slots]
+            .into_iter()
+            .chain(&cu)
+            .chain(&lens)
+            .chain(&com)
+            .chain(&out_given)
+            .chain([&state, &conv, &sv.accept])
+            .collect();
+        for w in [&sv.pending, &sv.held] {
+            for r in &reads {
+                expect_disjoint(w, r)?;
+            }
+        }
+        expect_disjoint(&sv.pending, &sv.held)?;
+        for w in [&state, &conv] {
+            expect_disjoint(w, &sv.accept)?;
+        }
+        if let Some(o) = &out_given {
+            expect_disjoint(o, &sv.accept)?;
+        }
+    }
 
     // strides, alignment, memory the step writes
     {
@@ -519,8 +563,17 @@ fn step_impl<'py>(
         let cu_v = cu.as_ref().map(host).transpose()?;
         let len_v = lens.as_ref().map(host).transpose()?;
         let com_v = com.as_ref().map(host).transpose()?;
-        let seqs = host_seqs(&slot_v, cu_v.as_deref(), len_v.as_deref(), com_v.as_deref())?;
+        let seqs = host_seqs(
+            &slot_v,
+            cu_v.as_deref(),
+            len_v.as_deref(),
+            com_v.as_deref(),
+            spec.is_some(),
+        )?;
         check_seqs(&seqs, rows, pool_slots).map_err(|e| step_err(e, rows_arg))?;
+        if let Some(sv) = &spec_v {
+            check_spec_values(&seqs, &host(&sv.held)?, &host(&sv.accept)?)?;
+        }
         seqs
     } else {
         Vec::new()
@@ -555,6 +608,7 @@ fn step_impl<'py>(
                 lengths: lens.as_ref(),
                 commit: com.as_ref(),
                 layout,
+                spec: spec_v.as_ref().map(|v| (&v.pending, &v.held, &v.accept)),
             };
             cuda::step(py, &lay.cuda, &lay.inner, dev, &args)?;
             return Ok(out_obj);
@@ -682,6 +736,7 @@ fn step<'py>(
         state_layout,
         validate,
         false,
+        None,
     )
 }
 
@@ -725,6 +780,7 @@ fn check_only<'py>(
         state_layout,
         validate,
         true,
+        None,
     )
 }
 
@@ -786,10 +842,197 @@ fn alloc_out<'py>(
     np.call_method1("zeros", ((rows, n), qkv.obj.getattr("dtype")?))
 }
 
+/// The speculative step's extra arguments, as given.
+#[derive(Clone, Copy)]
+struct SpecObjs<'a, 'py> {
+    pending: &'a Bound<'py, PyAny>,
+    held: &'a Bound<'py, PyAny>,
+    accept: &'a Bound<'py, PyAny>,
+}
+
+/// The speculative step's extra arguments, viewed.
+struct SpecViews<'py> {
+    pending: View<'py>,
+    held: View<'py>,
+    accept: View<'py>,
+}
+
+/// Floats of one slot's row of the speculative step's pending region.
+fn pending_row_floats(sh: &Shape) -> PyResult<usize> {
+    #[cfg(feature = "cuda")]
+    {
+        gdn_cuda::pending_row_bytes(sh)
+            .map(|b| b / 4)
+            .map_err(value_err)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = sh;
+        Err(pyo3::exceptions::PyNotImplementedError::new_err(
+            "the speculative step needs gdn built with its `cuda` feature",
+        ))
+    }
+}
+
+fn check_spec_views(
+    sv: &SpecViews<'_>,
+    sh: &Shape,
+    pool_slots: usize,
+    nseq: usize,
+) -> PyResult<()> {
+    let row = pending_row_floats(sh)?;
+    sv.pending.expect_elem(&[Elem::F32], "float32")?;
+    sv.pending
+        .expect_shape(&[Some(pool_slots), Some(row)], || {
+            format!("[slots = {pool_slots}, gdn.pending_row(layer) = {row}]")
+        })?;
+    sv.held.expect_elem(&[Elem::I32], "int32")?;
+    sv.held
+        .expect_shape(&[Some(pool_slots)], || format!("[slots] = [{pool_slots}]"))?;
+    sv.accept.expect_elem(&[Elem::I32], "int32")?;
+    sv.accept
+        .expect_shape(&[Some(nseq)], || format!("[N] = [{nseq}] (N from slots)"))?;
+    for v in [&sv.pending, &sv.held, &sv.accept] {
+        v.expect_forward()?;
+        v.expect_aligned()?;
+        v.expect_contiguous_from(0, "")?;
+    }
+    if !sv.pending.ptr.is_multiple_of(16) {
+        return Err(PyValueError::new_err(format!(
+            "pending's data at {:#x} is not aligned to 16 bytes",
+            sv.pending.ptr
+        )));
+    }
+    sv.pending.expect_writable()?;
+    sv.held.expect_writable()
+}
+
+/// `validate=True`'s checks of the speculative values: each accepted count within what its slot holds, a window
+/// that will be held (commit 0) at most 16 tokens.
+fn check_spec_values(seqs: &[Seq], held: &[i32], accept: &[i32]) -> PyResult<()> {
+    for (i, s) in seqs.iter().enumerate() {
+        if s.slot < 0 {
+            continue;
+        }
+        let w = held[s.slot as usize];
+        let len = w & 0xff;
+        if w < 0 || w >> 9 != 0 || len > 16 {
+            return Err(PyValueError::new_err(format!(
+                "held[{}] = {w} is not a held word (length | buffer << 8) the step wrote",
+                s.slot
+            )));
+        }
+        if accept[i] < 0 || accept[i] > len {
+            return Err(PyValueError::new_err(format!(
+                "accept[{i}] = {} is outside 0..={len} (slot {} holds a window of {len})",
+                accept[i], s.slot
+            )));
+        }
+        if s.commit == Commit::Verify && s.len > 16 {
+            return Err(PyValueError::new_err(format!(
+                "commit[{i}] = 0 would hold a window of {} tokens; at most 16 are held",
+                s.len
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Floats of one slot's row of the speculative step's pending region: ``pending`` is ``[slots,
+/// gdn.pending_row(layer)]`` float32 (see ``gdn.spec_step``).
+#[pyfunction]
+fn pending_row(layer: &Bound<'_, Layer>) -> PyResult<usize> {
+    pending_row_floats(layer.get().inner.shape())
+}
+
+/// One speculative step (one state pass: SPEC.md "Speculative steps") of a layer on the caller's CUDA tensors,
+/// in place. Per sequence s, first the first ``accept[s]`` tokens of the window its slot holds are kept (exactly
+/// their commit: state and conv history) and the rest dropped; then its window runs: with ``commit[s] == 0`` it
+/// is *held* on the slot (its outputs are a verify's, nothing is committed, ``held[slot]`` becomes its length),
+/// with ``k > 0`` it commits after k tokens as ``gdn.step`` does (nothing held after). Outputs, states and conv
+/// states are bitwise those of the two-pass flow through ``gdn.step`` (verify the window; next step commit its
+/// first k tokens, then verify the next window).
+///
+/// Args (as ``gdn.step`` unless said):
+///     layer, qkv, a, b, z, state, conv_state, slots, cu_seqlens, lengths, out, state_layout: see ``gdn.step``.
+///         A sequence may have no rows here (a length of 0, or equal cu_seqlens): it only accepts (the end of a
+///         request; ``gdn.commit_held``).
+///     pending: ``[slots, gdn.pending_row(layer)]`` float32, contiguous, 16-byte aligned, updated in place: what
+///         each slot's held window would commit (opaque; zeros hold nothing). Fork slot a into b (with what it
+///         holds): copy ``state``, ``conv_state``, ``held`` and ``pending`` rows a to b.
+///     held: ``[slots]`` int32, contiguous, updated in place on the device: per slot ``length | buffer << 8`` of
+///         the window it holds (``held & 0xff`` is the length; 0 holds nothing). Start from zeros; reset a slot
+///         (drop its window) by zeroing its entry. A plain ``gdn.step`` neither reads nor clears it: accept or drop
+///         a slot's window before a plain step on it.
+///     accept: ``[N]`` int32, contiguous: per sequence, how many tokens of its slot's held window it accepts,
+///         ``0 ..= held[slot] & 0xff`` (computed on the GPU by the engine: nothing is read on the host).
+///     commit: None (every window commits whole, nothing is held) or ``[N]`` int32: 0 holds the window (at most
+///         16 tokens), k commits after k tokens.
+///     validate: also copy ``held`` and ``accept`` to the host and check them (syncs the stream).
+///
+/// Returns:
+///     ``out``.
+///
+/// One kernel launch on torch's current stream, no host synchronisation (unless ``validate``), nothing allocated
+/// but ``out=None``'s, so it can be captured into a CUDA graph (run one step of each kind before the capture).
+/// Bad values ``validate=False`` lets through (an accepted count above what the slot holds, a held window above
+/// 16 tokens, a commit point past the window, slots or rows out of range) skip their sequence whole on the
+/// device (nothing of it written) and are reported by ``layer.check_faults()``. CUDA only.
+#[pyfunction]
+#[pyo3(signature = (layer, qkv, a, b, z, state, conv_state, slots, pending, held, accept, *, cu_seqlens = None,
+                    lengths = None, commit = None, out = None, state_layout = "value_major", validate = false))]
+#[allow(clippy::too_many_arguments)]
+fn spec_step<'py>(
+    py: Python<'py>,
+    layer: &Bound<'py, Layer>,
+    qkv: &Bound<'py, PyAny>,
+    a: &Bound<'py, PyAny>,
+    b: &Bound<'py, PyAny>,
+    z: &Bound<'py, PyAny>,
+    state: &Bound<'py, PyAny>,
+    conv_state: &Bound<'py, PyAny>,
+    slots: &Bound<'py, PyAny>,
+    pending: &Bound<'py, PyAny>,
+    held: &Bound<'py, PyAny>,
+    accept: &Bound<'py, PyAny>,
+    cu_seqlens: Option<&Bound<'py, PyAny>>,
+    lengths: Option<&Bound<'py, PyAny>>,
+    commit: Option<&Bound<'py, PyAny>>,
+    out: Option<&Bound<'py, PyAny>>,
+    state_layout: &str,
+    validate: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    step_impl(
+        py,
+        layer,
+        qkv,
+        a,
+        b,
+        z,
+        state,
+        conv_state,
+        slots,
+        cu_seqlens,
+        lengths,
+        commit,
+        out,
+        state_layout,
+        validate,
+        false,
+        Some(SpecObjs {
+            pending,
+            held,
+            accept,
+        }),
+    )
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Layer>()?;
     m.add_function(wrap_pyfunction!(step, m)?)?;
     m.add_function(wrap_pyfunction!(check_only, m)?)?;
+    m.add_function(wrap_pyfunction!(spec_step, m)?)?;
+    m.add_function(wrap_pyfunction!(pending_row, m)?)?;
     Ok(())
 }

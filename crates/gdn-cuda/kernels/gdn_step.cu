@@ -25,7 +25,8 @@
 //                           stride, the engine's conv state [slot][C][w] with free strides, cu_seqlens or
 //                           start / len, commit_at optional
 //   GDN_CONV_DT             (GDN_EXT) element type of the engine's conv state: 0 f32, 1 bf16, 2 f16
-//   GDN_SPEC                1: the speculative step on the pool (see SPECULATIVE below; needs GDN_COMMIT 1)
+//   GDN_SPEC                1: the speculative step (see SPECULATIVE below; needs GDN_COMMIT 1), on the pool or
+//                           with GDN_EXT on memory an engine owns (EXTERNAL SPECULATIVE below)
 //   GDN_AHEAD               0, or a distance in blocks: each block prefetches into L2 the state of the block that
 //                           many blocks after it in launch order (its loads then hit L2); a hint, no value changes
 //   GDN_PREWAIT             1: before waiting for the previous kernel, prefetch the block's own state into L2
@@ -84,6 +85,16 @@
 // there; if that window is held too, the accepted state and history are written back first (a committing window
 // writes them at its commit). A sequence of length 0 only accepts (commit_held). One state read and one write
 // per speculative step.
+//
+// EXTERNAL SPECULATIVE (GDN_SPEC 1 and GDN_EXT 1). The engine owns the pending region ([slot][2][PEND_PB] floats,
+// zeros: nothing held) and a held word per slot (held_w[slot] = held length | buffer << 8, 0: nothing held); each
+// sequence names its accepted count in seq_acc[s] (the count alone). Every block reads the slot's held word and
+// skips the sequence (fault bit 16) where the count is outside 0 ..= the held length, or (bit 32) where the window
+// would be held and is longer than MAXH; a bad commit point skips it too (bit 8). The held word is rewritten by the
+// last of the sequence's HV * NCB blocks to read it (a per-sequence counter seq_ctr[s], counted by thread 0 at token
+// 0 after its first barrier as the q / k counter is, reset by that last block). The accepted q / k history of a
+// window that runs held is written by the last reader of the key head's history after the verdict (token 0, after
+// the output norm's barrier; the values kept in acc_r), its v history by each column's owner before the loop.
 //
 // Launch: with programmatic dependent launch the kernel loads a few of the layer's weights, then waits for
 // the previous kernel in the stream (griddepcontrol.wait) before it reads anything a previous kernel may write.
@@ -159,7 +170,11 @@ static_assert(D % RG == 0 && RPT % 4 == 0, "rows per thread must be a multiple o
 static_assert(NT % 32 == 0 && NT <= 1024, "threads per block");
 static_assert(HV % HK == 0, "h_v must be a multiple of h_k");
 static_assert(GDN_STATE_DT == 0 || GDN_STATE_DT == 1, "the state is f32 or bf16");
+#if GDN_EXT
+static_assert(!GDN_SPEC || GDN_COMMIT, "the speculative step commits");
+#else
 static_assert(!GDN_SPEC || (GDN_COMMIT && !GDN_EXT), "the speculative step is the pool's, with commits");
+#endif
 
 #if GDN_SPEC
 // the pending region of one (slot, buffer), floats: gates [HV][MAXH], keys [HK][MAXH][D], deltas [HV][MAXH][D],
@@ -333,6 +348,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #endif
 #if GDN_SPEC
          , float* __restrict__ pend, const int* __restrict__ seq_acc
+#if GDN_EXT
+         , int* __restrict__ held_w, unsigned* __restrict__ seq_ctr
+#endif
 #endif
          ) {
 #if GDN_EXT
@@ -450,7 +468,11 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         for (int i = tid; i < sq_i; i += NT) {
             const int l = seq_len[i];
             acc += l;
+#if GDN_SPEC
+            bad |= l < 0;  // a speculative sequence may have no window (it only accepts)
+#else
             bad |= l < 1;
+#endif
         }
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
@@ -473,7 +495,13 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     // start / len, or cu_seqlens (seq_len null: the length is the next offset minus this one)
     const int next = seq_len ? seq_len[sq_i] : seq_start[sq_i + 1];
     const long long len_ll = seq_len ? (long long)next : (long long)next - start;
+#if GDN_SPEC
+    // length 0 is a valid (accept-only) sequence here: a bad length must fail the row check instead
+    const int len = len_ll < 0 || len_ll > n_rows ? -1 : (int)len_ll;
+    const int acc_in = seq_acc[sq_i];
+#else
     const int len = len_ll < 0 || len_ll > n_rows ? 0 : (int)len_ll;
+#endif
 #if GDN_COMMIT
     const int commit_raw = seq_commit ? seq_commit[sq_i] : 0;
 #endif
@@ -523,6 +551,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     const bool commit_ok = commit_in >= 0 && commit_in <= T;
     if (!commit_ok && report) atomicOr(fault, 8u);
     const int commit_at = commit_ok ? commit_in : 0;
+#if GDN_EXT && GDN_SPEC
+    if (!commit_ok) return;  // a bad commit point must not hold the window instead
+#endif
 #endif
 #if GDN_ROUTE
     {
@@ -535,6 +566,22 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     }
 #endif
 #if GDN_SPEC
+#if GDN_EXT
+    // the slot's held word (length | buffer << 8): the engine's count must lie within what the slot holds, a window
+    // held now within MAXH; else the sequence is skipped (every block of it reads the same word: the last reader
+    // rewrites it only after all of them have counted)
+    const int hw = held_w[slot];
+    const int hlen = hw & 0xff;
+    if (acc_in < 0 || acc_in > hlen || hlen > MAXH || (hw >> 9) != 0) {
+        if (report) atomicOr(fault, 16u);
+        return;
+    }
+    if (commit_at == 0 && T > MAXH) {
+        if (report) atomicOr(fault, 32u);
+        return;
+    }
+    const int acc_raw = acc_in | (hw & 0x100);
+#endif
     // the held window's buffer and accepted count (bit 16 of the fault word: a count above MAXH, none applied)
     const bool acc_ok = acc_raw >= 0 && (acc_raw & 0xff) <= MAXH && (acc_raw >> 9) == 0;
     if (!acc_ok && report) atomicOr(fault, 16u);
@@ -721,6 +768,26 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         if (held) {
             // the window runs held: the accepted history is the committed one now (a committing window writes
             // it at its commit instead)
+#if GDN_EXT
+            // v: the column's owner (its only reader) writes it now; q / k: kept in this thread's own acc_r
+            // entries for the key head's last reader (write_acc_qk, once every reader has read the history)
+#pragma unroll
+            for (int m = 0; m < NCH; ++m) {
+                const int e = tid + m * NT;
+                if (chan[m] >= 0) {
+                    if (e < 2 * D) {
+                        acc_r[e] = hst[m][0];
+                        acc_r[NE + e] = hst[m][1];
+                        acc_r[2 * NE + e] = hst[m][2];
+                    } else {
+                        EC::T* p = conv_b + (size_t)chan[m] * ext.conv_cs;
+                        p[0] = EC::st(hst[m][0]);
+                        p[ext.conv_ls] = EC::st(hst[m][1]);
+                        p[2 * ext.conv_ls] = EC::st(hst[m][2]);
+                    }
+                }
+            }
+#else
 #if GDN_NCB > 1
             cluster_sync_all();  // every block of the cluster has read the q / k history it shares
 #endif
@@ -735,6 +802,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                     hist_head[o + 2] = hst[m][2];
                 }
             }
+#endif  // GDN_EXT
         }
     }
 #endif
@@ -801,6 +869,50 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     unsigned* const ctr = ext.ctr + (size_t)sq_i * HK + g;
     unsigned before = 0;
 #endif
+#if GDN_EXT && GDN_SPEC
+    // the held word after this step, written by the sequence's last block (see EXTERNAL SPECULATIVE)
+    unsigned* const sctr = seq_ctr + sq_i;
+    const int new_hw = held ? (T | ((rbuf ^ 1) << 8)) : (rbuf << 8);
+    const bool qk = commit_at > 0 || acc > 0;  // the sequence writes a history
+    unsigned sbefore = 0;
+    // thread 0: counts the block in both counters (the q / k one where the sequence writes a history)
+    auto count_block = [&]() {
+        __threadfence();  // release: the block's reads (ordered by the barrier before) before the counts
+        if (qk) before = atomicAdd(ctr, 1u);
+        sbefore = atomicAdd(sctr, 1u);
+    };
+    // thread 0, later (the atomics' round trips overlap the work between): rewrites the held word if the block is
+    // the sequence's last, and publishes whether it is the key head's last reader
+    auto verdict = [&]() {
+        if (sbefore == HV * NCB - 1) {
+            atomicExch(sctr, 0u);
+            __threadfence();  // acquire: every block has read the held word
+            held_w[slot] = new_hw;
+        }
+        if (qk) {
+            const bool last = before == READERS - 1;
+            if (last) {
+                atomicExch(ctr, 0u);
+                __threadfence();  // acquire: every reader counted, so every read is done, before the writes
+            }
+            last_s = last;
+        }
+    };
+    // the accepted q / k history of a window that runs held (or of no window), by the key head's last reader
+    auto write_acc_qk = [&]() {
+        if (!(held && acc > 0 && last_s)) return;
+#pragma unroll
+        for (int m = 0; m < NCH; ++m) {
+            const int e = tid + m * NT;
+            if (e < 2 * D) {
+                EC::T* p = conv_b + (size_t)chan[m] * ext.conv_cs;
+                p[0] = EC::st(acc_r[e]);
+                p[ext.conv_ls] = EC::st(acc_r[NE + e]);
+                p[2 * ext.conv_ls] = EC::st(acc_r[2 * NE + e]);
+            }
+        }
+    };
+#endif
 
     for (int t = 0; t < T; ++t) {
         const size_t row = row0 + t;
@@ -849,7 +961,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
             b_in = more ? beta[(row + 1) * B_RS + h] : (EB::T)0;
         }
         __syncthreads();
-#if GDN_EXT && GDN_COMMIT
+#if GDN_EXT && GDN_SPEC
+        if (t == 0 && tid == 0) count_block();
+#elif GDN_EXT && GDN_COMMIT
         if (t == 0 && tid == 0 && commit_at > 0) {
             __threadfence();  // release: the block's history reads (ordered by the barrier) before the count
             before = atomicAdd(ctr, 1u);
@@ -1007,7 +1121,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         const float zt = EZ::ld(zz);
         if (rg == 0) zz = more ? z[(row + 1) * Z_RS + h * D + j] : (EZ::T)0;
         if (lane == 0) part_o[t & 1][warp] = osq;
-#if GDN_EXT && GDN_COMMIT
+#if GDN_EXT && GDN_SPEC
+        if (t == 0 && tid == 0) verdict();
+#elif GDN_EXT && GDN_COMMIT
         if (t == 0 && tid == 0 && commit_at > 0) {
             const bool last = before == READERS - 1;
             if (last) {
@@ -1018,6 +1134,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         }
 #endif
         __syncthreads();
+#if GDN_EXT && GDN_SPEC
+        if (t == 0) write_acc_qk();
+#endif
         // a pairwise tree over the head's warps (and then over the cluster's blocks): for a head dim whose warps
         // are a power of two it is the same tree whatever the cluster size, so the plan changes no bits
         float tot = Tree<NW>::sum(part_o[t & 1]);
@@ -1095,6 +1214,15 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         asm volatile("cp.async.wait_all;" ::: "memory");
         __syncthreads();  // uniform: T is the sequence's
         apply_accepted();
+#if GDN_EXT
+        // the counts token 0 would make, then the accepted q / k history by its last reader
+        if (tid == 0) {
+            count_block();
+            verdict();
+        }
+        __syncthreads();
+        write_acc_qk();
+#endif
     }
 #endif
 #if GDN_NCB > 1

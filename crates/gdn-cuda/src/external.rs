@@ -30,6 +30,12 @@
 //! sequences neither count nor write. So the steps of one `CudaLayer` must be ordered (one stream, or streams
 //! ordered by events): two steps of the same layer running at once would share counters.
 //!
+//! **Speculative steps.** [`CudaLayer::step_spec_raw`] runs the pool's one-pass speculative kernel on the same
+//! memory plus the engine's pending region ([`pending_bytes`], zeros: nothing held), its held words (`i32` per
+//! slot) and each sequence's accepted count (`i32` on the device); [`CudaLayer::commit_held_raw`] commits what
+//! slots hold. The kernel rewrites the held words itself (the last block of each sequence to read one), so
+//! nothing is read on the host; resets and forks are the engine's (see `step_spec_raw`).
+//!
 //! A decode step of 2 sequences at the seed shape on an engine's bf16 buffers (allocated here with cudarc; an
 //! engine passes its own addresses, torch's `data_ptr()` for instance) and on its stream:
 //!
@@ -189,6 +195,8 @@ pub struct ExternalKind {
     /// Sequences in the call (a bf16 state at T 1 is staged through shared memory from a size on; no bits
     /// change).
     pub seqs: usize,
+    /// The speculative kernel ([`CudaLayer::step_spec_raw`]; [`RawStep::spec_kind`]).
+    pub speculative: bool,
 }
 
 impl RawStep {
@@ -213,8 +221,48 @@ impl RawStep {
             },
             conv: self.conv.dtype,
             seqs: self.seqs,
+            speculative: false,
         }
     }
+
+    /// The kind of kernel [`CudaLayer::step_spec_raw`] runs for this step.
+    pub fn spec_kind(&self) -> ExternalKind {
+        ExternalKind {
+            speculative: true,
+            commits: true,
+            ..self.kind()
+        }
+    }
+}
+
+/// The engine-owned memory of a speculative step ([`CudaLayer::step_spec_raw`]), beside the state pool and conv
+/// state of its [`RawStep`]: device addresses in the layer's context.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawSpec {
+    /// The pending region: [`pending_bytes`]`(shape, state.slots)` bytes, 16-byte aligned, one row of
+    /// [`pending_row_bytes`] per slot (slot s at `s * pending_row_bytes`). Its contents are opaque (what each held
+    /// window's tokens would commit); allocated zeroed, it holds nothing.
+    pub pending: u64,
+    /// `i32 [state.slots]`, the held word of each slot: `len | buffer << 8`, `len` (`word & 0xff`) the length of
+    /// the window the slot holds (0: none). Zeros: nothing held. The step rewrites it on the device.
+    pub held: u64,
+    /// `i32 [seqs]`: per sequence, how many tokens of its slot's held window it accepts (`0 ..= len`).
+    pub accept: u64,
+}
+
+/// Bytes of one slot's row of a speculative step's pending region (two buffers of [`MAX_HELD`](crate::pool::MAX_HELD) tokens: per token
+/// the gates, normalized keys, deltas and raw qkv row, f32): what an engine copies with a slot to fork it.
+pub fn pending_row_bytes(shape: &gdn::Shape) -> Result<usize> {
+    crate::pool::pending_len(shape)
+        .and_then(|pl| pl.checked_mul(2 * 4))
+        .ok_or_else(|| overflow("pending"))
+}
+
+/// Bytes of the pending region of a pool of `slots` slots ([`RawSpec::pending`]).
+pub fn pending_bytes(shape: &gdn::Shape, slots: usize) -> Result<usize> {
+    pending_row_bytes(shape)?
+        .checked_mul(slots)
+        .ok_or_else(|| overflow("pending"))
 }
 
 /// The kernel's `GdnExt` argument (gdn_step.cu), field for field; every field 8 bytes, so no padding.
@@ -247,7 +295,9 @@ pub struct CudaLayer {
     // the weights, kept alive for the raw addresses below
     _weights: [CudaSlice<f32>; 4],
     w_ptr: [u64; 4],
-    /// `[0]`: the fault word; `[1..]`: `max_seqs x h_k` last-reader counters (zero between calls).
+    /// `[0]`: the fault word; `[1..]`: `max_seqs x h_k` last-reader counters, then `max_seqs` per-sequence
+    /// counters of the speculative step (all zero between calls), then `max_seqs + 1` zeros (the row offsets of
+    /// [`CudaLayer::commit_held_raw`]'s sequences, which have no rows).
     scratch: Mutex<CudaSlice<u32>>,
     scratch_ptr: u64,
 }
@@ -322,7 +372,7 @@ struct Checked {
 
 impl CudaLayer {
     /// The layer's weights on `cuda`'s device, for calls of at most `max_seqs` sequences (1..=65535; the
-    /// scratch is `4 * (1 + max_seqs * h_k)` bytes). Waits for the copies.
+    /// scratch is `4 * (2 + max_seqs * (h_k + 2))` bytes). Waits for the copies.
     pub fn new(cuda: &Cuda, layer: &Layer, max_seqs: usize) -> Result<CudaLayer> {
         layer.validate()?;
         let sh = *layer.shape();
@@ -333,9 +383,11 @@ impl CudaLayer {
                 format!("{max_seqs} is outside 1..={MAX_SEQS}"),
             ));
         }
-        let scratch_len = max_seqs
-            .checked_mul(sh.h_k)
-            .and_then(|x| x.checked_add(1))
+        let scratch_len = sh
+            .h_k
+            .checked_add(2)
+            .and_then(|x| x.checked_mul(max_seqs))
+            .and_then(|x| x.checked_add(2))
             .ok_or_else(|| overflow("max_seqs"))?;
         let s = &cuda.stream;
         let p = &layer.params;
@@ -378,7 +430,7 @@ impl CudaLayer {
         let sh = self.layer.shape();
         let heads = kind.seqs.saturating_mul(sh.h_v);
         let plan = self.cuda.plan_for(sh.d, sh.h_v)?;
-        Ok(Spec::new(
+        let spec = Spec::new(
             self.cuda.arch,
             &self.layer.config,
             kind.uniform_len,
@@ -394,7 +446,13 @@ impl CudaLayer {
             self.cuda.tune(),
             heads.saturating_mul(plan.ncb),
             self.cuda.sms,
-        ))
+        );
+        // the pool's speculative kernel is specialised the same way (hints first, then speculative)
+        Ok(if kind.speculative {
+            spec.with_speculative()
+        } else {
+            spec
+        })
     }
 
     /// Compiles and loads the kernel a step of this kind needs, so that a later step (one being captured into
@@ -407,10 +465,39 @@ impl CudaLayer {
     /// dtypes, the sequence count, alignment) without touching the device. [`CudaLayer::step_raw`] runs it
     /// first.
     pub fn check(&self, step: &RawStep) -> Result<()> {
-        self.checked(step).map(|_| ())
+        self.checked(step, false).map(|_| ())
     }
 
-    fn checked(&self, step: &RawStep) -> Result<Checked> {
+    /// [`CudaLayer::check`] for a speculative step: also the pending region, the held words and the accepted
+    /// counts (extents, alignment), and `step.commits` (the speculative kernel reads every commit point).
+    /// [`CudaLayer::step_spec_raw`] runs it first.
+    pub fn check_spec(&self, step: &RawStep, spec: &RawSpec) -> Result<()> {
+        self.checked_spec(step, spec).map(|_| ())
+    }
+
+    fn checked_spec(&self, step: &RawStep, spec: &RawSpec) -> Result<Checked> {
+        if !step.commits {
+            return Err(param(
+                "commits",
+                "false: a speculative step reads every commit point (commit_at 0 holds a window, None commits all)",
+            ));
+        }
+        let ck = self.checked(step, true)?;
+        let sh = self.layer.shape();
+        check_ptr(
+            "pending",
+            spec.pending,
+            16,
+            pending_bytes(sh, step.state.slots)?,
+        )?;
+        check_ints("held", spec.held, step.state.slots)?;
+        if step.seqs > 0 {
+            check_ints("accept", spec.accept, step.seqs)?;
+        }
+        Ok(ck)
+    }
+
+    fn checked(&self, step: &RawStep, speculative: bool) -> Result<Checked> {
         let sh = *self.layer.shape();
         let (c, hv, n) = (sh.channels(), sh.h_v, sh.n());
         let rows = step.rows;
@@ -564,7 +651,11 @@ impl CudaLayer {
         }
         let u = |x: usize| x as u64;
         Ok(Checked {
-            spec: self.spec(&step.kind())?,
+            spec: self.spec(&if speculative {
+                step.spec_kind()
+            } else {
+                step.kind()
+            })?,
             ext: ExtArgs {
                 conv: cv.ptr,
                 ctr: self.scratch_ptr + 4,
@@ -601,7 +692,121 @@ impl CudaLayer {
     /// (or null, the legacy default stream of this context). Steps of one `CudaLayer` run one at a time (one
     /// stream, or ordered by events): they share the q/k history counters.
     pub unsafe fn step_raw(&self, step: &RawStep, stream: sys::CUstream) -> Result<()> {
-        let ck = self.checked(step)?;
+        let ck = self.checked(step, false)?;
+        // SAFETY: the caller's contract for `step_raw` is `launch`'s.
+        unsafe { self.launch(step, &ck, None, stream) }
+    }
+
+    /// The speculative step (SPEC "Speculative steps") on memory the caller owns, launched on `stream`: the
+    /// pool's one-pass kernel (`GDN_SPEC`, the same code as [`crate::CudaPool`]'s `step_spec`) on the engine's
+    /// state pool and conv state (`step`, as for [`CudaLayer::step_raw`]) and its pending region and held words
+    /// (`spec`). Per sequence s, first the first `accept[s]` tokens of its slot's held window are kept (exactly
+    /// their commit: state and conv history) and the rest dropped, then its window runs: with commit point 0 it
+    /// is held (its outputs are a verify's; the slot's held word becomes its length), with k > 0 it commits
+    /// after k tokens as `step_raw` does (nothing held after). A sequence of length 0 (no rows) only accepts:
+    /// [`CudaLayer::commit_held_raw`]. Outputs, committed states and histories are bitwise those of the seed's
+    /// flow on `step_raw` (verify, commit the first k, then the next window) and of `CudaPool::step_spec`.
+    ///
+    /// `step.commits` must be true; held windows are at most [`MAX_HELD`](crate::pool::MAX_HELD) tokens. No allocation, no host
+    /// synchronisation: the held words live on the device and the kernel rewrites them (each sequence's last
+    /// block, once every block has read it), so a step can be captured into a CUDA graph
+    /// ([`CudaLayer::prepare`] with [`RawStep::spec_kind`] first). Host-visible arguments are checked first
+    /// ([`CudaLayer::check_spec`]); an error leaves everything untouched. On the device, a sequence whose slot,
+    /// rows or length are out of range (as `step_raw`), whose commit point is outside 0..=length, whose accepted
+    /// count is outside 0..=its slot's held length, or whose window would be held and is longer than
+    /// [`MAX_HELD`](crate::pool::MAX_HELD) is skipped whole (nothing of it written, its held word kept) and reported by
+    /// [`CudaLayer::take_fault`].
+    ///
+    /// The engine's part: the pending region and the held words start zeroed (nothing held). Resetting a slot
+    /// drops its held window: zero its held word. Forking slot a into b (with a held window): copy a's state,
+    /// conv rows, held word and pending row ([`pending_row_bytes`], at `a * pending_row_bytes`) to b's. A plain
+    /// `step_raw` neither reads nor clears held words: on a slot that holds a window, accept or drop it first
+    /// (a later speculative step would apply the old window to the new state).
+    ///
+    /// # Safety
+    /// [`CudaLayer::step_raw`]'s contract, and: `spec.pending` is [`pending_bytes`] bytes and `spec.held`
+    /// `state.slots` i32 of device memory of this context, `spec.accept` `seqs` i32, none of them overlapping
+    /// anything else the step reads or writes; the pending region and held words are only ever written by these
+    /// steps, [`CudaLayer::commit_held_raw`] and the resets and forks above (a held word not made by them is
+    /// skipped only where it fails the checks above; another pending row than the one that held the window
+    /// gives unspecified values, no memory outside the region is touched).
+    pub unsafe fn step_spec_raw(
+        &self,
+        step: &RawStep,
+        spec: &RawSpec,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        let ck = self.checked_spec(step, spec)?;
+        // SAFETY: the caller's contract covers `launch`'s and the speculative buffers (checked above).
+        unsafe { self.launch(step, &ck, Some(spec), stream) }
+    }
+
+    /// "Commit what is pending" on memory the caller owns: for each of `seqs` sequences (`slot`: device `i32
+    /// [seqs]`, negative skips), the first `spec.accept[s]` tokens of its slot's held window are committed
+    /// (state and conv history), the rest dropped, and the slot holds nothing after (a request's end, or before
+    /// the engine reads or forks a slot). One launch of [`CudaLayer::step_spec_raw`] with sequences of no rows;
+    /// same checks and faults. An accepted count of 0 only drops the window.
+    ///
+    /// # Safety
+    /// As [`CudaLayer::step_spec_raw`] for these buffers.
+    pub unsafe fn commit_held_raw(
+        &self,
+        state: &RawState,
+        conv: &RawConv,
+        spec: &RawSpec,
+        seqs: usize,
+        slot: u64,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        if seqs > self.max_seqs {
+            return Err(param(
+                "seqs",
+                format!(
+                    "{seqs} sequences, this layer was made for at most {}",
+                    self.max_seqs
+                ),
+            ));
+        }
+        let sh = self.layer.shape();
+        // every sequence has rows 0..0: the layer's zeros as cu_seqlens
+        let zeros = self.scratch_ptr + 4 * (1 + self.max_seqs * (sh.h_k + 1)) as u64;
+        let none = |width: usize| RawTensor {
+            ptr: 0,
+            dtype: DType::F32,
+            row_stride: width,
+        };
+        let step = RawStep {
+            rows: 0,
+            qkv: none(sh.channels()),
+            alpha: none(sh.h_v),
+            beta: none(sh.h_v),
+            z: none(sh.n()),
+            out: none(sh.n()),
+            plane_stride: None,
+            state: *state,
+            conv: *conv,
+            seqs,
+            slot,
+            seq_rows: SeqRows::CuSeqlens(zeros),
+            commit_at: None,
+            uniform_len: None,
+            commits: true,
+        };
+        // SAFETY: the caller's contract; the rows are empty (nothing read there, no output written).
+        unsafe { self.step_spec_raw(&step, spec, stream) }
+    }
+
+    /// The launch of a checked step (plain, or with `spec` the speculative kernel).
+    ///
+    /// # Safety
+    /// `step_raw`'s contract (and `step_spec_raw`'s with `spec`).
+    unsafe fn launch(
+        &self,
+        step: &RawStep,
+        ck: &Checked,
+        spec: Option<&RawSpec>,
+        stream: sys::CUstream,
+    ) -> Result<()> {
         self.cuda.ctx.bind_to_thread().map_err(drv)?;
         let mut owner: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: `stream` is live by the caller's contract; the out-pointer is a live local. With this
@@ -643,7 +848,11 @@ impl CudaLayer {
         let mut eps = self.layer.config.eps;
         let mut p_fault = self.scratch_ptr;
         let mut ext = ck.ext;
-        let mut params: [*mut c_void; 21] = [
+        let mut p_pend = spec.map_or(0, |x| x.pending);
+        let mut p_acc = spec.map_or(0, |x| x.accept);
+        let mut p_held = spec.map_or(0, |x| x.held);
+        let mut p_sctr = self.scratch_ptr + 4 * (1 + self.max_seqs * sh.h_k) as u64;
+        let mut params: Vec<*mut c_void> = vec![
             &mut p_state as *mut _ as *mut c_void,
             &mut p_hist as *mut _ as *mut c_void,
             &mut p_qkv as *mut _ as *mut c_void,
@@ -666,6 +875,14 @@ impl CudaLayer {
             &mut p_fault as *mut _ as *mut c_void,
             &mut ext as *mut _ as *mut c_void,
         ];
+        if spec.is_some() {
+            params.extend([
+                &mut p_pend as *mut _ as *mut c_void,
+                &mut p_acc as *mut _ as *mut c_void,
+                &mut p_held as *mut _ as *mut c_void,
+                &mut p_sctr as *mut _ as *mut c_void,
+            ]);
+        }
         let grid = (
             (sh.h_v * ck.spec.plan.ncb) as u32,
             step.seqs as u32, // <= max_seqs <= 65535, checked
@@ -674,7 +891,9 @@ impl CudaLayer {
         // SAFETY: the 21 parameters match the GDN_EXT kernel's signature in order and type (the state, a null
         // pool history, the four inputs, the layer's four weights, the output, slot / start-or-cu_seqlens /
         // len-or-null / commit-or-null, int n_slots, int n_rows, long long plane, float eps, the fault word,
-        // the GdnExt struct by value), each pointing to a local that lives across the call. The kernel was
+        // the GdnExt struct by value; a speculative step, compiled with GDN_SPEC, four more: the pending region,
+        // the accepted counts, the held words and the layer's per-sequence counters), each pointing to a local
+        // that lives across the call. The kernel was
         // compiled for the dtypes `step` names. The caller guarantees the memory behind the addresses for
         // the extents checked above; the weights and scratch are this layer's; the kernel skips sequences
         // whose slot, rows or length are out of range. The stream belongs to this context (checked).

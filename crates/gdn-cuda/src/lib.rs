@@ -80,7 +80,10 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, DriverError};
 use gdn::{Backend, Error, Layer, LayerPool, Result};
 
-pub use external::{CudaLayer, ExternalKind, RawConv, RawState, RawStep, RawTensor, SeqRows};
+pub use external::{
+    pending_bytes, pending_row_bytes, CudaLayer, ExternalKind, RawConv, RawSpec, RawState, RawStep,
+    RawTensor, SeqRows,
+};
 pub use pool::{empty_kernel_time, CudaPool, DeviceStep, DeviceTensor, DeviceTensorMut, StepKind};
 pub use quant::{CudaBf16OutProj, CudaOutProj};
 pub use spec::{Io, Plan, Spec, Tune};

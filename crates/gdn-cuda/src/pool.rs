@@ -202,7 +202,7 @@ pub const MAX_HELD: usize = 16;
 /// Floats of one (slot, buffer) of the pending region (the kernel's `PEND_PB`): per token of a held window the
 /// gate of each value head, the normalized key of each key head, the delta vector of each value head and the raw
 /// qkv row.
-fn pending_len(sh: &gdn::Shape) -> Option<usize> {
+pub(crate) fn pending_len(sh: &gdn::Shape) -> Option<usize> {
     let per_token = sh
         .h_v
         .checked_add(sh.h_k.checked_mul(sh.d)?)?
@@ -873,6 +873,7 @@ pub(crate) fn fault_error(word: u32) -> Error {
         (4, "rows outside the step's"),
         (8, "a commit point outside 0..=length"),
         (16, "an accepted count above what a slot holds"),
+        (32, "a held window longer than 16 tokens"),
     ]
     .into_iter()
     .filter(|(bit, _)| word & bit != 0)

@@ -338,6 +338,63 @@ fn every_speculative_specialisation_compiles() {
     eprintln!("compiled {n} speculative specialisations");
 }
 
+/// The speculative step on memory the caller owns (`GDN_SPEC` with `GDN_EXT`, `CudaLayer::step_spec_raw`): every
+/// conv-state dtype under every state dtype and layout, at T 1, 4 and the run-time length (planes with it), 16-bit
+/// activations, both gates and head maps, and a head of d 256 over a cluster of two blocks.
+#[test]
+fn every_external_speculative_specialisation_compiles() {
+    if !nvrtc_or_skip("every_external_speculative_specialisation_compiles") {
+        return;
+    }
+    let cfg = Config::new(Shape::SEED);
+    let plan = Plan::choose(128, 48, 1, 132).unwrap();
+    let mut specs = Vec::new();
+    for conv in [DType::F32, DType::Bf16, DType::F16] {
+        for state in [DType::F32, DType::Bf16] {
+            for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+                let pool = PoolOptions { state, layout };
+                for t in [Some(1), Some(4), None] {
+                    specs.push(
+                        Spec::new((9, 0), &cfg, t, true, t.is_none(), plan)
+                            .with_pool(pool)
+                            .with_ext(conv)
+                            .with_speculative(),
+                    );
+                }
+            }
+        }
+    }
+    specs.push(
+        Spec::new((9, 0), &cfg, None, true, false, plan)
+            .with_io(Io::all(DType::Bf16))
+            .with_ext(DType::Bf16)
+            .with_speculative(),
+    );
+    for gate in [Gate::Sigmoid, Gate::Silu] {
+        for head_map in [HeadMap::Tiled, HeadMap::Grouped] {
+            let mut c = Config::new(Shape::SEED);
+            c.gate = gate;
+            c.head_map = head_map;
+            specs.push(
+                Spec::new((9, 0), &c, None, true, false, plan)
+                    .with_ext(DType::F32)
+                    .with_speculative(),
+            );
+        }
+    }
+    let big = Config::new(Shape::new(256, 4, 8).unwrap());
+    let p2 = Plan::for_ncb(256, 2).unwrap();
+    specs.push(
+        Spec::new((9, 0), &big, None, true, false, p2)
+            .with_ext(DType::F32)
+            .with_speculative(),
+    );
+    specs.sort_by_key(|s| format!("{s:?}"));
+    specs.dedup();
+    let n = assert_all_compile(specs);
+    eprintln!("compiled {n} external speculative specialisations");
+}
+
 /// The speculative macro is added only to its own specialisations: a plain one's source has no `GDN_SPEC` line,
 /// so its machine code is what it was before the speculative step existed (checked byte for byte against the
 /// previous kernel source at `202a20b` when it was added: 40 pool and 40 external specialisations, see NOTES.md).
