@@ -48,7 +48,7 @@ fn main() {
             ] {
                 let s = Spec::new((9, 0), &cfg, t, commit, planes, p)
                     .with_pool(PoolOptions { state, layout })
-                    .with_window();
+                    .with_window(1, 132, None);
                 match compiled(&s) {
                     Ok(c) => println!(
                         "window state {} {} T {t:?} commit {commit} planes {planes}: {}",

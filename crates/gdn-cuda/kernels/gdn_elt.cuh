@@ -98,3 +98,11 @@ __device__ __forceinline__ void split2_fast(float x, unsigned& hi, unsigned& lo)
     hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
     lo = __float_as_uint(x - __uint_as_float(hi));
 }
+
+// An L2 prefetch of `bytes` (a multiple of 16) from p (16-byte aligned), sm_90's bulk form; a hint only, it
+// changes no value (gdn_step.cu, gdn_window.cu).
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes));
+#endif
+}

@@ -278,11 +278,6 @@ __device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
 // L2 prefetch of the part of a slot's state block (head hh, rank rr) reads (one bulk prefetch per state row of
 // the block, thread-strided); a hint only, it changes no value
 #define PF_BYTES (COLS * (int)sizeof(ES::T))
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes));
-#endif
-}
 template <typename TS>
 __device__ __forceinline__ void prefetch_state(const TS* slot_base, int hh, int rr, int tid) {
 #if GDN_VMAJOR

@@ -3,8 +3,10 @@
 //
 // Specialised by the same macros as gdn_step.cu (src/spec.rs writes one header for both): GDN_D, GDN_HK,
 // GDN_HV, GDN_T (0: each sequence's own length), GDN_SILU, GDN_GROUPED, GDN_PLANES, GDN_COMMIT, the element types,
-// GDN_STATE_DT, GDN_VMAJOR; one block a value head (GDN_NCB 1), D 64 or 128 (its own split, below: GDN_RG
-// and GDN_MINB are the token-serial kernel's).
+// GDN_STATE_DT, GDN_VMAJOR, GDN_AHEAD (an L2 prefetch distance in blocks, its own: `Spec::with_window`),
+// GDN_WSPLIT (the per-column work on two threads a column: `Spec::window_split`); one block
+// a value head (GDN_NCB 1), D 64 or 128 (its own split, below: GDN_RG and GDN_MINB are the token-serial
+// kernel's).
 //
 // Which sequences. This kernel takes a sequence whose effective length (its commit point, or its length if it
 // commits nothing) is in GDN_WMIN ..= GDN_WMAX (the host's window_range, where it measured faster); the
@@ -38,6 +40,9 @@
 // row and column, so a token's products do not depend on the tokens after it.
 
 #define D GDN_D
+#ifndef GDN_AHEAD
+#define GDN_AHEAD 0
+#endif
 #define HK GDN_HK
 #define HV GDN_HV
 #define NT (2 * D)
@@ -49,9 +54,15 @@
 #define NE (3 * D)
 #define NCH ((NE + NT - 1) / NT)
 #define CH 8
+#ifndef GDN_WSPLIT
+#define GDN_WSPLIT 0
+#endif
+#define PCW (GDN_WSPLIT ? 2 : 1)  // threads a column for the per-column work (no bits depend on it)
+#define TH (CH / PCW)             // the chunk's tokens each one reads out
 
 static_assert(GDN_NCB == 1, "one block a value head");
 static_assert(D == 64 || D == 128, "d 64 or 128");
+static_assert(NT == 2 * D, "a warp per 16 columns; up to two threads a column for the per-column work");
 static_assert(HV % HK == 0, "h_v must be a multiple of h_k");
 
 typedef Elt<GDN_QKV_DT> EQ;
@@ -120,8 +131,10 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         chan[m] = e < D ? g * D + e : e < 2 * D ? HK * D + g * D + (e - D) : e < NE ? 2 * HK * D + h * D + (e - 2 * D) : -1;
     }
     // the per-column work's column (threads below D)
-    const int jc = tid;
-    const float gam = jc < D ? gamma[jc] : 0.0f;
+    // the per-column work: column jc, the chunk's tokens TH hf .. TH hf + TH - 1 (threads hf < PCW)
+    const int jc = PCW == 1 ? tid : tid % D, hf = PCW == 1 ? 0 : tid / D;
+    const bool pcw = PCW == 1 ? tid < D : true;
+    const float gam = pcw ? gamma[jc] : 0.0f;
     const float dth = dt[h];
     const float ah = ssm_a[h];
 
@@ -214,6 +227,24 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #endif
         }
     }
+#if GDN_AHEAD
+    // the state of the block GDN_AHEAD places later in launch order into L2 (a block lives long: its successor
+    // half a wave later then finds its state there); a hint only. Thread tid < D: key tid's row (key-major) or
+    // column tid's keys (value-major) of that block's head
+    {
+        const unsigned lin = blockIdx.y * gridDim.x + blockIdx.x + GDN_AHEAD;
+        const unsigned ay = lin / gridDim.x, ax = lin % gridDim.x;
+        const int aslot = ay < gridDim.y ? seq_slot[ay] : -1;
+        if (aslot >= 0 && aslot < n_slots && tid < D) {
+            const ES::T* ab = state + (size_t)aslot * D * HV * D;
+#if GDN_VMAJOR
+            prefetch_l2(ab + ((size_t)ax * D + tid) * D, D * sizeof(ES::T));
+#else
+            prefetch_l2(ab + ((size_t)tid * HV + ax) * D, D * sizeof(ES::T));
+#endif
+        }
+    }
+#endif
     // stores tile s (v[0..3] in st's order), rounded once for a bf16 pool
     auto store_tile = [&](int s, const float* v) {
 #pragma unroll
@@ -414,9 +445,10 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         }
         __syncthreads();
 
-        // 4. one thread a column: the deltas by forward substitution, the readout and its squares, the update
-        // weights
-        if (jc < D) {
+        // 4. PCW threads a column: the deltas by forward substitution (each), the readout and its squares of its
+        // own tokens, the update weights (the first thread those of the commit, the last those of a chunk end the
+        // window goes on from)
+        if (pcw) {
             float dl[CH];
 #pragma unroll
             for (int t = 0; t < CH; ++t) {
@@ -429,17 +461,19 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                 }
             }
 #pragma unroll
-            for (int t = 0; t < CH; ++t) {
+            for (int u = 0; u < TH; ++u) {
+                const int t = PCW == 1 ? u : TH * hf + u;
                 if (t < tc) {
                     float x = gcum[t] * pqs[t][jc];
 #pragma unroll
-                    for (int s = 0; s <= t; ++s) x = fmaf(aqk[t][s], dl[s], x);
+                    for (int s = 0; s < CH; ++s)
+                        if (s <= t) x = fmaf(aqk[t][s], dl[s], x);
                     const float ov = x * inv_sqrt_d;
                     os[t][jc] = ov;
                     float osq = ov * ov;
 #pragma unroll
                     for (int off = 16; off > 0; off >>= 1) osq += __shfl_xor_sync(0xffffffffu, osq, off);
-                    if (lane == 0) part_o[t][warp] = osq;
+                    if (lane == 0) part_o[t][jc / 32] = osq;
                 }
             }
             // w_s = r(n - 1, s) d_s for the commit (n = cl) and for a chunk end the window goes on from
@@ -448,15 +482,16 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                 for (int s = 0; s < CH; ++s)
                     if (s < n) ws[s][jc] = s + 1 < n ? rat[n - 1][s] * dl[s] : dl[s];
             };
-            if (cl > 0) weights(cl, wsc);
-            if (more && cl != tc) weights(tc, wse);
+            if (hf == 0 && cl > 0) weights(cl, wsc);
+            if (hf == PCW - 1 && more && cl != tc) weights(tc, wse);
         }
         __syncthreads();
 
-        // 5. gated RMS norm, y, planes (one thread a column; each in f32, rounded once)
-        if (jc < D) {
+        // 5. gated RMS norm, y, planes (each thread its column and tokens; each in f32, rounded once)
+        if (pcw) {
 #pragma unroll
-            for (int t = 0; t < CH; ++t) {
+            for (int u = 0; u < TH; ++u) {
+                const int t = PCW == 1 ? u : TH * hf + u;
                 if (t < tc) {
                     const float tot = Tree<D / 32>::sum(part_o[t]);
                     const float rs = rsqrtf(tot / (float)D + eps);

@@ -452,7 +452,7 @@ impl CudaPool {
                 .uniform_len
                 .is_none_or(|t| t >= window_range(self.options.state).0)
         {
-            self.function(&spec.with_window())?;
+            self.function(&self.window_spec(&spec, kind.seqs))?;
             self.function(&spec.with_route())?;
         }
         Ok(())
@@ -461,6 +461,12 @@ impl CudaPool {
     /// Bytes of staging held now (0: none).
     pub fn staging_bytes(&self) -> usize {
         self.staging.as_ref().map_or(0, |s| s.len())
+    }
+
+    /// The window kernel's specialisation of a call of `seqs` sequences.
+    fn window_spec(&self, spec: &Spec, seqs: usize) -> Spec {
+        let blocks = seqs.saturating_mul(self.layer.shape().h_v);
+        spec.with_window(blocks, self.cuda.sms, self.cuda.tune())
     }
 
     fn function(&self, spec: &Spec) -> Result<CudaFunction> {
@@ -619,7 +625,13 @@ impl CudaPool {
             // the token-serial one; unknown lengths: both, each taking its own sequences
             let (window, serial) = ops.known.map_or((true, true), |k| (k.window, k.serial));
             if window {
-                self.launch_spec(&spec.with_window(), n_seqs, rows, plane_stride, ops)?;
+                self.launch_spec(
+                    &self.window_spec(&spec, n_seqs),
+                    n_seqs,
+                    rows,
+                    plane_stride,
+                    ops,
+                )?;
                 if !serial {
                     return Ok(());
                 }

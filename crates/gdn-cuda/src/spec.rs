@@ -114,6 +114,9 @@ pub struct Spec {
     pub wrange: (usize, usize),
 }
 
+/// Blocks of the window kernel a multiprocessor holds (its launch bounds).
+pub const WINDOW_BLOCKS_PER_SM: usize = 2;
+
 /// The effective lengths the window kernel takes for a state dtype, where it measured faster than the
 /// token-serial kernel (H200, 2026-12-01, NOTES.md "Windows in chunks of eight", window / token-serial, us):
 /// an f32 state from 4 to 8 tokens (B 256 T 4 673 / 730, T 8 792 / 1064; B 1 T 8 12.0 / 16.5; B 1 T 4 10.5 /
@@ -336,10 +339,12 @@ impl Spec {
         self.plan.ncb == 1 && matches!(self.shape.d, 64 | 128)
     }
 
-    /// The window kernel's specialisation of the same call (no staging, no memory hints: it has neither), for
-    /// the pool's [`window_range`].
-    pub fn with_window(self) -> Spec {
-        Spec {
+    /// The window kernel's specialisation of the same call of `blocks` blocks on `sms` multiprocessors (no
+    /// staging), for the pool's [`window_range`]. Its memory hint, with the split per-column work
+    /// ([`Spec::window_split`]) only: in a call of several waves (two blocks a multiprocessor) each block
+    /// prefetches into L2 the state of the block half a wave later (`tune`: other distances, for sweeps).
+    pub fn with_window(self, blocks: usize, sms: usize, tune: Option<Tune>) -> Spec {
+        let s = Spec {
             window: true,
             route: false,
             wrange: window_range(self.pool.state),
@@ -347,7 +352,23 @@ impl Spec {
             ahead: 0,
             prewait: false,
             ..self
+        };
+        let t = tune.unwrap_or(Tune {
+            ahead_half_waves: u32::from(s.window_split()),
+            prewait: false,
+        });
+        Spec {
+            ahead: t.ahead_blocks(blocks, WINDOW_BLOCKS_PER_SM.saturating_mul(sms)),
+            ..s
         }
+    }
+
+    /// Whether the window kernel splits its per-column work (readouts, norms, outputs) over two threads a
+    /// column, half of the chunk's tokens each (`GDN_WSPLIT`; no bits change): where it measured faster, an f32
+    /// state and a constant length of 4 to 6 (H200, NOTES.md: B 256 T 4 626 against 668 us, T 6 710 against
+    /// 751; slower at T 8 and with a bf16 state at T 6).
+    pub fn window_split(&self) -> bool {
+        self.window && self.pool.state == DType::F32 && (4..=6).contains(&self.t)
     }
 
     /// The token-serial kernel leaving the window kernel's sequences to it.
@@ -463,6 +484,9 @@ impl Spec {
         }
         if self.route {
             h.push_str("#define GDN_ROUTE 1\n");
+        }
+        if self.window_split() {
+            h.push_str("#define GDN_WSPLIT 1\n");
         }
         if self.route || self.window {
             h.push_str(&format!(

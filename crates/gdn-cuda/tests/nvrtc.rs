@@ -515,7 +515,7 @@ fn every_window_specialisation_compiles() {
         if !base.window_fits() {
             continue;
         }
-        specs.push(base.with_window());
+        specs.push(base.with_window(1, 132, None));
         specs.push(base.with_route());
     }
     let plan = Plan::choose(128, 48, 256, 132).unwrap();
@@ -537,7 +537,8 @@ fn every_window_specialisation_compiles() {
                         let s = Spec::new((9, 0), &cfg, t, commit, planes, plan)
                             .with_io(Io::all(io))
                             .with_pool(PoolOptions { state, layout });
-                        specs.push(s.with_window());
+                        // a call of many waves: with the L2 prefetch ahead
+                        specs.push(s.with_window(256 * 48, 132, None));
                         if t.is_none() {
                             specs.push(s.with_route());
                         }
