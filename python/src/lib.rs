@@ -267,7 +267,7 @@ fn host_seqs(
         let (st, len) = match (cu, lengths) {
             (Some(cu), _) => {
                 let (a, b) = (cu[s], cu[s + 1]);
-                if a < 0 || b - a < min {
+                if a < 0 || i64::from(b) - i64::from(a) < i64::from(min) {
                     return Err(PyValueError::new_err(format!(
                         "cu_seqlens must increase {}from a value >= 0: cu_seqlens[{s}] = {a}, cu_seqlens[{}] = {b}",
                         if allow_empty { "" } else { "strictly " },
@@ -958,7 +958,8 @@ fn pending_row(layer: &Bound<'_, Layer>) -> PyResult<usize> {
 ///         A sequence may have no rows here (a length of 0, or equal cu_seqlens): it only accepts (the end of a
 ///         request; ``gdn.commit_held``).
 ///     pending: ``[slots, gdn.pending_row(layer)]`` float32, contiguous, 16-byte aligned, updated in place: what
-///         each slot's held window would commit (opaque; zeros hold nothing). Fork slot a into b (with what it
+///         each slot's held window would commit (opaque; zeros hold nothing). One ``pending`` and one ``held`` per
+///         layer, like its ``state`` (each layer's step rewrites its own). Fork slot a into b (with what it
 ///         holds): copy ``state``, ``conv_state``, ``held`` and ``pending`` rows a to b.
 ///     held: ``[slots]`` int32, contiguous, updated in place on the device: per slot ``length | buffer << 8`` of
 ///         the window it holds (``held & 0xff`` is the length; 0 holds nothing). Start from zeros; reset a slot

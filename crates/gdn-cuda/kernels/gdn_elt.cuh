@@ -91,9 +91,11 @@ __device__ __forceinline__ void mma3(float* c, const float* a, const float* b) {
     mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
     mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
 }
-// The split of a finite x in two integer steps and a subtraction (cvt.rna.tf32 is emulated in about five
-// instructions on sm_90): hi = x rounded to tf32 (half away from zero), lo = x - hi exactly, left for the mma to
-// truncate (|error| <= 2^-21 |x|; a product a_lo b_hi + a_hi b_lo + a_hi b_hi keeps about f32 accuracy).
+// The split of x in two integer steps and a subtraction (cvt.rna.tf32 is emulated in about five instructions on
+// sm_90): hi = x rounded to tf32 (half away from zero), lo = x - hi exactly, left for the mma to truncate
+// (|error| <= 2^-21 |x|; a product a_lo b_hi + a_hi b_lo + a_hi b_hi keeps about f32 accuracy). For |x| below
+// 2^128 (1 - 2^-12) (every finite x but the last 2^-12 of the range, where hi would round to infinity) and NaN
+// (stays NaN); an infinity becomes NaN.
 __device__ __forceinline__ void split2_fast(float x, unsigned& hi, unsigned& lo) {
     hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
     lo = __float_as_uint(x - __uint_as_float(hi));

@@ -20,8 +20,8 @@
 //   S_t = G_t S0 + sum_{s <= t} r(t, s) k_s d_s^T
 //   d_t = ((v_t - G_t (S0^T k_t)) - sum_{s < t} r(t, s) (k_s . k_t) d_s) b_t        (forward substitution)
 //   o_t = (G_t (S0^T q_t) + sum_{s <= t} r(t, s) (k_s . q_t) d_s) / sqrt(D)
-// so the state is swept twice a chunk for the two products S0^T k_t and S0^T q_t (all tokens at once: 16
-// independent sums a thread) and once for the update, with no barrier between tokens. The update after k
+// so the state is read once a chunk for the products [K; Q] S0 (S0^T k_t and S0^T q_t of all its tokens in one
+// tensor-core pass) and once for the update, with no barrier between tokens. The update after k
 // tokens is S = fmaf(G_{k-1}, S0, k_0 w_0 + k_1 w_1 + ...), w_s = r(k-1, s) d_s. Every sum has one fixed order,
 // so a chunk's bits depend only on its own tokens: the committed state after k tokens equals a k-token window's,
 // and a sequence's bits do not depend on the call.
@@ -34,8 +34,8 @@
 // c0 = 16 w + 2 g. The same registers are the B fragments of the chunk's products [K; Q] S0 (8 key rows and 8
 // query rows against the warp's 16 columns), with the products' k index q read from key 2 q of the tile and
 // q + 4 from key 2 q + 1 (the A fragments are loaded in that order: a sum over the same products). The small
-// per-column work (the deltas' forward substitution, the readout, the norm) runs on one thread a column, through
-// shared memory. A commit after n tokens gives the update's mma the weights and keys of tokens >= n as zeros
+// per-column work (the deltas' forward substitution, the readout, the norm) runs on one thread a column, or two
+// (GDN_WSPLIT: each half of the chunk's tokens, the same arithmetic), through shared memory. A commit after n tokens gives the update's mma the weights and keys of tokens >= n as zeros
 // (selects), so it sees exactly the inputs an n-token chunk gives it; each product element depends only on its own
 // row and column, so a token's products do not depend on the tokens after it.
 
@@ -130,7 +130,6 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         const int e = tid + m * NT;
         chan[m] = e < D ? g * D + e : e < 2 * D ? HK * D + g * D + (e - D) : e < NE ? 2 * HK * D + h * D + (e - 2 * D) : -1;
     }
-    // the per-column work's column (threads below D)
     // the per-column work: column jc, the chunk's tokens TH hf .. TH hf + TH - 1 (threads hf < PCW)
     const int jc = PCW == 1 ? tid : tid % D, hf = PCW == 1 ? 0 : tid / D;
     const bool pcw = PCW == 1 ? tid < D : true;

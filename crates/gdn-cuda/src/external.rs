@@ -17,7 +17,8 @@
 //! - Sequences: `cu_seqlens` (`i32 [n + 1]`), start and length arrays (`i32 [n]` each) or lengths alone (rows
 //!   packed in sequence order from row 0; each block sums the lengths before it), a slot each (`i32`,
 //!   negative skips), and optionally a commit point each (`i32`: 0 verify, k commit after k tokens; `None`:
-//!   every sequence commits its whole window). Bits are those of [`crate::CudaPool`] on the same values.
+//!   every sequence commits its whole window). Bits are those of [`crate::CudaPool`] on the same values (with its
+//!   window kernel off: the step on engine memory runs every window token after token).
 //!
 //! **The shared q/k history.** The pool keeps a private copy of the q/k history for every value head, so a
 //! block can commit it in place. An engine's conv state has one copy, read by all `h_v / h_k` value heads of a
@@ -236,7 +237,9 @@ impl RawStep {
 }
 
 /// The engine-owned memory of a speculative step ([`CudaLayer::step_spec_raw`]), beside the state pool and conv
-/// state of its [`RawStep`]: device addresses in the layer's context.
+/// state of its [`RawStep`]: device addresses in the layer's context. One pending region and one held array per
+/// layer, like its state pool: each layer's step rewrites its own held words, so arrays shared by layers would
+/// apply one layer's buffers to another.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RawSpec {
     /// The pending region: [`pending_bytes`]`(shape, state.slots)` bytes, 16-byte aligned, one row of
@@ -888,7 +891,7 @@ impl CudaLayer {
             step.seqs as u32, // <= max_seqs <= 65535, checked
             1,
         );
-        // SAFETY: the 21 parameters match the GDN_EXT kernel's signature in order and type (the state, a null
+        // SAFETY: the 21 parameters (25 with `spec`) match the GDN_EXT kernel's signature in order and type (the state, a null
         // pool history, the four inputs, the layer's four weights, the output, slot / start-or-cu_seqlens /
         // len-or-null / commit-or-null, int n_slots, int n_rows, long long plane, float eps, the fault word,
         // the GdnExt struct by value; a speculative step, compiled with GDN_SPEC, four more: the pending region,
