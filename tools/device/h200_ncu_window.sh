@@ -1,7 +1,8 @@
 #!/bin/bash
 # Profiles the window kernel on the H200 with ncu: B 1 T 8 and B 256 T 8 (f32 key-major state, bf16 io), full
 # set with per-instruction stall samples (the source page, SASS, as CSV) for B 1, the summary sections for both.
-# Carry the directory holding gdn.xz (NCU_DIR, default .devbin/win3).
+# Carry the directory holding gdn.xz (NCU_DIR, default .devbin/win3); NCU_T the window length, NCU_B the batches.
+# Read the CSVs with tools/ncu_segments.py (stall samples and instructions between block barriers).
 set -u
 . tools/device/setup.sh
 B=${NCU_DIR:-.devbin/win3}
