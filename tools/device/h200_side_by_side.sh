@@ -9,7 +9,9 @@
 #   FlashInfer's bundle + fi_run.sh + fi_bench.py in .fi (shared/anchors/flashinfer/README.md)
 # device run from the repo root, carry [".devbin/side", ".whl", ".fi"] (about 61 MiB with the bundle):
 #   bash tools/device/h200_side_by_side.sh [fi_bench.py options, e.g. --sections copy,a,b,c]
-# Environment: SBS_CONFIGS (the gdn pool options to run, default all three below), SBS_FLA=0 skips FLA (its
+# Environment: SBS_CONFIGS (the gdn pool options to run, default all three below), SBS_WINDOW=1 also runs each
+# with the window kernel on (GDN_CUDA_WINDOW=1: columns `<config>-win`, the table's ratio takes gdn's best),
+# SBS_FLA=0 skips FLA (its
 # numbers from an earlier run are in ../shared/anchors/README.md), SBS_FI_BUDGET (seconds, default 330).
 set -u
 . tools/device/setup.sh
@@ -25,12 +27,15 @@ declare -A opt=([f32-km]="--state f32 --layout key-major" [f32-vm]="--state f32 
                 [bf16-vm]="--state bf16 --layout value-major" [bf16-km]="--state bf16 --layout key-major")
 for name in ${SBS_CONFIGS:-f32-km f32-vm bf16-vm}; do
   opts=${opt[$name]}
+  for win in 0 $([ "${SBS_WINDOW:-0}" = 1 ] && echo 1); do
   for rot in 0 256; do
-    tag=$name; [ $rot -gt 0 ] && tag=$name-rot
+    tag=$name; [ $win = 1 ] && tag=$tag-win; [ $rot -gt 0 ] && tag=$tag-rot
     stamp "gdn bench $tag"
-    timeout 120 $B/gdn bench --backend cuda --io bf16 --mixed 0:0 --rotate-mib $rot $opts >"$OUT/gdn_$tag.txt" 2>&1
+    GDN_CUDA_WINDOW=$win timeout 120 $B/gdn bench --backend cuda --io bf16 --mixed 0:0 --rotate-mib $rot $opts \
+      >"$OUT/gdn_$tag.txt" 2>&1
     echo "gdn $tag rc $?" | tee -a "$S"
     runs+=(--gdn "$tag=$OUT/gdn_$tag.txt")
+  done
   done
 done
 
