@@ -2,6 +2,9 @@
 //! its own pool, so this path stages: each named slot's S and conv history are copied into a scratch pool of the
 //! layer (`write_slot`), the step runs there, and the slots of committing sequences are copied back (`read_slot`).
 //! Verify and skipped sequences' slots are only read. The output is written in place where its rows are packed.
+//! A speculative step (`gdn.spec_step`) stages each named slot's held window too (`CpuPool::load_held` from the
+//! slot's row of `pending`), runs the pool's one-pass step, and writes every named slot back with the window it
+//! now holds (`save_held`; `held[slot]` its length).
 
 use gdn::{
     Commit, DType, LayerPool, PoolOptions, Seq, StateLayout, Step, Tensor, TensorData, TensorMut,
@@ -22,6 +25,18 @@ pub struct CpuStep<'a> {
     pub layout: StateLayout,
     /// Sequences with the caller's slots.
     pub seqs: &'a [Seq],
+    /// A speculative step's pending rows, held words and accepted counts (checked against the held words).
+    pub spec: Option<CpuSpec>,
+}
+
+/// A speculative step's extra arguments on the host.
+pub struct CpuSpec {
+    /// `[slots, row]` f32, contiguous, row at least `CpuPool::held_floats`.
+    pub pending: Raw,
+    /// `[slots]` i32, contiguous: the held length of each slot (`& 0xff`).
+    pub held: Raw,
+    /// Per sequence, the tokens of its slot's held window it keeps.
+    pub accept: Vec<i32>,
 }
 
 /// A slice over `len` elements of `T` at `ptr` (no slice at all for `len` 0, whose pointer may be null).
@@ -157,11 +172,13 @@ pub unsafe fn run(
         beta: b.view(),
         z: z.view(),
     };
+    // a speculative step's sequences without rows only accept (`gdn.commit_held`); the others step
+    let stepped: Vec<Seq> = step.seqs.iter().filter(|s| s.len > 0).copied().collect();
     // the core's checks with the caller's slots, before any slot is read: rows in range and not shared, commits
     // in range, slots in range and named once
     Step {
         rows: rows_view,
-        seqs: step.seqs,
+        seqs: &stepped,
         plane_stride: None,
     }
     .validate(layer, step.state.shape[0], rows * n)?;
@@ -224,8 +241,48 @@ pub unsafe fn run(
             }
         }
         pool.write_slot(k, &s_f32, &hist)?;
+        if let Some(sp) = &step.spec {
+            let row = sp.pending.shape[1];
+            // SAFETY: the slot's row of the checked [slots, row] contiguous f32 pending tensor and its held word
+            let (data, word) = unsafe {
+                (
+                    slice::<f32>(sp.pending.ptr + slot * row * 4, row),
+                    *(sp.held.ptr as *const i32).add(slot),
+                )
+            };
+            if word & 0xff > 0 {
+                if data[0] != (word & 0xff) as f32 {
+                    return Err(gdn::Error::Param {
+                        name: "pending",
+                        why: format!(
+                            "slot {slot}'s row does not hold the window held[{slot}] = {word} names (rows written by \
+                             gdn.spec_step on the CPU, or zeros)"
+                        ),
+                    });
+                }
+                pool.load_held(k, data)?;
+            }
+            if step.seqs[i].len == 0 {
+                pool.commit_held(k, usize::try_from(sp.accept[i]).unwrap_or(usize::MAX))?;
+            }
+        }
         scratch_seqs[i].slot = k as i32;
     }
+    // the sequences with rows, in the scratch pool's slots, and (a speculative step) their accepted counts,
+    // skipped sequences' included
+    let accept_all: Vec<usize> = match &step.spec {
+        Some(sp) => (0..step.seqs.len())
+            .filter(|&i| step.seqs[i].len > 0)
+            .map(|i| usize::try_from(sp.accept[i]).unwrap_or(usize::MAX))
+            .collect(),
+        None => Vec::new(),
+    };
+    let scratch_seqs: Vec<Seq> = scratch_seqs.into_iter().filter(|s| s.len > 0).collect();
+    let run_step = |pool: &mut gdn::cpu::CpuPool, st: &Step<'_>, t: TensorMut<'_>| match &step.spec
+    {
+        Some(_) => pool.step_spec(st, &accept_all, t),
+        None => pool.step_varlen(st, t),
+    };
 
     let gstep = Step {
         rows: rows_view,
@@ -253,12 +310,12 @@ pub unsafe fn run(
             Elem::Bf16 => out_mut!(bf16, Bf16),
             _ => out_mut!(f16, F16),
         };
-        pool.step_varlen(&gstep, t)?;
+        run_step(pool, &gstep, t)?;
     } else {
         // strided output rows: computed packed, then each live sequence's rows copied out (other rows untouched)
         let dtype = out.elem.dtype().unwrap_or(DType::F32);
         let mut y = TensorData::filled(rows * n, 0.0, dtype);
-        pool.step_varlen(&gstep, y.view_mut())?;
+        run_step(pool, &gstep, y.view_mut())?;
         let y = y.to_f32();
         for &i in &live {
             let s = &step.seqs[i];
@@ -271,13 +328,30 @@ pub unsafe fn run(
         }
     }
 
-    // commit: the slots of committing sequences back to the caller's tensors
+    // commit: the slots of committing sequences back to the caller's tensors (in a speculative step every named
+    // slot: an accepted prefix commits, and the window held changes)
     for (k, &i) in live.iter().enumerate() {
-        if step.seqs[i].commit == Commit::Verify {
+        if step.seqs[i].commit == Commit::Verify && step.spec.is_none() {
             continue;
         }
-        pool.read_slot(k, &mut s_f32, &mut hist)?;
         let slot = step.seqs[i].slot as usize;
+        if let Some(sp) = &step.spec {
+            let row = sp.pending.shape[1];
+            // SAFETY: the slot's row of the checked, writable pending tensor and its held word, disjoint from every
+            // other view; nothing else touches them during the call
+            let (data, word) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(
+                        (sp.pending.ptr + slot * row * 4) as *mut f32,
+                        row,
+                    ),
+                    &mut *(sp.held.ptr as *mut i32).add(slot),
+                )
+            };
+            let len = pool.save_held(k, data)?;
+            *word = len as i32;
+        }
+        pool.read_slot(k, &mut s_f32, &mut hist)?;
         let at = sbase + slot * ss;
         match step.state.elem {
             Elem::F32 => {

@@ -385,11 +385,6 @@ fn step_impl<'py>(
 
     // devices: one for every tensor
     let device = qkv.device;
-    if spec_v.is_some() && !matches!(device, Device::Cuda(_)) {
-        return Err(pyo3::exceptions::PyNotImplementedError::new_err(
-            "qkv: gdn.spec_step runs on CUDA tensors (on the CPU, gdn's pools run the speculative step)",
-        ));
-    }
     if device == Device::Other {
         return Err(PyValueError::new_err(format!(
             "qkv is on {}, gdn runs on the CPU and on CUDA devices",
@@ -631,6 +626,11 @@ fn step_impl<'py>(
         out: out_v.raw(),
         layout,
         seqs: &seqs,
+        spec: spec_v.as_ref().map(|v| cpu::CpuSpec {
+            pending: v.pending.raw(),
+            held: v.held.raw(),
+            accept: host_ints(&v.accept),
+        }),
     };
     let inner = &lay.inner;
     let cache = &lay.cpu;
@@ -857,21 +857,18 @@ struct SpecViews<'py> {
     accept: View<'py>,
 }
 
-/// Floats of one slot's row of the speculative step's pending region.
+/// Floats of one slot's row of the speculative step's pending region: what the CUDA kernel keeps there, or the
+/// CPU path's held window (`CpuPool::held_floats`), whichever is more, so one row serves both devices.
 fn pending_row_floats(sh: &Shape) -> PyResult<usize> {
+    let cpu = gdn::cpu::CpuPool::held_floats(sh);
     #[cfg(feature = "cuda")]
     {
         gdn_cuda::pending_row_bytes(sh)
-            .map(|b| b / 4)
+            .map(|b| (b / 4).max(cpu))
             .map_err(value_err)
     }
     #[cfg(not(feature = "cuda"))]
-    {
-        let _ = sh;
-        Err(pyo3::exceptions::PyNotImplementedError::new_err(
-            "the speculative step needs gdn built with its `cuda` feature",
-        ))
-    }
+    Ok(cpu)
 }
 
 fn check_spec_views(
@@ -978,7 +975,11 @@ fn pending_row(layer: &Bound<'_, Layer>) -> PyResult<usize> {
 /// but ``out=None``'s, so it can be captured into a CUDA graph (run one step of each kind before the capture).
 /// Bad values ``validate=False`` lets through (an accepted count above what the slot holds, a held window above
 /// 16 tokens, a commit point past the window, slots or rows out of range) skip their sequence whole on the
-/// device (nothing of it written) and are reported by ``layer.check_faults()``. CUDA only.
+/// device (nothing of it written) and are reported by ``layer.check_faults()``. On the CPU (torch CPU tensors or
+/// numpy arrays) the same call runs gdn's CPU pool's one-pass step on each named slot, staged as ``gdn.step``
+/// stages it (its held window kept in the slot's ``pending`` row); there every value is checked on the host
+/// first (as ``validate``), and the outputs, states and held windows are bitwise the CPU's two-pass flow. The
+/// ``pending`` rows are the device's own: a window held on one device cannot go on on another (an error).
 #[pyfunction]
 #[pyo3(signature = (layer, qkv, a, b, z, state, conv_state, slots, pending, held, accept, *, cu_seqlens = None,
                     lengths = None, commit = None, out = None, state_layout = "value_major", validate = false))]

@@ -164,7 +164,11 @@ def test_spec_step_bad_input():
     with pytest.raises(ValueError):
         layer.check_faults()
     layer.check_faults()
-    # CPU tensors: not on this path
-    with pytest.raises(NotImplementedError):
-        gdn.spec_step(layer, *[t.cpu() for t in x], st.cpu(), cv.cpu(), slots.cpu(), pending.cpu(), held.cpu(),
-                      i32([0]).cpu(), cu_seqlens=cu.cpu(), commit=commit.cpu())
+    # a window held on the GPU cannot go on on the CPU (each device's pending rows are its own): an error, and
+    # nothing of the CPU copies changes
+    host = [t.cpu() for t in (st, cv, pending, held)]
+    with pytest.raises(ValueError, match="pending"):
+        gdn.spec_step(layer, *[t.cpu() for t in x], *host[:2], slots.cpu(), *host[2:], i32([0]).cpu(),
+                      cu_seqlens=cu.cpu(), commit=commit.cpu())
+    for t, b in zip(host, (st, cv, pending, held)):
+        assert torch.equal(t, b.cpu())

@@ -129,3 +129,128 @@ fn cpu_work_buffers_stay_bounded_after_a_long_window() {
         "{after_decode} floats kept of the {after_long} after the long window"
     );
 }
+
+/// A held window kept outside the pool (`save_held` / `load_held`), as the Python package's CPU path keeps the
+/// caller's states: every step stages each slot's state, history and held window into a fresh pool, runs the
+/// speculative step there and takes them back out. Outputs, states and histories are bitwise those of one pool
+/// that keeps everything, over random windows, holds and acceptances, f32 and bf16 states.
+#[test]
+fn held_windows_saved_and_loaded_outside_the_pool_keep_their_bits() {
+    use gdn::cpu::CpuPool;
+    use gdn::{Commit, DType, LayerPool, PoolOptions, RowsData, Seq, Step, TensorData};
+    let shape = gdn::Shape::new(32, 2, 4).unwrap();
+    for state in [DType::F32, DType::Bf16] {
+        let mut rng = gdn::synth::Synth::new(31);
+        let layer = rng.layer(gdn::Config::new(shape)).unwrap();
+        let options = PoolOptions {
+            state,
+            ..PoolOptions::default()
+        };
+        let backend = gdn::Cpu::new();
+        let slots = 3;
+        let mut kept = backend.create_cpu_pool(&layer, slots, options).unwrap();
+        // the caller's copies: per slot S, H and the held window
+        let mut s_out: Vec<Vec<f32>> = Vec::new();
+        let mut h_out: Vec<Vec<f32>> = Vec::new();
+        let mut held_out = vec![vec![0.0f32; CpuPool::held_floats(&shape)]; slots];
+        for slot in 0..slots {
+            let (s, h) = rng.seq_state(&layer);
+            kept.write_slot(slot, &s, &h).unwrap();
+            let (mut s2, mut h2) = (vec![0.0; s.len()], vec![0.0; h.len()]);
+            kept.read_slot(slot, &mut s2, &mut h2).unwrap();
+            s_out.push(s2);
+            h_out.push(h2);
+        }
+        let mut held_len = vec![0usize; slots];
+        let (mut holds, mut accepted) = (0, 0);
+        for round in 0..40 {
+            // every slot once a round, in a rotating order; windows 1..=6, held (Verify) or committed
+            let mut seqs = Vec::new();
+            let mut accept = Vec::new();
+            let mut start = 0;
+            for i in 0..slots {
+                let slot = (i + round) % slots;
+                let len = 1 + rng.index(0, 5);
+                let commit = match rng.index(0, 3) {
+                    0 => Commit::All,
+                    1 if len > 1 => Commit::First(rng.index(1, len - 1)),
+                    _ => Commit::Verify,
+                };
+                accept.push(rng.index(0, held_len[slot]));
+                accepted += accept[i];
+                holds += usize::from(commit == Commit::Verify);
+                seqs.push(Seq {
+                    slot: slot as i32,
+                    start,
+                    len,
+                    commit,
+                });
+                start += len;
+            }
+            let w = rng.batch(&layer, 1, start);
+            let rows = RowsData::from_f32(&w.qkv, &w.alpha, &w.beta, &w.z, [DType::F32; 4]);
+            let step = Step {
+                rows: rows.view(),
+                seqs: &seqs,
+                plane_stride: None,
+            };
+            let mut y_kept = TensorData::filled(start * shape.n(), 0.0, DType::F32);
+            kept.step_spec(&step, &accept, y_kept.view_mut()).unwrap();
+
+            // the staged flow: a fresh pool, slot i of the step in its slot i
+            let mut staged = backend.create_cpu_pool(&layer, slots, options).unwrap();
+            let mut sseqs = seqs.clone();
+            for (k, s) in sseqs.iter_mut().enumerate() {
+                let slot = s.slot as usize;
+                staged.write_slot(k, &s_out[slot], &h_out[slot]).unwrap();
+                staged.load_held(k, &held_out[slot]).unwrap();
+                s.slot = k as i32;
+            }
+            let sstep = Step {
+                seqs: &sseqs,
+                ..step
+            };
+            let mut y_staged = TensorData::filled(start * shape.n(), 0.0, DType::F32);
+            staged
+                .step_spec(&sstep, &accept, y_staged.view_mut())
+                .unwrap();
+            let bits = |t: &TensorData| t.to_f32().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&y_kept),
+                bits(&y_staged),
+                "{state:?} round {round}: outputs"
+            );
+            for (k, s) in seqs.iter().enumerate() {
+                let slot = s.slot as usize;
+                staged
+                    .read_slot(k, &mut s_out[slot], &mut h_out[slot])
+                    .unwrap();
+                held_len[slot] = staged.save_held(k, &mut held_out[slot]).unwrap();
+                assert_eq!(
+                    held_len[slot],
+                    kept.held(slot),
+                    "{state:?} round {round}: held"
+                );
+            }
+            for slot in 0..slots {
+                let (mut s, mut h) = (vec![0.0; s_out[slot].len()], vec![0.0; h_out[slot].len()]);
+                kept.read_slot(slot, &mut s, &mut h).unwrap();
+                let b = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    b(&s),
+                    b(&s_out[slot]),
+                    "{state:?} round {round}: slot {slot}'s state"
+                );
+                assert_eq!(
+                    b(&h),
+                    b(&h_out[slot]),
+                    "{state:?} round {round}: slot {slot}'s history"
+                );
+            }
+        }
+        assert!(
+            holds > 20 && accepted > 20,
+            "{holds} windows held, {accepted} tokens accepted"
+        );
+    }
+}

@@ -927,6 +927,92 @@ impl CpuPool {
         }
     }
 
+    /// Floats of a held window in [`CpuPool::save_held`]'s form at `shape`: its length, then per value head and
+    /// token its update (gate, k, delta), then its rows of qkv, for windows of up to [`kernels::MAX_HELD`] tokens.
+    pub fn held_floats(shape: &crate::Shape) -> usize {
+        1 + kernels::MAX_HELD * (shape.h_v * kernels::pending_len(shape.d) + shape.channels())
+    }
+
+    /// Writes the window `slot` holds into `out` (an opaque form for [`CpuPool::load_held`], at least
+    /// [`CpuPool::held_floats`] floats), so that a caller who keeps the states (the Python package's CPU path,
+    /// which stages slots through a scratch pool) can keep the held window too. Returns its length (0: nothing
+    /// held; `out[0]` is then 0 and the rest untouched).
+    pub fn save_held(&self, slot: usize, out: &mut [f32]) -> Result<usize> {
+        let sh = *self.layer.shape();
+        let need = Self::held_floats(&sh);
+        if slot >= self.slots || out.len() < need {
+            return Err(crate::Error::Param {
+                name: "held",
+                why: format!(
+                    "slot {slot} of {} and {} floats (a held window takes {need})",
+                    self.slots,
+                    out.len()
+                ),
+            });
+        }
+        let t = self.held[slot];
+        out[0] = t as f32;
+        let pl = kernels::pending_len(sh.d);
+        let pend = &self.pending[slot];
+        let cap = pend.len() / (sh.h_v * pl);
+        let mut at = 1;
+        for h in 0..sh.h_v {
+            out[at..at + t * pl].copy_from_slice(&pend[h * cap * pl..(h * cap + t) * pl]);
+            at += t * pl;
+        }
+        let rows = &self.held_rows[slot];
+        out[at..at + rows.len()].copy_from_slice(rows);
+        Ok(t)
+    }
+
+    /// Makes `slot` hold the window `data` describes ([`CpuPool::save_held`]'s form, from a pool of the same
+    /// layer and options; a length of 0 holds nothing). The slot's stored state is the held window's committed
+    /// state (write it first with `write_slot`, which drops what the slot held).
+    pub fn load_held(&mut self, slot: usize, data: &[f32]) -> Result<()> {
+        let sh = *self.layer.shape();
+        let bad = |why: String| crate::Error::Param { name: "held", why };
+        if slot >= self.slots {
+            return Err(bad(format!(
+                "slot {slot} is out of range ({} slots)",
+                self.slots
+            )));
+        }
+        let t = match data.first() {
+            Some(&x) if x >= 0.0 && x <= kernels::MAX_HELD as f32 && x.fract() == 0.0 => x as usize,
+            _ => {
+                return Err(bad(format!(
+                    "a held window's data starts with its length, 0..={} tokens",
+                    kernels::MAX_HELD
+                )))
+            }
+        };
+        let pl = kernels::pending_len(sh.d);
+        let c_n = sh.channels();
+        let need = 1 + t * (sh.h_v * pl + c_n);
+        if data.len() < need {
+            return Err(bad(format!(
+                "{} floats for a held window of {t} tokens, which takes {need}",
+                data.len()
+            )));
+        }
+        self.owes[slot] = 0;
+        self.held[slot] = 0;
+        if t == 0 {
+            return Ok(());
+        }
+        self.fit_pending(slot, t);
+        let cap = self.pending[slot].len() / (sh.h_v * pl);
+        let mut at = 1;
+        for h in 0..sh.h_v {
+            self.pending[slot][h * cap * pl..(h * cap + t) * pl]
+                .copy_from_slice(&data[at..at + t * pl]);
+            at += t * pl;
+        }
+        self.held_rows[slot] = data[at..at + t * c_n].to_vec();
+        self.held[slot] = t;
+        Ok(())
+    }
+
     /// Grows `slot`'s pending region to hold `n` updates per head, keeping the ones there.
     fn fit_pending(&mut self, slot: usize, n: usize) {
         let sh = *self.layer.shape();
