@@ -1,6 +1,7 @@
 #!/bin/bash
-# A short closing device call: every CUDA test binary named in CHECK_TESTS, compute-sanitizer memcheck on the window
-# kernel's invariant test and the external speculative step, then the window kernel's A/B: the binaries in
+# A short device call: every CUDA test binary named in CHECK_TESTS, compute-sanitizer memcheck on the window
+# kernel's invariant test and the external speculative step (racecheck too with RACECHECK=1), then the window
+# kernel's A/B: the binaries in
 # CLOSE_BINS (gdn builds to compare, e.g. the last measured one and a candidate), each with the window kernel on,
 # and the token-serial kernel (window off) once, on the same cases, in cache.
 # Prepared on a build machine: test binaries (cargo test --release -p gdn-cuda --no-run) stripped and xz-compressed
@@ -23,6 +24,11 @@ for args in "conformance_window window_kernel_invariants" "external_spec bad"; d
   timeout 90 compute-sanitizer --tool memcheck --error-exitcode 9 $bin "$@" >"$OUT/san.log" 2>&1
   echo "memcheck $args rc $? $(grep -E 'ERROR SUMMARY|test result' "$OUT/san.log" | tr '\n' ' ')" | tee -a "$S"
 done
+if [ "${RACECHECK:-0}" = 1 ]; then
+  timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 $B/tests/conformance_window --test-threads 1 \
+    window_kernel_invariants >"$OUT/san.log" 2>&1
+  echo "racecheck rc $? $(grep -E 'RACECHECK SUMMARY|test result' "$OUT/san.log" | tr '\n' ' ')" | tee -a "$S"
+fi
 declare -A opt=([f32-km]="--state f32 --layout key-major" [bf16-vm]="--state bf16 --layout value-major")
 first=1
 for bin in ${CLOSE_BINS:-$B/gdn}; do

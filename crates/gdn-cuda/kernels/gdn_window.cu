@@ -76,8 +76,6 @@ typedef Elt<GDN_STATE_DT> ES;
 __device__ __forceinline__ float silu_w(float x) { return __fdividef(x, 1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_w(float x) { return __fdividef(1.0f, 1.0f + expf(-x)); }
 
-__device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-
 extern "C" __global__ void __launch_bounds__(NT, 2)
 gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __restrict__ qkv,
          const EA::T* __restrict__ alpha, const EB::T* __restrict__ beta, const EZ::T* __restrict__ z,

@@ -469,6 +469,26 @@ impl CudaPool {
         spec.with_window(blocks, self.cuda.sms, self.cuda.tune())
     }
 
+    /// A speculative step's generic checks and its acceptances against what the slots hold.
+    fn check_spec_step(
+        &self,
+        step: &Step<'_>,
+        out_len: usize,
+        accept: &[usize],
+    ) -> Result<gdn::Checked> {
+        let checked = step.validate(&self.layer, self.slots, out_len)?;
+        let held = |slot| self.held[slot];
+        gdn::spec::check_spec(
+            step,
+            &checked.commit_at,
+            accept,
+            held,
+            MAX_HELD,
+            "the CUDA pool",
+        )?;
+        Ok(checked)
+    }
+
     fn function(&self, spec: &Spec) -> Result<CudaFunction> {
         self.cuda.function(spec)
     }
@@ -1051,16 +1071,7 @@ impl LayerPool for CudaPool {
                     .into(),
             ));
         }
-        let checked = step.validate(&self.layer, self.slots, out.len())?;
-        let held = |slot| self.held[slot];
-        gdn::spec::check_spec(
-            step,
-            &checked.commit_at,
-            accept,
-            held,
-            MAX_HELD,
-            "the CUDA pool",
-        )?;
+        let checked = self.check_spec_step(step, out.len(), accept)?;
         self.take_fault()?;
         self.pending()?;
         self.run_host(step, &checked, out, Some(accept))?;
@@ -1385,16 +1396,7 @@ impl CudaPool {
     ) -> Result<StepTiming> {
         for step in steps {
             let layout = step.layout(self.layer.shape())?;
-            let checked = step.validate(&self.layer, self.slots, layout.len())?;
-            let held = |slot| self.held[slot];
-            gdn::spec::check_spec(
-                step,
-                &checked.commit_at,
-                accept,
-                held,
-                MAX_HELD,
-                "the CUDA pool",
-            )?;
+            self.check_spec_step(step, layout.len(), accept)?;
         }
         self.take_fault()?;
         self.pending()?;

@@ -8,22 +8,14 @@ use gdn_cuda::chunk::ChunkSpec;
 use gdn_cuda::spec::Io;
 use gdn_cuda::Cuda;
 
+mod common;
+
+/// The backend with the chunked path from `min_len` tokens on (`None`: the default crossover).
 fn cuda_or_skip(test: &str, min_len: Option<usize>) -> Option<Cuda> {
-    match Cuda::new() {
-        Ok(mut c) => {
-            c.set_chunk_min_len(min_len);
-            Some(c)
-        }
-        Err(gdn::Error::Unavailable(why)) => {
-            use std::io::Write;
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED {test}: backend unavailable: {why}"
-            );
-            None
-        }
-        Err(e) => panic!("{test}: {e}"),
-    }
+    common::cuda_or_skip(test).map(|mut c| {
+        c.set_chunk_min_len(min_len);
+        c
+    })
 }
 
 fn bits(x: &[f32]) -> Vec<u32> {

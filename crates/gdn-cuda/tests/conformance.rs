@@ -12,21 +12,8 @@ use gdn::{
 };
 use gdn_cuda::{Cuda, CudaPool, DeviceStep, DeviceTensor, DeviceTensorMut};
 
-fn cuda_or_skip(test: &str) -> Option<Cuda> {
-    match Cuda::new() {
-        Ok(c) => Some(c),
-        Err(gdn::Error::Unavailable(why)) => {
-            // past the test harness's capture, so that CI counts the test as skipped
-            use std::io::Write;
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED {test}: backend unavailable: {why}"
-            );
-            None
-        }
-        Err(e) => panic!("{test}: {e}"),
-    }
-}
+mod common;
+use common::cuda_or_skip;
 
 fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()

@@ -13,24 +13,15 @@ use gdn_cuda::cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
 use gdn_cuda::{Cuda, CudaLayer, RawConv, RawState, RawStep, RawTensor, SeqRows};
 use std::sync::Arc;
 
+mod common;
+
 /// The backend with the window kernel off: the external step runs the token-serial kernels, and its pool
 /// counterpart must too for the bits to be comparable.
 fn cuda_or_skip(test: &str) -> Option<Cuda> {
-    match Cuda::new() {
-        Ok(mut c) => {
-            c.set_window_kernel(false);
-            Some(c)
-        }
-        Err(gdn::Error::Unavailable(why)) => {
-            use std::io::Write;
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED {test}: backend unavailable: {why}"
-            );
-            None
-        }
-        Err(e) => panic!("{test}: {e}"),
-    }
+    common::cuda_or_skip(test).map(|mut c| {
+        c.set_window_kernel(false);
+        c
+    })
 }
 
 /// Bytes of one element of `dt` holding `x` rounded (nearest even).

@@ -19,23 +19,14 @@ use gdn_cuda::{
 };
 use std::sync::Arc;
 
+mod common;
+
 /// The backend with the window kernel off (the pool's speculative step needs the token-serial kernels).
 fn cuda_or_skip(test: &str) -> Option<Cuda> {
-    match Cuda::new() {
-        Ok(mut c) => {
-            c.set_window_kernel(false);
-            Some(c)
-        }
-        Err(gdn::Error::Unavailable(why)) => {
-            use std::io::Write;
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED {test}: backend unavailable: {why}"
-            );
-            None
-        }
-        Err(e) => panic!("{test}: {e}"),
-    }
+    common::cuda_or_skip(test).map(|mut c| {
+        c.set_window_kernel(false);
+        c
+    })
 }
 
 fn bytes_of(t: &TensorData) -> Vec<u8> {
