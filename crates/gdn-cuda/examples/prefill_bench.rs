@@ -1,6 +1,7 @@
 //! Long windows (prefill) and verify windows at the seed shape: the chunked path (src/chunk.rs) beside the
 //! token-serial kernel, each timed by `time_varlen` (a CUDA graph of steps replayed, events, median of 7), f32
-//! state, commit all. Device runs only. `prefill_bench [quick]` (quick: no threshold sweep, fewer bf16 cases).
+//! state, commit all. Device runs only. `prefill_bench [quick]` (quick: no threshold sweep, fewer bf16 cases);
+//! `prefill_bench case B T`: that one case, chunked, f32 io (for a profiler).
 
 use gdn::synth::Synth;
 use gdn::{Commit, Config, DType, LayerPool, PoolOptions, RowsData, Seq, Shape, Step};
@@ -31,7 +32,21 @@ fn uniform(b: usize, t: usize) -> Vec<Seq> {
 }
 
 fn main() -> gdn::Result<()> {
-    let quick = std::env::args().any(|a| a == "quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "quick");
+    let only: Option<(usize, usize)> = match args.iter().position(|a| a == "case") {
+        Some(i) => {
+            let num = |k: usize| args.get(i + k).and_then(|a| a.parse::<usize>().ok());
+            match (num(1), num(2)) {
+                (Some(b), Some(t)) if b * t <= 32768 => Some((b, t)),
+                _ => {
+                    eprintln!("usage: prefill_bench case B T (B x T at most 32768)");
+                    std::process::exit(2);
+                }
+            }
+        }
+        None => None,
+    };
     let mut chunked = Cuda::new()?;
     chunked.set_chunk_min_len(Some(1));
     let mut serial = chunked.clone();
@@ -62,6 +77,12 @@ fn main() -> gdn::Result<()> {
     println!();
     println!("| case | io | chunked | token-serial | serial / chunked |");
     println!("|---|---|---|---|---|");
+    if let Some((b, t)) = only {
+        let mut p = pool(&chunked, b, &mut rng)?;
+        let tc = time(&mut p, &rows_of(b * t, DType::F32), &uniform(b, t), 3)?;
+        println!("| B {b} T {t} | F32 | {tc:.1} | - | - |");
+        return Ok(());
+    }
     let mut cases: Vec<(&str, usize, usize, bool, usize)> = vec![
         ("B 1 T 512", 1, 512, true, 20),
         ("B 1 T 8192", 1, 8192, true, 2),

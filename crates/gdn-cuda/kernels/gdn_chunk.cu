@@ -65,6 +65,19 @@ __device__ __forceinline__ float decay_row(const float* g, int t, float* out) {
     return p * g[0];
 }
 
+// dec[s] = g[m-1] g[m-2] ... g[s+1] for s < m: decay_row's row m - 1, the same products in the same order, one
+// entry (a thread each; unrolled, so the gates' loads wait for no product)
+__device__ __forceinline__ float decay_of(const float* g, int m, int s) {
+    float gr[L];
+#pragma unroll
+    for (int r = 0; r < L; ++r) gr[r] = g[r];
+    float p = 1.0f;
+#pragma unroll
+    for (int r = L - 1; r >= 1; --r)
+        if (r < m && r > s) p = p * gr[r];
+    return p;
+}
+
 // the key head of value head h
 __device__ __forceinline__ int key_head(int h) {
 #if GDN_GROUPED
@@ -204,18 +217,56 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_chunk_plan(
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Tensor-core products: 3xTF32 (mma3, gdn_elt.cuh). A step's logical k q and q + 4 are taken from memory columns
+// Tensor-core products: 3xTF32 (split4, mma3p: gdn_elt.cuh). A step's logical k q and q + 4 are taken from memory columns
 // 4 q, 4 q + 1 (first step of 16) or 4 q + 2, 4 q + 3 (second step), for A and B alike, so that one float4 of a row
 // feeds two steps; the sum over k is the same set of products.
 
 // ---------------------------------------------------------------------------------------------------------
-// Everything of one chunk that does not depend on the state. Shared memory (floats): q, k, v [L][DP4], A [L][LP4]
-// (first the decays D[t][s], then A in place), gates, write strengths, gamma [L] each.
+// Everything of one chunk that does not depend on the state. Shared memory (floats): q (then b v, once Q is out),
+// k [L][DP4], the decays D[t][s] and A^T [L][LP4] each, gates, write strengths, gamma [L] each; v takes q's place
+// so that two blocks fit an SM.
 #define DP4 (D + 4)
 #define LP4 (L + 4)
-#define PREP_SMEM (3 * L * DP4 + L * LP4 + 3 * L)
+#define PREP_SMEM (2 * L * DP4 + 2 * L * LP4 + 3 * L)
 static_assert(L % 16 == 0 && L <= 64, "chunk length");
-extern "C" __global__ void __launch_bounds__(NT_PREP) gdn_chunk_prep(
+// the conv + SiLU of channel e (0..3 D) of value head h over the chunk's n tokens, into dst[t * DP4] (times
+// scale[t] when given): every token's input in flight at once, the history in registers
+__device__ __forceinline__ void conv_channel(const EQ::T* __restrict__ qkv, const float* hh,
+                                             const float* __restrict__ conv_w, int h, int e, int t0, int n,
+                                             size_t rbase, float* dst, const float* scale) {
+    const int ch = channel(h, e);
+    const float4 w = __ldg(reinterpret_cast<const float4*>(conv_w) + ch);
+    float x0, x1, x2;
+    if (t0 == 0) {
+        x0 = hh[e * 3];
+        x1 = hh[e * 3 + 1];
+        x2 = hh[e * 3 + 2];
+    } else {
+        x0 = EQ::ld(qkv[(rbase - 3) * C_ALL + ch]);
+        x1 = EQ::ld(qkv[(rbase - 2) * C_ALL + ch]);
+        x2 = EQ::ld(qkv[(rbase - 1) * C_ALL + ch]);
+    }
+    EQ::T raw[L];
+#pragma unroll
+    for (int t = 0; t < L; ++t) raw[t] = t < n ? qkv[(rbase + t) * C_ALL + ch] : (EQ::T)0;
+#pragma unroll
+    for (int t = 0; t < L; ++t) {
+        if (t >= n) break;
+        const float x = EQ::ld(raw[t]);
+        float s = 0.0f;
+        s = fmaf(x0, w.x, s);
+        s = fmaf(x1, w.y, s);
+        s = fmaf(x2, w.z, s);
+        s = fmaf(x, w.w, s);
+        const float a = silu_w(s);
+        dst[t * DP4] = scale ? scale[t] * a : a;
+        x0 = x1;
+        x1 = x2;
+        x2 = x;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
     const EQ::T* __restrict__ qkv, const EA::T* __restrict__ alpha, const EB::T* __restrict__ beta,
     const float* __restrict__ hist, const float* __restrict__ conv_w, const float* __restrict__ dt,
     const float* __restrict__ ssm_a, const int* __restrict__ plan, int n_seqs, int cap_long, float eps,
@@ -223,9 +274,9 @@ extern "C" __global__ void __launch_bounds__(NT_PREP) gdn_chunk_prep(
     extern __shared__ __align__(16) float sm[];
     float* const qs = sm;
     float* const ks = qs + L * DP4;
-    float* const vs = ks + L * DP4;
-    float* const as = vs + L * DP4;
-    float* const gs = as + L * LP4;
+    float* const as = ks + L * DP4;
+    float* const at = as + L * LP4;  // A^T, for the substitution
+    float* const gs = at + L * LP4;
     float* const bs = gs + L;
     float* const gam = bs + L;
 
@@ -249,35 +300,9 @@ extern "C" __global__ void __launch_bounds__(NT_PREP) gdn_chunk_prep(
     float* const M = K + 2 * (size_t)rc * HV * D;  // after O
     float* const G = M + (size_t)rc * HV * L;
 
-    // 1. conv + SiLU, a thread a channel, token after token (the spec's step 1, the history in registers)
-    for (int e = tid; e < 3 * D; e += NT_PREP) {
-        const int ch = channel(h, e);
-        const float4 w = __ldg(reinterpret_cast<const float4*>(conv_w) + ch);
-        float x0, x1, x2;
-        if (t0 == 0) {
-            x0 = hh[e * 3];
-            x1 = hh[e * 3 + 1];
-            x2 = hh[e * 3 + 2];
-        } else {
-            x0 = EQ::ld(qkv[(rbase - 3) * C_ALL + ch]);
-            x1 = EQ::ld(qkv[(rbase - 2) * C_ALL + ch]);
-            x2 = EQ::ld(qkv[(rbase - 1) * C_ALL + ch]);
-        }
-        float* dst = (e < D ? qs : e < 2 * D ? ks : vs) + e % D;
-#pragma unroll 8
-        for (int t = 0; t < n; ++t) {
-            const float x = EQ::ld(qkv[(rbase + t) * C_ALL + ch]);
-            float s = 0.0f;
-            s = fmaf(x0, w.x, s);
-            s = fmaf(x1, w.y, s);
-            s = fmaf(x2, w.z, s);
-            s = fmaf(x, w.w, s);
-            dst[t * DP4] = s / (1.0f + expf(-s));
-            x0 = x1;
-            x1 = x2;
-            x2 = x;
-        }
-    }
+    // 1. conv + SiLU of q and k, a thread a channel (v waits for q's place, step 5)
+    for (int e = tid; e < 2 * D; e += NT_PREP)
+        conv_channel(qkv, hh, conv_w, h, e, t0, n, rbase, (e < D ? qs : ks) + e % D, nullptr);
     if (tid < n) {
         const size_t r = rbase + tid;
         gs[tid] = softplus_decay(EA::ld(alpha[r * HV + h]) + dt[h], ssm_a[h]);
@@ -301,47 +326,68 @@ extern "C" __global__ void __launch_bounds__(NT_PREP) gdn_chunk_prep(
 
     // 4. k_t . k_s and q_t . k_s on tensor cores, a warp a 16 x 8 tile (t, s) at a time; then
     //    M[t][s] = D[t][s] (q_t . k_s) for s <= t, 0 past it, and A[t][s] = b_t (D[t][s] (k_t . k_s)) for s < t
-    for (int tile = warp; tile < (L / 16) * (L / 8); tile += NT_PREP / 32) {
-        const int r0 = (tile / (L / 8)) * 16, s0 = (tile % (L / 8)) * 8;
-        if (r0 >= n || s0 > r0 + 15) continue;  // rows past the window; tiles above the diagonal are 0
-        float ck[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 2
-        for (int k0 = 0; k0 < D; k0 += 16) {
-            const float4 kl = *reinterpret_cast<const float4*>(ks + (r0 + g8) * DP4 + k0 + 4 * q4);
-            const float4 kh = *reinterpret_cast<const float4*>(ks + (r0 + g8 + 8) * DP4 + k0 + 4 * q4);
-            const float4 ql = *reinterpret_cast<const float4*>(qs + (r0 + g8) * DP4 + k0 + 4 * q4);
-            const float4 qh = *reinterpret_cast<const float4*>(qs + (r0 + g8 + 8) * DP4 + k0 + 4 * q4);
-            const float4 kb = *reinterpret_cast<const float4*>(ks + (s0 + g8) * DP4 + k0 + 4 * q4);
-            const float a_k0[4] = {kl.x, kh.x, kl.y, kh.y}, a_k1[4] = {kl.z, kh.z, kl.w, kh.w};
-            const float a_q0[4] = {ql.x, qh.x, ql.y, qh.y}, a_q1[4] = {ql.z, qh.z, ql.w, qh.w};
-            const float b0[2] = {kb.x, kb.y}, b1[2] = {kb.z, kb.w};
-            mma3(ck, a_k0, b0);
-            mma3(ck, a_k1, b1);
-            mma3(cq, a_q0, b0);
-            mma3(cq, a_q1, b1);
-        }
+    //    A warp a row tile and every WPR-th column tile of it up to the diagonal, the row tile's operands split
+    //    once a step for all of them.
+    {
+        constexpr int RT = L / 16, WPR = (NT_PREP / 32) / RT, SPW = (L / 8 + WPR - 1) / WPR;
+        static_assert((NT_PREP / 32) % RT == 0, "whole warps a row tile");
+        const int r0 = (warp / WPR) * 16, sw = warp % WPR;
+        if (r0 < n) {
+            float ck[SPW][4], cq[SPW][4];
 #pragma unroll
-        for (int x = 0; x < 4; ++x) {
-            const int t = r0 + g8 + (x >> 1) * 8, s = s0 + 2 * q4 + (x & 1);
-            if (t >= n) continue;
-            const size_t r = rbase + t;
-            const float dd = s <= t ? as[t * LP4 + s] : 0.0f;
-            M[(r * HV + h) * L + s] = s <= t ? dd * cq[x] : 0.0f;
-            as[t * LP4 + s] = s < t ? bs[t] * (dd * ck[x]) : 0.0f;
+            for (int j = 0; j < SPW; ++j)
+#pragma unroll
+                for (int x = 0; x < 4; ++x) ck[j][x] = cq[j][x] = 0.0f;
+#pragma unroll 2
+            for (int k0 = 0; k0 < D; k0 += 16) {
+                const float4 kl = *reinterpret_cast<const float4*>(ks + (r0 + g8) * DP4 + k0 + 4 * q4);
+                const float4 kh = *reinterpret_cast<const float4*>(ks + (r0 + g8 + 8) * DP4 + k0 + 4 * q4);
+                const float4 ql = *reinterpret_cast<const float4*>(qs + (r0 + g8) * DP4 + k0 + 4 * q4);
+                const float4 qh = *reinterpret_cast<const float4*>(qs + (r0 + g8 + 8) * DP4 + k0 + 4 * q4);
+                const float a_k0[4] = {kl.x, kh.x, kl.y, kh.y}, a_k1[4] = {kl.z, kh.z, kl.w, kh.w};
+                const float a_q0[4] = {ql.x, qh.x, ql.y, qh.y}, a_q1[4] = {ql.z, qh.z, ql.w, qh.w};
+                unsigned hk0[4], lk0[4], hk1[4], lk1[4], hq0[4], lq0[4], hq1[4], lq1[4];
+                split4(a_k0, hk0, lk0);
+                split4(a_k1, hk1, lk1);
+                split4(a_q0, hq0, lq0);
+                split4(a_q1, hq1, lq1);
+#pragma unroll
+                for (int j = 0; j < SPW; ++j) {
+                    const int s0 = (sw + j * WPR) * 8;
+                    if (s0 >= L || s0 > r0 + 15) continue;  // tiles above the diagonal are 0
+                    const float4 kb = *reinterpret_cast<const float4*>(ks + (s0 + g8) * DP4 + k0 + 4 * q4);
+                    const float b0[2] = {kb.x, kb.y}, b1[2] = {kb.z, kb.w};
+                    mma3p(ck[j], hk0, lk0, b0);
+                    mma3p(ck[j], hk1, lk1, b1);
+                    mma3p(cq[j], hq0, lq0, b0);
+                    mma3p(cq[j], hq1, lq1, b1);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < SPW; ++j) {
+                const int s0 = (sw + j * WPR) * 8;
+                if (s0 >= L || s0 > r0 + 15) continue;
+#pragma unroll
+                for (int x = 0; x < 4; ++x) {
+                    const int t = r0 + g8 + (x >> 1) * 8, s = s0 + 2 * q4 + (x & 1);
+                    if (t >= n) continue;
+                    const size_t r = rbase + t;
+                    const float dd = s <= t ? as[t * LP4 + s] : 0.0f;
+                    M[(r * HV + h) * L + s] = s <= t ? dd * cq[j][x] : 0.0f;
+                    at[s * LP4 + t] = s < t ? bs[t] * (dd * ck[j][x]) : 0.0f;
+                }
+            }
         }
     }
-    // M past the tiles computed above (above the diagonal), and A's unused upper entries, are zeros
+    // M past the tiles computed above (above the diagonal) is zeros (A^T is read only below its diagonal)
     for (int p = tid; p < n * L; p += NT_PREP) {
         const int t = p / L, s = p % L;
-        if ((s / 8) * 8 > (t / 16) * 16 + 15) {
-            M[((rbase + t) * HV + h) * L + s] = 0.0f;
-            as[t * LP4 + s] = 0.0f;
-        }
+        if ((s / 8) * 8 > (t / 16) * 16 + 15) M[((rbase + t) * HV + h) * L + s] = 0.0f;
     }
     if (tid < n) G[(rbase + tid) * HV + h] = gs[tid];
     __syncthreads();
 
-    // 5. Q = gamma q, K = k to the scratch; the right-hand sides (b gamma) k and b v in place
+    // 5. Q = gamma q, K = k to the scratch; the right-hand side (b gamma) k in place; then b v in q's place
     for (int idx = tid; idx < n * D; idx += NT_PREP) {
         const int t = idx / D, i = idx % D;
         const size_t o = ((rbase + t) * HV + h) * D + i;
@@ -349,38 +395,45 @@ extern "C" __global__ void __launch_bounds__(NT_PREP) gdn_chunk_prep(
         Q[o] = gam[t] * qs[t * DP4 + i];
         K[o] = kt;
         ks[t * DP4 + i] = (bs[t] * gam[t]) * kt;
-        vs[t * DP4 + i] = bs[t] * vs[t * DP4 + i];
     }
     __syncthreads();
+    for (int e = tid; e < D; e += NT_PREP) conv_channel(qkv, hh, conv_w, h, 2 * D + e, t0, n, rbase, qs + e, bs);
+    __syncthreads();
 
-    // 6. forward substitution, a thread a column of [W | U], the column in registers: x_t = rhs_t - sum_{s<t}
-    //    A[t][s] x_s, rows in order, four partial sums (s mod 4) combined in a fixed order
+    // 6. forward substitution, a thread a column of [W | U], in blocks of 8 rows, the solution replacing the
+    //    right-hand side in shared memory: x_t = rhs_t - sum_{s<t} A[t][s] x_s, one sum a row in order of s (the
+    //    rows before the block from A^T, 8 rows at a time, then the block's own)
     for (int col = tid; col < 2 * D; col += NT_PREP) {
-        const float* x = (col < D ? ks : vs) + col % D;
+        float* x = (col < D ? ks : qs) + col % D;
         float* dst = (col < D ? W : U) + col % D;
-        float xr[L];
+        for (int tb = 0; tb < n; tb += 8) {
+            float acc[8], xr[8];
 #pragma unroll
-        for (int t = 0; t < L; ++t) {
-            xr[t] = 0.0f;
-            if (t < n) {
-                float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
+            for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+#pragma unroll 4
+            for (int s = 0; s < tb; ++s) {
+                const float xs = x[s * DP4];
+                const float4 a0 = *reinterpret_cast<const float4*>(at + s * LP4 + tb);
+                const float4 a1 = *reinterpret_cast<const float4*>(at + s * LP4 + tb + 4);
+                acc[0] = fmaf(a0.x, xs, acc[0]);
+                acc[1] = fmaf(a0.y, xs, acc[1]);
+                acc[2] = fmaf(a0.z, xs, acc[2]);
+                acc[3] = fmaf(a0.w, xs, acc[3]);
+                acc[4] = fmaf(a1.x, xs, acc[4]);
+                acc[5] = fmaf(a1.y, xs, acc[5]);
+                acc[6] = fmaf(a1.z, xs, acc[6]);
+                acc[7] = fmaf(a1.w, xs, acc[7]);
+            }
 #pragma unroll
-                for (int s = 0; s < (t & ~3); s += 4) {
-                    const float4 a = *reinterpret_cast<const float4*>(as + t * LP4 + s);
-                    p0 = fmaf(a.x, xr[s], p0);
-                    p1 = fmaf(a.y, xr[s + 1], p1);
-                    p2 = fmaf(a.z, xr[s + 2], p2);
-                    p3 = fmaf(a.w, xr[s + 3], p3);
-                }
+            for (int i = 0; i < 8; ++i) {
+                const int t = tb + i;
+                if (t >= n) break;
+                float a = acc[i];
 #pragma unroll
-                for (int s = t & ~3; s < t; ++s) {
-                    const float a = as[t * LP4 + s];
-                    if ((s & 3) == 0) p0 = fmaf(a, xr[s], p0);
-                    else if ((s & 3) == 1) p1 = fmaf(a, xr[s], p1);
-                    else p2 = fmaf(a, xr[s], p2);
-                }
-                xr[t] = x[t * DP4] - ((p0 + p1) + (p2 + p3));
-                dst[((rbase + t) * HV + h) * D] = xr[t];
+                for (int j = 0; j < i; ++j) a = fmaf(at[(tb + j) * LP4 + t], xr[j], a);
+                xr[i] = x[t * DP4] - a;
+                x[t * DP4] = xr[i];
+                dst[((rbase + t) * HV + h) * D] = xr[i];
             }
         }
     }
@@ -393,12 +446,30 @@ extern "C" __global__ void __launch_bounds__(NT_PREP) gdn_chunk_prep(
 // delta (Kd[s][i] = D[m-1][s] k_s[i] for s < m, 0 past m; m the chunk's length, and again with the commit
 // point's m inside the commit chunk). The W, Q, M, U, K operands come straight from the scratch (each row tile
 // has one owner, so nothing is staged); S (two buffers: read one, write the other) and delta live in shared
-// memory. Shared memory (floats): S [2][D][CBP], delta [L][CBP], gates and two decay rows [L].
+// memory. Shared memory (floats): S [2][D][CBP], delta [L][CBP], gates and two decay rows [L]. While a chunk
+// runs, its successor's gates are loaded into registers.
 #define CBP (CB + 2)
 #define NT8 (CB / 8)
+// acc[nt] += one 16-wide k step of a 16-row tile (lo: its row g, hi: row g + 8, columns 4 q .. 4 q + 3 of the
+// step) times B's rows of the step (bp: row 4 q of the step, column g of tile 0; rows CBP apart) for NT8 column
+// tiles: the tile split once, two mma steps a column tile
+__device__ __forceinline__ void tile_step(float (*acc)[4], float4 lo, float4 hi, const float* bp) {
+    const float a0[4] = {lo.x, hi.x, lo.y, hi.y}, a1[4] = {lo.z, hi.z, lo.w, hi.w};
+    unsigned h0[4], l0[4], h1[4], l1[4];
+    split4(a0, h0, l0);
+    split4(a1, h1, l1);
+#pragma unroll
+    for (int nt = 0; nt < NT8; ++nt) {
+        const float* sp = bp + nt * 8;
+        const float b0[2] = {sp[0], sp[CBP]}, b1[2] = {sp[2 * CBP], sp[3 * CBP]};
+        mma3p(acc[nt], h0, l0, b0);
+        mma3p(acc[nt], h1, l1, b1);
+    }
+}
 #define STATE_SMEM (2 * D * CBP + L * CBP + 3 * L)
 static_assert(2 * L / 16 <= NT_STATE / 32, "a warp a row tile of [W; Q]");
-extern "C" __global__ void __launch_bounds__(NT_STATE) gdn_chunk_state(
+static_assert(2 * L <= NT_STATE, "a thread a decay");
+extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
     ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __restrict__ qkv,
     const int* __restrict__ plan, int n_seqs, int cap_long, float* __restrict__ scr, long long rc) {
     extern __shared__ __align__(16) float sm[];
@@ -407,7 +478,6 @@ extern "C" __global__ void __launch_bounds__(NT_STATE) gdn_chunk_state(
     float* const gsm = dl + L * CBP;
     float* const dec = gsm + L;
     float* const decc = dec + L;
-    __shared__ float gam_s[2];
 
     const int li = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, g8 = lane >> 2, q4 = lane & 3;
@@ -446,19 +516,27 @@ extern "C" __global__ void __launch_bounds__(NT_STATE) gdn_chunk_state(
     const bool is_q = warp >= L / 16;             // this warp's row tile is one of Q's
     const int r0 = (warp % (L / 16)) * 16;        // its first row in the chunk
     const bool has_tile = warp < 2 * L / 16;
+    float g_next = tid < L && tid < len ? G[((size_t)start + tid) * HV + h] : 1.0f;
     for (int c = 0; c < nch; ++c) {
         const int t0 = c * L;
         const int n = min(L, len - t0);
         const size_t rbase = (size_t)start + t0;
         const float* ss = ssb + (c & 1) * D * CBP;
         float* sn = ssb + ((c + 1) & 1) * D * CBP;
-        if (tid < L) gsm[tid] = tid < n ? G[(rbase + tid) * HV + h] : 1.0f;
+        if (tid < L) gsm[tid] = g_next;
+        if (c + 1 < nch && tid < L) {
+            const int n1 = min(L, len - t0 - L);
+            g_next = tid < n1 ? G[(rbase + L + tid) * HV + h] : 1.0f;
+        }
         __syncthreads();
         // the decay rows of the chunk's end and of a commit inside it (read only after the next barrier)
         const bool need_upd = c + 1 < nch;
         const bool need_commit = c == cchunk;
-        if (tid == 0 && need_upd) gam_s[0] = decay_row(gsm, n - 1, dec);
-        if (tid == 32 && need_commit) gam_s[1] = decay_row(gsm, ncommit - 1, decc);
+        if (tid < L) {
+            if (need_upd && tid < n) dec[tid] = decay_of(gsm, n, tid);
+        } else if (tid < 2 * L) {
+            if (need_commit && tid - L < ncommit) decc[tid - L] = decay_of(gsm, ncommit, tid - L);
+        }
 
         // P1: this warp's 16 rows of W (or Q) times S
         float acc[NT8][4];
@@ -469,18 +547,23 @@ extern "C" __global__ void __launch_bounds__(NT_STATE) gdn_chunk_state(
             const bool lo_ok = r0 + g8 < n, hi_ok = r0 + g8 + 8 < n;
             const float* xl = X + ((rbase + r0 + g8) * HV + h) * D + 4 * q4;
             const float* xh = xl + (size_t)8 * HV * D;
-#pragma unroll 2
-            for (int k0 = 0; k0 < D; k0 += 16) {
-                const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                const float4 al = lo_ok ? *reinterpret_cast<const float4*>(xl + k0) : zero4;
-                const float4 ah = hi_ok ? *reinterpret_cast<const float4*>(xh + k0) : zero4;
-                const float a0[4] = {al.x, ah.x, al.y, ah.y}, a1[4] = {al.z, ah.z, al.w, ah.w};
+            // the operands of PG steps of 16 loaded at once, each split once for its products
+            constexpr int PG = 4;
 #pragma unroll
-                for (int nt = 0; nt < NT8; ++nt) {
-                    const float* sp = ss + (k0 + 4 * q4) * CBP + nt * 8 + g8;
-                    const float b0[2] = {sp[0], sp[CBP]}, b1[2] = {sp[2 * CBP], sp[3 * CBP]};
-                    mma3(acc[nt], a0, b0);
-                    mma3(acc[nt], a1, b1);
+            for (int kg = 0; kg < D; kg += 16 * PG) {
+                float4 al[PG], ah[PG];
+                const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                for (int j = 0; j < PG; ++j) {
+                    if (kg + 16 * j < D) {
+                        al[j] = lo_ok ? *reinterpret_cast<const float4*>(xl + kg + 16 * j) : zero4;
+                        ah[j] = hi_ok ? *reinterpret_cast<const float4*>(xh + kg + 16 * j) : zero4;
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < PG; ++j) {
+                    const int k0 = kg + 16 * j;
+                    if (k0 < D) tile_step(acc, al[j], ah[j], ss + (k0 + 4 * q4) * CBP + g8);
                 }
             }
             if (!is_q) {
@@ -512,14 +595,7 @@ extern "C" __global__ void __launch_bounds__(NT_STATE) gdn_chunk_state(
                 const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 const float4 al = lo_ok ? *reinterpret_cast<const float4*>(ml + k0) : zero4;
                 const float4 ah = hi_ok ? *reinterpret_cast<const float4*>(mh + k0) : zero4;
-                const float a0[4] = {al.x, ah.x, al.y, ah.y}, a1[4] = {al.z, ah.z, al.w, ah.w};
-#pragma unroll
-                for (int nt = 0; nt < NT8; ++nt) {
-                    const float* dp = dl + (k0 + 4 * q4) * CBP + nt * 8 + g8;
-                    const float b0[2] = {dp[0], dp[CBP]}, b1[2] = {dp[2 * CBP], dp[3 * CBP]};
-                    mma3(acc[nt], a0, b0);
-                    mma3(acc[nt], a1, b1);
-                }
+                tile_step(acc, al, ah, dl + (k0 + 4 * q4) * CBP + g8);
             }
 #pragma unroll
             for (int nt = 0; nt < NT8; ++nt) {
@@ -540,7 +616,7 @@ extern "C" __global__ void __launch_bounds__(NT_STATE) gdn_chunk_state(
             const int i0 = (it % (D / 16)) * 16;
             const int m = cm ? ncommit : n;
             const float* dv = cm ? decc : dec;
-            const float gm = gam_s[cm ? 1 : 0];
+            const float gm = dv[0] * gsm[0];  // gamma_{m-1}, as decay_row returns it
             float u[NT8][4];
 #pragma unroll
             for (int nt = 0; nt < NT8; ++nt) {
@@ -551,25 +627,42 @@ extern "C" __global__ void __launch_bounds__(NT_STATE) gdn_chunk_state(
                 u[nt][3] = gm * ss[(i0 + g8 + 8) * CBP + col + 1];
             }
             const float* kb = K + (rbase * HV + h) * D + i0 + g8;
-            for (int s0 = 0; s0 < m; s0 += 16) {
+            // every step's keys loaded at once; steps past m have A and B exactly 0, as a loop to m would leave them
+            float ka[L / 16][8];
+#pragma unroll
+            for (int s0 = 0; s0 < L; s0 += 16) {
+#pragma unroll
+                for (int x = 0; x < 4; ++x) {
+                    const int s = s0 + 4 * q4 + x;
+                    const bool ok = s < m;
+                    ka[s0 / 16][2 * x] = ok ? kb[(size_t)s * HV * D] : 0.0f;          // row i0 + g8
+                    ka[s0 / 16][2 * x + 1] = ok ? kb[(size_t)s * HV * D + 8] : 0.0f;  // row i0 + g8 + 8
+                }
+            }
+#pragma unroll
+            for (int s0 = 0; s0 < L; s0 += 16) {
+                if (s0 >= m) break;
                 float a[8], bm[4];
 #pragma unroll
                 for (int x = 0; x < 4; ++x) {
                     const int s = s0 + 4 * q4 + x;
                     const bool ok = s < m;
                     const float ds = ok ? dv[s] : 0.0f;
-                    a[2 * x] = ok ? ds * kb[(size_t)s * HV * D] : 0.0f;          // row i0 + g8
-                    a[2 * x + 1] = ok ? ds * kb[(size_t)s * HV * D + 8] : 0.0f;  // row i0 + g8 + 8
+                    a[2 * x] = ds * ka[s0 / 16][2 * x];  // exactly 0 past m (both factors)
+                    a[2 * x + 1] = ds * ka[s0 / 16][2 * x + 1];
                     bm[x] = ok ? 1.0f : 0.0f;
                 }
                 const float a0[4] = {a[0], a[1], a[2], a[3]}, a1[4] = {a[4], a[5], a[6], a[7]};
+                unsigned h0[4], l0[4], h1[4], l1[4];
+                split4(a0, h0, l0);
+                split4(a1, h1, l1);
 #pragma unroll
                 for (int nt = 0; nt < NT8; ++nt) {
                     const float* dp = dl + (s0 + 4 * q4) * CBP + nt * 8 + g8;
                     const float b0[2] = {bm[0] != 0.0f ? dp[0] : 0.0f, bm[1] != 0.0f ? dp[CBP] : 0.0f};
                     const float b1[2] = {bm[2] != 0.0f ? dp[2 * CBP] : 0.0f, bm[3] != 0.0f ? dp[3 * CBP] : 0.0f};
-                    mma3(u[nt], a0, b0);
-                    mma3(u[nt], a1, b1);
+                    mma3p(u[nt], h0, l0, b0);
+                    mma3p(u[nt], h1, l1, b1);
                 }
             }
 #pragma unroll

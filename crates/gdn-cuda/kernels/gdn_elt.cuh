@@ -37,6 +37,11 @@ template <> struct Elt<2> {
 // The math the step kernels share (gdn_step.cu, gdn_window.cu, gdn_chunk.cu): the gates and a fixed-order sum.
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+// The gates with the fast division (__fdividef: the quotient within 2 ulp, 0 once the divisor passes 2^126, where
+// the exact one underflows too): the window and chunked kernels' SiLU and sigmoid.
+__device__ __forceinline__ float silu_w(float x) { return __fdividef(x, 1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid_w(float x) { return __fdividef(1.0f, 1.0f + expf(-x)); }
+
 __device__ __forceinline__ float softplus_decay(float u, float a) {
     const float ex = expf(u);
     const float w = 1.0f + ex;
@@ -59,20 +64,11 @@ template <> struct Tree<1> {
 };
 
 // Tensor-core products in 3xTF32 (mma.sync m16n8k8, sm_80+; gdn_chunk.cu, gdn_window.cu): each f32 operand x is
-// split into x_hi = tf32(x) and x_lo = tf32(x - x_hi), and a product is a_lo b_hi + a_hi b_lo + a_hi b_hi (the
-// small terms first), which keeps f32 accuracy. Fragments (lane = 4 g + q): A 16 x 8 row-major a0 (g, k q),
+// split into x_hi and x_lo (split2_fast), and a product is a_lo b_hi + a_hi b_lo + a_hi b_hi (the small terms
+// first), which keeps about f32 accuracy. Fragments (lane = 4 g + q): A 16 x 8 row-major a0 (g, k q),
 // a1 (g + 8, k q), a2 (g, k q + 4), a3 (g + 8, k q + 4); B 8 x 8 b0 (k q, n g), b1 (k q + 4, n g); C c0 (g, 2 q),
 // c1 (g, 2 q + 1), c2 (g + 8, 2 q), c3 (g + 8, 2 q + 1). Each element of C depends only on its row of A and its
 // column of B.
-__device__ __forceinline__ unsigned tf32_of(float x) {
-    unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
-__device__ __forceinline__ void split2(float x, unsigned& hi, unsigned& lo) {
-    hi = tf32_of(x);
-    lo = tf32_of(x - __uint_as_float(hi));
-}
 __device__ __forceinline__ void mma_tf32(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
                                          unsigned b1) {
     asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -80,25 +76,27 @@ __device__ __forceinline__ void mma_tf32(float* c, unsigned a0, unsigned a1, uns
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-// c += A B for one k step: a[4] and b[2] the f32 fragment values
-__device__ __forceinline__ void mma3(float* c, const float* a, const float* b) {
-    unsigned ah[4], al[4], bh[2], bl[2];
-#pragma unroll
-    for (int x = 0; x < 4; ++x) split2(a[x], ah[x], al[x]);
-    split2(b[0], bh[0], bl[0]);
-    split2(b[1], bh[1], bl[1]);
-    mma_tf32(c, al[0], al[1], al[2], al[3], bh[0], bh[1]);
-    mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
-    mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
-}
 // The split of x in two integer steps and a subtraction (cvt.rna.tf32 is emulated in about five instructions on
-// sm_90): hi = x rounded to tf32 (half away from zero), lo = x - hi exactly, left for the mma to truncate
-// (|error| <= 2^-21 |x|; a product a_lo b_hi + a_hi b_lo + a_hi b_hi keeps about f32 accuracy). For |x| below
-// 2^128 (1 - 2^-12) (every finite x but the last 2^-12 of the range, where hi would round to infinity) and NaN
-// (stays NaN); an infinity becomes NaN.
+// sm_90, and the profiles showed it as the kernels' largest instruction block): hi = x rounded to tf32 (half away
+// from zero), lo = x - hi exactly, left for the mma to truncate (|error| <= 2^-21 |x|; a product a_lo b_hi +
+// a_hi b_lo + a_hi b_hi keeps about f32 accuracy). For |x| below 2^128 (1 - 2^-12) (every finite x but the last
+// 2^-12 of the range, where hi would round to infinity) and NaN (stays NaN); an infinity becomes NaN.
 __device__ __forceinline__ void split2_fast(float x, unsigned& hi, unsigned& lo) {
     hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
     lo = __float_as_uint(x - __uint_as_float(hi));
+}
+__device__ __forceinline__ void split4(const float* a, unsigned* h, unsigned* l) {
+#pragma unroll
+    for (int x = 0; x < 4; ++x) split2_fast(a[x], h[x], l[x]);
+}
+// c += A B for one k step, A already split (ah, al; split4), b[2] the f32 fragment values of B
+__device__ __forceinline__ void mma3p(float* c, const unsigned* ah, const unsigned* al, const float* b) {
+    unsigned bh[2], bl[2];
+    split2_fast(b[0], bh[0], bl[0]);
+    split2_fast(b[1], bh[1], bl[1]);
+    mma_tf32(c, al[0], al[1], al[2], al[3], bh[0], bh[1]);
+    mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
+    mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
 }
 
 // An L2 prefetch of `bytes` (a multiple of 16) from p (16-byte aligned), sm_90's bulk form; a hint only, it

@@ -72,9 +72,6 @@ typedef Elt<GDN_Z_DT> EZ;
 typedef Elt<GDN_OUT_DT> EO;
 typedef Elt<GDN_STATE_DT> ES;
 
-// the gates of the conv and the output in the fast division (within two ulps; the window kernel's own)
-__device__ __forceinline__ float silu_w(float x) { return __fdividef(x, 1.0f + expf(-x)); }
-__device__ __forceinline__ float sigmoid_w(float x) { return __fdividef(1.0f, 1.0f + expf(-x)); }
 
 extern "C" __global__ void __launch_bounds__(NT, 2)
 gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __restrict__ qkv,

@@ -94,7 +94,7 @@ impl ChunkSpec {
     /// Dynamic shared memory of the prep kernel, bytes (the kernel's PREP_SMEM).
     pub fn prep_smem(&self) -> usize {
         let (d, l) = (self.shape.d, self.l());
-        4 * (3 * l * (d + 4) + l * (l + 4) + 3 * l)
+        4 * (2 * l * (d + 4) + 2 * l * (l + 4) + 3 * l)
     }
 
     /// Dynamic shared memory of the state kernel, bytes (the kernel's STATE_SMEM).
