@@ -645,10 +645,18 @@ fn run_out_proj(
     // one ceiling for the run: a GPU copy of 1 GiB; on the CPU a copy of the rotation's footprint (from memory,
     // as the rotated weights are)
     let ceiling = backend.copy_ceiling(if device { 1 << 30 } else { rotate })?;
+    // and, where the backend measures one, a read-only pass over the same footprint: a product reads its weights
+    // and writes next to nothing
+    let read_ceiling = if device {
+        None
+    } else {
+        backend.read_ceiling_rotating(rotate, 1)?
+    };
     println!(
-        "the layer's tail on {}: step (seed shape, f32, commit all) + out_proj {n} -> {hidden} (affine groups of 16); copy ceiling {:.0} GB/s{}",
+        "the layer's tail on {}: step (seed shape, f32, commit all) + out_proj {n} -> {hidden} (affine groups of 16); copy ceiling {:.0} GB/s{}{}",
         backend.name(),
         ceiling / 1e9,
+        read_ceiling.map_or(String::new(), |r| format!(", read ceiling {:.0} GB/s", r / 1e9)),
         if device {
             format!("; each product rotates over copies of its weights spanning {rotate_mib} MiB (weights from memory, not L2); CUDA graphs of calls, events")
         } else {
@@ -724,14 +732,16 @@ fn run_out_proj(
         }
     }
     println!();
-    println!("out_proj alone, us per call (rows = B x T); floor = bytes to read / copy ceiling");
+    println!("out_proj alone, us per call (rows = B x T); floor = bytes to read / copy ceiling; read floor = bytes to read / read ceiling (\"-\" where the backend measures none)");
     println!();
-    println!("| packing | rows | weight MB (fields + scales) | planes us | shift + group sums us | planes / shift | bf16 us ({:.1} MB) | floor us | planes / floor | fields-only floor us | empty kernel us | planes vs shift rel. diff |", bf.bytes() as f64 / 1e6);
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| packing | rows | weight MB (fields + scales) | planes us | shift + group sums us | planes / shift | bf16 us ({:.1} MB) | floor us | planes / floor | read floor us | planes / read floor | bf16 / its read floor | fields-only floor us | empty kernel us | planes vs shift rel. diff |", bf.bytes() as f64 / 1e6);
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for &(p, b, t, bytes, fields, planes, shift, bf16, empty, _copies, diff) in &products {
         let floor = bytes as f64 / ceiling;
+        let read = |x: Option<f64>| x.map_or("-".into(), |v| format!("{v:.2}"));
+        let read_floor = read_ceiling.map(|r| bytes as f64 / r);
         println!(
-            "| {} | {} | {:.1} ({:.1} + {:.1}) | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | {:.2} | {:.1} | {} | {:.1e} |",
+            "| {} | {} | {:.1} ({:.1} + {:.1}) | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | {:.2} | {} | {} | {} | {:.1} | {} | {:.1e} |",
             p.name(),
             b * t,
             bytes as f64 / 1e6,
@@ -743,6 +753,9 @@ fn run_out_proj(
             bf16 * 1e6,
             floor * 1e6,
             planes / floor,
+            read_floor.map_or("-".into(), |f| format!("{:.1}", f * 1e6)),
+            read(read_floor.map(|f| planes / f)),
+            read(read_ceiling.map(|r| bf16 / (bf.bytes() as f64 / r))),
             fields as f64 / ceiling * 1e6,
             empty.map_or("-".into(), |e| format!("{:.2}", e * 1e6)),
             diff,

@@ -73,6 +73,13 @@ pub trait Backend {
         self.copy_ceiling(bytes)
     }
 
+    /// The read ceiling of this backend in bytes read per second, measured now, for a read-only stream (a matrix
+    /// product over weights from memory reads and barely writes): a summing pass over one of `parts` buffers of
+    /// `bytes` bytes per call, taken in turn. `None` where the backend does not measure one.
+    fn read_ceiling_rotating(&self, _bytes: usize, _parts: usize) -> Result<Option<f64>> {
+        Ok(None)
+    }
+
     /// The arithmetic ceiling of this backend in f32 FLOP per second (an FMA counts two), measured now: all its
     /// threads issuing independent FMAs and nothing else. `None` where the backend does not measure one. Windows
     /// of several tokens are bound by arithmetic, not memory, so `gdn bench` sets them against this.
@@ -107,6 +114,38 @@ pub fn touch_in_place(buf: &mut [f32]) {
         *x += 0.0;
     }
     std::hint::black_box(buf);
+}
+
+/// A read-only pass over `buf` (a read ceiling's work): its sum in four 16-lane accumulators, lines fetched
+/// 8 KiB ahead as `touch_in_place` does.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+pub fn sum_read(buf: &[f32]) -> f32 {
+    const AHEAD: usize = 8192 / 4;
+    let end = buf.as_ptr_range().end;
+    let (blocks, rest) = buf.as_chunks::<64>();
+    let mut acc = [[0.0f32; 16]; 4];
+    for block in blocks {
+        for k in 0..4 {
+            let p = block[16 * k..].as_ptr().wrapping_add(AHEAD);
+            if p < end {
+                prefetch(p);
+            }
+        }
+        for (k, a) in acc.iter_mut().enumerate() {
+            for (e, x) in a.iter_mut().enumerate() {
+                *x += block[16 * k + e];
+            }
+        }
+    }
+    let mut t: f32 = acc.iter().flatten().sum();
+    for x in rest {
+        t += x;
+    }
+    std::hint::black_box(t)
 }
 
 /// Independent FMA chains an FMA ceiling keeps in flight: more than latency x issue ports on the cores we know
@@ -413,6 +452,16 @@ mod tests {
     use super::head_history;
     use crate::synth::Synth;
     use crate::{Config, HeadMap, Shape};
+
+    #[test]
+    fn the_read_pass_reads_every_element_once() {
+        // lengths around the 64-float blocks, values whose sums are exact in f32 whatever the order
+        for len in [0, 1, 63, 64, 65, 1000, 4096 + 17] {
+            let buf: Vec<f32> = (0..len).map(|i| (i % 7) as f32).collect();
+            let want: f32 = buf.iter().sum();
+            assert_eq!(super::sum_read(&buf), want, "len {len}");
+        }
+    }
 
     #[test]
     fn head_history_round_trips_and_copies_each_qk_channel_per_head() {

@@ -151,6 +151,32 @@ impl Backend for Cpu {
         Ok(2.0 * (len * 4) as f64 / t.as_secs_f64())
     }
 
+    /// The summing pass of `crate::backend::sum_read` over one part per call, split over the pool's threads as
+    /// `copy_ceiling_rotating` splits its pass.
+    fn read_ceiling_rotating(&self, bytes: usize, parts: usize) -> Result<Option<f64>> {
+        let len = (bytes / 4).max(1);
+        let parts = parts.max(1);
+        let too_large = || Error::Param {
+            name: "parts",
+            why: format!("{parts} buffers of {bytes} bytes do not fit in this machine's memory"),
+        };
+        let total = len.checked_mul(parts).ok_or_else(too_large)?;
+        let mut buf = LineVec::zeroed(total).map_err(|_| too_large())?;
+        buf.fill(1.0);
+        let chunk = len.div_ceil(self.thread_count().max(1)).max(1);
+        let mut next = 0;
+        let t = in_pool(&self.threads, || {
+            crate::backend::time_host(7, 8 * parts, || {
+                let part = &buf[next * len..(next + 1) * len];
+                next = (next + 1) % parts;
+                let s: f32 = part.par_chunks(chunk).map(crate::backend::sum_read).sum();
+                std::hint::black_box(s);
+                Ok(())
+            })
+        })?;
+        Ok(Some((len * 4) as f64 / t.as_secs_f64()))
+    }
+
     /// Every thread of the backend's pool runs FMA chains in the widest registers the kernels dispatch to; rounds
     /// of ~20 ms (wall time of the whole pool, so a thread that starts late counts against it), best of 5.
     fn fma_ceiling(&self) -> Result<Option<f64>> {
