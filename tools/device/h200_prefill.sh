@@ -11,8 +11,9 @@ for bin in ${PF_BINS:?prefill_bench builds}; do
   [ -f "$bin.xz" ] && xz -dkf "$bin.xz"
   chmod +x "$bin"; bins+=("$bin")
 done
+i=0
 for bin in "${bins[@]}"; do
-  tag=$(basename "$(dirname "$bin")")
+  i=$((i + 1)); tag=$i-$(basename "$(dirname "$bin")")
   stamp "prefill_bench $tag ${PF_ARGS:-}"
   timeout ${PF_TIMEOUT:-120} "$bin" ${PF_ARGS:-} >"$OUT/prefill_$tag.txt" 2>&1
   echo "rc $?" | tee -a "$S"
@@ -26,6 +27,8 @@ if [ -n "${PF_NCU:-}" ]; then
   python3 - "$OUT/ncu_prefill.csv" <<'PY' | tee -a "$S"
 import csv, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 14]
+if not rows:
+    sys.exit("ncu wrote no table")
 head, rows = rows[0], rows[1:]
 ki, mi, vi, ui = head.index("Kernel Name"), head.index("Metric Name"), head.index("Metric Value"), head.index("Metric Unit")
 want = ["Duration", "Registers Per Thread", "Achieved Occupancy", "Compute (SM) Throughput", "Memory Throughput",
@@ -39,4 +42,5 @@ for k, m in seen.items():
     print(k, "; ".join(f"{w}: {m[w]}" for w in want if w in m))
 PY
 fi
-for bin in "${bins[@]}"; do tag=$(basename "$(dirname "$bin")"); echo "===== $tag"; grep "^|" "$OUT/prefill_$tag.txt"; done
+i=0
+for bin in "${bins[@]}"; do i=$((i + 1)); tag=$i-$(basename "$(dirname "$bin")"); echo "===== $tag"; grep "^|" "$OUT/prefill_$tag.txt"; done

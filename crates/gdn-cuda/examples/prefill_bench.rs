@@ -38,7 +38,11 @@ fn main() -> gdn::Result<()> {
         Some(i) => {
             let num = |k: usize| args.get(i + k).and_then(|a| a.parse::<usize>().ok());
             match (num(1), num(2)) {
-                (Some(b), Some(t)) if b * t <= 32768 => Some((b, t)),
+                (Some(b), Some(t))
+                    if b.checked_mul(t).is_some_and(|r| (1..=32768).contains(&r)) =>
+                {
+                    Some((b, t))
+                }
                 _ => {
                     eprintln!("usage: prefill_bench case B T (B x T at most 32768)");
                     std::process::exit(2);

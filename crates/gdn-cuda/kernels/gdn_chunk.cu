@@ -379,7 +379,8 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
             }
         }
     }
-    // M past the tiles computed above (above the diagonal) is zeros (A^T is read only below its diagonal)
+    // M past the tiles computed above (above the diagonal) is zeros. A^T is read only at s < t (A's strict lower
+    // part, all written above); the last block's columns past n are read too, and their sums dropped.
     for (int p = tid; p < n * L; p += NT_PREP) {
         const int t = p / L, s = p % L;
         if ((s / 8) * 8 > (t / 16) * 16 + 15) M[((rbase + t) * HV + h) * L + s] = 0.0f;

@@ -37,8 +37,9 @@ template <> struct Elt<2> {
 // The math the step kernels share (gdn_step.cu, gdn_window.cu, gdn_chunk.cu): the gates and a fixed-order sum.
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// The gates with the fast division (__fdividef: the quotient within 2 ulp, 0 once the divisor passes 2^126, where
-// the exact one underflows too): the window and chunked kernels' SiLU and sigmoid.
+// The gates with the fast division (__fdividef: the quotient within 2 ulp; 0 once the divisor passes 2^126, where
+// the exact sigmoid underflows too, while SiLU's exact value for x below about -87 is a normal number near 1e-36
+// that comes out 0): the window and chunked kernels' SiLU and sigmoid.
 __device__ __forceinline__ float silu_w(float x) { return __fdividef(x, 1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_w(float x) { return __fdividef(1.0f, 1.0f + expf(-x)); }
 
