@@ -25,6 +25,36 @@ pub struct Cpu {
 }
 
 impl Cpu {
+    /// A ceiling's timing: `parts` buffers of `bytes` bytes on cache lines (as the pool's state is), `pass` run on
+    /// one part per timed call, the parts in turn, each split into one piece a thread; the part's length in
+    /// floats and the seconds a pass.
+    fn time_rotating(
+        &self,
+        bytes: usize,
+        parts: usize,
+        mut pass: impl FnMut(&mut [f32], usize) + Send,
+    ) -> Result<(usize, f64)> {
+        let len = (bytes / 4).max(1);
+        let parts = parts.max(1);
+        let too_large = || Error::Param {
+            name: "parts",
+            why: format!("{parts} buffers of {bytes} bytes do not fit in this machine's memory"),
+        };
+        let total = len.checked_mul(parts).ok_or_else(too_large)?;
+        let mut buf = LineVec::zeroed(total).map_err(|_| too_large())?;
+        buf.fill(1.0);
+        let chunk = len.div_ceil(self.thread_count().max(1)).max(1);
+        let mut next = 0;
+        let t = in_pool(&self.threads, || {
+            crate::backend::time_host(7, 8 * parts, || {
+                pass(&mut buf[next * len..(next + 1) * len], chunk);
+                next = (next + 1) % parts;
+                Ok(())
+            })
+        })?;
+        Ok((len, t.as_secs_f64()))
+    }
+
     pub fn new() -> Self {
         Cpu::default()
     }
@@ -127,54 +157,21 @@ impl Backend for Cpu {
 
     /// As `copy_ceiling`, over one of `parts` buffers of `bytes` bytes per timed pass, taken in turn.
     fn copy_ceiling_rotating(&self, bytes: usize, parts: usize) -> Result<f64> {
-        let len = (bytes / 4).max(1);
-        let parts = parts.max(1);
-        let too_large = || Error::Param {
-            name: "parts",
-            why: format!("{parts} buffers of {bytes} bytes do not fit in this machine's memory"),
-        };
-        let total = len.checked_mul(parts).ok_or_else(too_large)?;
-        // on cache lines, as the pool's state is
-        let mut buf = LineVec::zeroed(total).map_err(|_| too_large())?;
-        buf.fill(1.0);
-        let chunk = len.div_ceil(self.thread_count().max(1)).max(1);
-        let mut next = 0;
-        let t = in_pool(&self.threads, || {
-            crate::backend::time_host(7, 8 * parts, || {
-                let part = &mut buf[next * len..(next + 1) * len];
-                next = (next + 1) % parts;
-                part.par_chunks_mut(chunk)
-                    .for_each(crate::backend::touch_in_place);
-                Ok(())
-            })
+        let (len, t) = self.time_rotating(bytes, parts, |part, chunk| {
+            part.par_chunks_mut(chunk)
+                .for_each(crate::backend::touch_in_place)
         })?;
-        Ok(2.0 * (len * 4) as f64 / t.as_secs_f64())
+        Ok(2.0 * (len * 4) as f64 / t)
     }
 
     /// The summing pass of `crate::backend::sum_read` over one part per call, split over the pool's threads as
     /// `copy_ceiling_rotating` splits its pass.
     fn read_ceiling_rotating(&self, bytes: usize, parts: usize) -> Result<Option<f64>> {
-        let len = (bytes / 4).max(1);
-        let parts = parts.max(1);
-        let too_large = || Error::Param {
-            name: "parts",
-            why: format!("{parts} buffers of {bytes} bytes do not fit in this machine's memory"),
-        };
-        let total = len.checked_mul(parts).ok_or_else(too_large)?;
-        let mut buf = LineVec::zeroed(total).map_err(|_| too_large())?;
-        buf.fill(1.0);
-        let chunk = len.div_ceil(self.thread_count().max(1)).max(1);
-        let mut next = 0;
-        let t = in_pool(&self.threads, || {
-            crate::backend::time_host(7, 8 * parts, || {
-                let part = &buf[next * len..(next + 1) * len];
-                next = (next + 1) % parts;
-                let s: f32 = part.par_chunks(chunk).map(crate::backend::sum_read).sum();
-                std::hint::black_box(s);
-                Ok(())
-            })
+        let (len, t) = self.time_rotating(bytes, parts, |part, chunk| {
+            let s: f32 = part.par_chunks(chunk).map(crate::backend::sum_read).sum();
+            std::hint::black_box(s);
         })?;
-        Ok(Some((len * 4) as f64 / t.as_secs_f64()))
+        Ok(Some((len * 4) as f64 / t))
     }
 
     /// Every thread of the backend's pool runs FMA chains in the widest registers the kernels dispatch to; rounds
