@@ -1,5 +1,5 @@
 // gdn_chunk.cu: the GDN window step (SPEC.md) of long windows in the chunked (WY / UT) form (see NOTES.md,
-// "Chunked windows"). Five kernels, launched in this order on one stream:
+// "Chunked windows"). Four kernels, launched in this order on one stream:
 //   gdn_chunk_plan   one block: splits the call's sequences by length and commit point (below min_len: left
 //                    to the token-serial kernel, whose slot array it writes with the long ones skipped), checks the
 //                    long ones and lists them and their chunks of L tokens
@@ -7,15 +7,13 @@
 //                    chunk's decays, A = strictly-lower(b_t D[t][s] k_t . k_s), M = lower(D[t][s] q_t . k_s),
 //                    and by forward substitution W = (I + A)^-1 diag(b gamma) K, U = (I + A)^-1 diag(b) V
 //   gdn_chunk_state  one block a (sequence, value head, block of CB value columns): the state slice, chunk after
-//                    chunk: delta = U - W S, S <- gamma_n S + sum_s D[n-1][s] k_s delta_s^T, each chunk's initial
-//                    state and delta kept for gdn_chunk_o; the committed state (and the history) at the commit point
-//   gdn_chunk_o      one block a (chunk, value head, OC value columns), all chunks in parallel: o = (gamma Q) S +
-//                    M delta from the chunk's initial state
+//                    chunk: delta = U - W S, o = (gamma Q) S + M delta, S <- gamma_n S + sum_s D[n-1][s] k_s
+//                    delta_s^T; the committed state (and the history) at the commit point
 //   gdn_chunk_out    one block a (chunk, value head): the gated RMS norm of o, y, planes, group sums
 //
 // Macros (src/chunk.rs): GDN_D, GDN_HK, GDN_HV, GDN_SILU, GDN_GROUPED, GDN_PLANES, the element types
 // GDN_QKV_DT .. GDN_OUT_DT (0 f32, 1 bf16, 2 f16), GDN_STATE_DT (0 f32, 1 bf16), GDN_VMAJOR (state layout),
-// GDN_L (chunk length), GDN_CB (value columns a state block owns).
+// GDN_L (chunk length), GDN_CB (value columns a state block owns), GDN_TF32X1 (one TF32 product a step).
 //
 // Bits. Chunk boundaries are at multiples of L from the window start, and every value of token t of a chunk
 // depends only on the chunk's tokens up to t (loops over earlier tokens end at t, never at the chunk's
@@ -25,11 +23,10 @@
 // Every reduction has a fixed order (no atomics in sums), the program is compiled with --fmad=false and every
 // fused multiply-add is an explicit fmaf.
 //
-// Scratch (floats, row r of the call, value head h): W, U (delta once the state kernel has run), Q (gamma_t q_t),
-// K (k_t), O (o before the norm) [r][HV][D] each, M [r][HV][L], G (gates) [r][HV]; rc rows each. `sc`: each
-// chunk's initial state [chunk][HV][D][D] (key-major, f32). The plan (ints): [0] long sequences, [1] chunks,
-// then the token-serial slot array [n_seqs], per long sequence (slot, start, len, commit, its first chunk)
-// [cap_long][5], per chunk (long sequence, chunk index) [cap_ent][2].
+// Scratch (floats, row r of the call, value head h): W, U, Q (gamma_t q_t), K (k_t), O (o before the norm)
+// [r][HV][D] each, M [r][HV][L], G (gates) [r][HV]; rc rows each. The plan (ints): [0] long sequences, [1]
+// chunks, then the token-serial slot array [n_seqs], per long sequence (slot, start, len, commit) [cap_long][4],
+// per chunk (long sequence, chunk index) [cap_ent][2].
 
 #define D GDN_D
 #define HK GDN_HK
@@ -98,8 +95,7 @@ __device__ __forceinline__ int channel(int h, int e) {
 
 #define PLAN_SLOT 2
 #define PLAN_LONG(n_seqs) (2 + (n_seqs))
-#define PLAN_REC 5
-#define PLAN_ENT(n_seqs, cap_long) (2 + (n_seqs) + PLAN_REC * (cap_long))
+#define PLAN_ENT(n_seqs, cap_long) (2 + (n_seqs) + 4 * (cap_long))
 
 // ---------------------------------------------------------------------------------------------------------
 // The plan. One block of 1024 threads; thread i takes a contiguous run of sequences, so the lists keep the
@@ -200,12 +196,11 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_chunk_plan(
             if (c >= 0 && c <= len) commit = c;
             else bad |= 8u;
         }
-        int* li = longs + PLAN_REC * ol;
+        int* li = longs + 4 * ol;
         li[0] = slot;
         li[1] = start;
         li[2] = len;
         li[3] = commit;
-        li[4] = (int)oe;
         for (int c = 0; c < nch; ++c) {
             ents[2 * (oe + c)] = (int)ol;
             ents[2 * (oe + c) + 1] = c;
@@ -302,7 +297,7 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
     if (ent >= plan[1]) return;
     const int* e2 = plan + PLAN_ENT(n_seqs, cap_long) + 2 * ent;
     const int li = e2[0], c = e2[1];
-    const int* inf = plan + PLAN_LONG(n_seqs) + PLAN_REC * li;
+    const int* inf = plan + PLAN_LONG(n_seqs) + 4 * li;
     const int slot = inf[0], start = inf[1], len = inf[2];
     const int t0 = c * L;
     const int n = min(L, len - t0);
@@ -458,44 +453,38 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The recurrence over chunks for one block of CB value columns of one value head, on tensor cores: per chunk
-// only what the next chunk needs. Warp w owns row tile w % (L / 16) of W and a part of the block's columns: P1
-// delta = U - W S (stored over U for gdn_chunk_o, and kept in shared memory); then every warp takes 16-row tiles
-// of the state update P3 S' = gamma S + Kd^T delta (Kd[s][i] = D[m-1][s] k_s[i] for s < m, 0 past m; m the
-// chunk's length, and again with the commit point's m inside the commit chunk). The chunk's initial state goes
-// to `sc` for gdn_chunk_o. The W, U, K operands come straight from the scratch (each row tile has its owners,
-// so nothing is staged); S (two buffers: read one, write the other) and delta live in shared memory. Shared
-// memory (floats): S [2][D][CBP], delta [L][CBP], gates and two decay rows [L]. While a chunk runs, its
-// successor's gates are loaded into registers.
+// The recurrence over chunks for one block of CB value columns of one value head, on tensor cores. Warp w owns
+// row tile w of [W; Q] (2 L rows: W's tiles first): P1 [delta | o] = [U | 0] -+ [W; Q] S; then the Q warps add
+// P2 M delta to o and store it; then every warp takes 16-row tiles of the state update P3 S' = gamma S + Kd^T
+// delta (Kd[s][i] = D[m-1][s] k_s[i] for s < m, 0 past m; m the chunk's length, and again with the commit
+// point's m inside the commit chunk). The W, Q, M, U, K operands come straight from the scratch (each row tile
+// has one owner, so nothing is staged); S (two buffers: read one, write the other) and delta live in shared
+// memory. Shared memory (floats): S [2][D][CBP], delta [L][CBP], gates and two decay rows [L]. While a chunk
+// runs, its successor's gates are loaded into registers.
 #define CBP (CB + 2)
 #define NT8 (CB / 8)
 // acc[nt] += one 16-wide k step of a 16-row tile (lo: its row g, hi: row g + 8, columns 4 q .. 4 q + 3 of the
-// step) times B's rows of the step (bp: row 4 q of the step, column g of tile 0; rows BS apart) for NT column
+// step) times B's rows of the step (bp: row 4 q of the step, column g of tile 0; rows CBP apart) for NT8 column
 // tiles: the tile split once, two mma steps a column tile
-template <int NT, int BS>
 __device__ __forceinline__ void tile_step(float (*acc)[4], float4 lo, float4 hi, const float* bp) {
     const float a0[4] = {lo.x, hi.x, lo.y, hi.y}, a1[4] = {lo.z, hi.z, lo.w, hi.w};
     unsigned h0[4], l0[4], h1[4], l1[4];
     split4(a0, h0, l0);
     split4(a1, h1, l1);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+    for (int nt = 0; nt < NT8; ++nt) {
         const float* sp = bp + nt * 8;
-        const float b0[2] = {sp[0], sp[BS]}, b1[2] = {sp[2 * BS], sp[3 * BS]};
+        const float b0[2] = {sp[0], sp[CBP]}, b1[2] = {sp[2 * CBP], sp[3 * CBP]};
         prod_step(acc[nt], h0, l0, b0);
         prod_step(acc[nt], h1, l1, b1);
     }
 }
 #define STATE_SMEM (2 * D * CBP + L * CBP + 3 * L)
-// P1's warps: W's L / 16 row tiles, each split into PARTS column parts of NTP column tiles
-#define PARTS (NT_STATE / 32 / (L / 16))
-#define NTP (NT8 / PARTS)
-static_assert(PARTS * (L / 16) == NT_STATE / 32 && NTP * PARTS == NT8, "P1's warps");
+static_assert(2 * L / 16 <= NT_STATE / 32, "a warp a row tile of [W; Q]");
 static_assert(2 * L <= NT_STATE, "a thread a decay");
 extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
     ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __restrict__ qkv,
-    const int* __restrict__ plan, int n_seqs, int cap_long, float* __restrict__ scr, float* __restrict__ sc,
-    long long rc) {
+    const int* __restrict__ plan, int n_seqs, int cap_long, float* __restrict__ scr, long long rc) {
     extern __shared__ __align__(16) float sm[];
     float* const ssb = sm;  // [2][D][CBP]
     float* const dl = ssb + 2 * D * CBP;
@@ -507,13 +496,17 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
     const int lane = tid & 31, warp = tid >> 5, g8 = lane >> 2, q4 = lane & 3;
     if (li >= plan[0]) return;
     const int h = blockIdx.x / NCB2, cb = blockIdx.x % NCB2;
-    const int* inf = plan + PLAN_LONG(n_seqs) + PLAN_REC * li;
-    const int slot = inf[0], start = inf[1], len = inf[2], commit = inf[3], ent0 = inf[4];
+    const int* inf = plan + PLAN_LONG(n_seqs) + 4 * li;
+    const int slot = inf[0], start = inf[1], len = inf[2], commit = inf[3];
+    const float inv_sqrt_d = 1.0f / sqrtf((float)D);
 
     const float* const W = scr;
-    float* const U = scr + (size_t)rc * HV * D;  // delta replaces U
-    const float* const K = scr + 3 * (size_t)rc * HV * D;
-    const float* const G = scr + 5 * (size_t)rc * HV * D + (size_t)rc * HV * L;
+    const float* const U = W + (size_t)rc * HV * D;
+    const float* const Q = U + (size_t)rc * HV * D;
+    const float* const K = Q + (size_t)rc * HV * D;
+    float* const O = scr + 4 * (size_t)rc * HV * D;
+    const float* const M = O + (size_t)rc * HV * D;
+    const float* const G = M + (size_t)rc * HV * L;
 
     ES::T* const sbase = state + (size_t)slot * D * HV * D;
 #if GDN_VMAJOR
@@ -533,8 +526,9 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
     const int nch = (len + L - 1) / L;
     const int cchunk = commit > 0 ? (commit - 1) / L : -1;
     const int ncommit = commit - cchunk * L;
-    const int r0 = (warp % (L / 16)) * 16;  // this warp's first row of W in the chunk
-    const int c0 = (warp / (L / 16)) * NTP * 8;  // and its first column
+    const bool is_q = warp >= L / 16;             // this warp's row tile is one of Q's
+    const int r0 = (warp % (L / 16)) * 16;        // its first row in the chunk
+    const bool has_tile = warp < 2 * L / 16;
     float g_next = tid < L && tid < len ? G[((size_t)start + tid) * HV + h] : 1.0f;
     for (int c = 0; c < nch; ++c) {
         const int t0 = c * L;
@@ -548,12 +542,6 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
             g_next = tid < n1 ? G[(rbase + L + tid) * HV + h] : 1.0f;
         }
         __syncthreads();
-        // the chunk's initial state, for gdn_chunk_o
-        float* const scc = sc + ((size_t)(ent0 + c) * HV + h) * D * D + cb * CB;
-        for (int idx = tid; idx < D * CB / 2; idx += NT_STATE) {
-            const int i = idx / (CB / 2), cc = 2 * (idx % (CB / 2));
-            *reinterpret_cast<float2*>(scc + (size_t)i * D + cc) = *reinterpret_cast<const float2*>(ss + i * CBP + cc);
-        }
         // the decay rows of the chunk's end and of a commit inside it (read only after the next barrier)
         const bool need_upd = c + 1 < nch;
         const bool need_commit = c == cchunk;
@@ -563,13 +551,14 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
             if (need_commit && tid - L < ncommit) decc[tid - L] = decay_of(gsm, ncommit, tid - L);
         }
 
-        // P1: delta = U - W S for this warp's 16 rows of W and NTP column tiles (rows past the window: 0)
-        float acc[NTP][4];
+        // P1: this warp's 16 rows of W (or Q) times S
+        float acc[NT8][4];
 #pragma unroll
-        for (int nt = 0; nt < NTP; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-        {
+        for (int nt = 0; nt < NT8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+        if (has_tile) {
+            const float* X = is_q ? Q : W;
             const bool lo_ok = r0 + g8 < n, hi_ok = r0 + g8 + 8 < n;
-            const float* xl = W + ((rbase + r0 + g8) * HV + h) * D + 4 * q4;
+            const float* xl = X + ((rbase + r0 + g8) * HV + h) * D + 4 * q4;
             const float* xh = xl + (size_t)8 * HV * D;
             // the operands of PG steps of 16 loaded at once, each split once for its products
             constexpr int PG = 4;
@@ -587,26 +576,51 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
 #pragma unroll
                 for (int j = 0; j < PG; ++j) {
                     const int k0 = kg + 16 * j;
-                    if (k0 < D) tile_step<NTP, CBP>(acc, al[j], ah[j], ss + (k0 + 4 * q4) * CBP + g8 + c0);
+                    if (k0 < D) tile_step(acc, al[j], ah[j], ss + (k0 + 4 * q4) * CBP + g8);
                 }
             }
+            if (!is_q) {
+                // delta = U - W S (rows past the window: 0)
 #pragma unroll
-            for (int nt = 0; nt < NTP; ++nt) {
+                for (int nt = 0; nt < NT8; ++nt) {
 #pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int t = r0 + g8 + 8 * hf, col = c0 + nt * 8 + 2 * q4;
-                    float2 d2 = make_float2(0.0f, 0.0f);
-                    if (t < n) {
-                        float2* const up = reinterpret_cast<float2*>(U + ((rbase + t) * HV + h) * D + cb * CB + col);
-                        const float2 u2 = *up;
-                        d2 = make_float2(u2.x - acc[nt][2 * hf], u2.y - acc[nt][2 * hf + 1]);
-                        *up = d2;
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const int t = r0 + g8 + 8 * hf, col = nt * 8 + 2 * q4;
+                        float2 d2 = make_float2(0.0f, 0.0f);
+                        if (t < n) {
+                            const float2 u2 =
+                                *reinterpret_cast<const float2*>(U + ((rbase + t) * HV + h) * D + cb * CB + col);
+                            d2 = make_float2(u2.x - acc[nt][2 * hf], u2.y - acc[nt][2 * hf + 1]);
+                        }
+                        *reinterpret_cast<float2*>(dl + t * CBP + col) = d2;
                     }
-                    *reinterpret_cast<float2*>(dl + t * CBP + col) = d2;
                 }
             }
         }
         __syncthreads();
+        // P2: o = ((gamma q) S + M delta) / sqrt(d) for the Q warps' rows
+        if (has_tile && is_q && r0 < n) {
+            const bool lo_ok = r0 + g8 < n, hi_ok = r0 + g8 + 8 < n;
+            const float* ml = M + ((rbase + r0 + g8) * HV + h) * L + 4 * q4;
+            const float* mh = ml + (size_t)8 * HV * L;
+#pragma unroll
+            for (int k0 = 0; k0 < L; k0 += 16) {
+                const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                const float4 al = lo_ok ? *reinterpret_cast<const float4*>(ml + k0) : zero4;
+                const float4 ah = hi_ok ? *reinterpret_cast<const float4*>(mh + k0) : zero4;
+                tile_step(acc, al, ah, dl + (k0 + 4 * q4) * CBP + g8);
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT8; ++nt) {
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int t = r0 + g8 + 8 * hf, col = nt * 8 + 2 * q4;
+                    if (t < n)
+                        *reinterpret_cast<float2*>(O + ((rbase + t) * HV + h) * D + cb * CB + col) =
+                            make_float2(acc[nt][2 * hf] * inv_sqrt_d, acc[nt][2 * hf + 1] * inv_sqrt_d);
+                }
+            }
+        }
         // P3: the state after the chunk (into the other buffer) and at a commit point inside it (to the pool):
         // upd(m) = gamma_{m-1} S + sum_{s<m} (D[m-1][s] k_s) delta_s, the terms past m exactly 0 (both operands)
         const int items = (D / 16) * ((int)need_upd + (int)need_commit);
@@ -699,101 +713,6 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The readout of one chunk of one value head, OC of its value columns, off the chunk chain: o = ((gamma Q) S_c +
-// M delta) / sqrt(d), S_c the chunk's initial state (from the state kernel's `sc`), delta the state kernel's (in
-// U's place). Warp w takes row tile w % (L / 16) and half w / (L / 16) of the columns. Shared memory (floats):
-// S_c [D][OCP], delta [L][OCP] (rows past the window 0); the row stride is 2 mod 8 so that a B fragment's 32
-// loads hit 32 banks.
-#define OC (D % 64 == 0 ? 64 : D % 32 == 0 ? 32 : 16)
-#define OCP (OC + 2)
-#define NTO (OC / 16)
-#define NT_O (L / 16 * 2 * 32)
-#define O_SMEM ((D + L) * OCP)
-extern "C" __global__ void __launch_bounds__(NT_O) gdn_chunk_o(const int* __restrict__ plan, int n_seqs, int cap_long,
-                                                              float* __restrict__ scr, const float* __restrict__ sc,
-                                                              long long rc) {
-    extern __shared__ __align__(16) float sm[];
-    float* const sb = sm;
-    float* const db = sm + D * OCP;
-    const int ent = blockIdx.x, h = blockIdx.y / (D / OC), oc = (blockIdx.y % (D / OC)) * OC, tid = threadIdx.x;
-    const int lane = tid & 31, warp = tid >> 5, g8 = lane >> 2, q4 = lane & 3;
-    if (ent >= plan[1]) return;
-    const int* e2 = plan + PLAN_ENT(n_seqs, cap_long) + 2 * ent;
-    const int li = e2[0], c = e2[1];
-    const int* inf = plan + PLAN_LONG(n_seqs) + PLAN_REC * li;
-    const int start = inf[1], len = inf[2];
-    const int n = min(L, len - c * L);
-    const size_t rbase = (size_t)start + c * L;
-    const float inv_sqrt_d = 1.0f / sqrtf((float)D);
-    const float* const DL = scr + (size_t)rc * HV * D;  // delta, in U's place
-    const float* const Q = scr + 2 * (size_t)rc * HV * D;
-    float* const O = scr + 4 * (size_t)rc * HV * D;
-    const float* const M = O + (size_t)rc * HV * D;
-
-    const float* scc = sc + ((size_t)ent * HV + h) * D * D + oc;
-    for (int idx = tid; idx < D * OC / 2; idx += NT_O) {
-        const int i = idx / (OC / 2), cc = 2 * (idx % (OC / 2));
-        *reinterpret_cast<float2*>(sb + i * OCP + cc) = *reinterpret_cast<const float2*>(scc + (size_t)i * D + cc);
-    }
-    for (int idx = tid; idx < L * OC / 2; idx += NT_O) {
-        const int t = idx / (OC / 2), cc = 2 * (idx % (OC / 2));
-        *reinterpret_cast<float2*>(db + t * OCP + cc) =
-            t < n ? *reinterpret_cast<const float2*>(DL + ((rbase + t) * HV + h) * D + oc + cc) : make_float2(0.0f, 0.0f);
-    }
-    __syncthreads();
-    const int r0 = (warp % (L / 16)) * 16, c0 = (warp / (L / 16)) * (OC / 2);
-    if (r0 >= n) return;
-    float acc[NTO][4];
-#pragma unroll
-    for (int nt = 0; nt < NTO; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-    const bool lo_ok = r0 + g8 < n, hi_ok = r0 + g8 + 8 < n;
-    const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    {
-        const float* xl = Q + ((rbase + r0 + g8) * HV + h) * D + 4 * q4;
-        const float* xh = xl + (size_t)8 * HV * D;
-        constexpr int PG = 4;
-#pragma unroll
-        for (int kg = 0; kg < D; kg += 16 * PG) {
-            float4 al[PG], ah[PG];
-#pragma unroll
-            for (int j = 0; j < PG; ++j) {
-                if (kg + 16 * j < D) {
-                    al[j] = lo_ok ? *reinterpret_cast<const float4*>(xl + kg + 16 * j) : zero4;
-                    ah[j] = hi_ok ? *reinterpret_cast<const float4*>(xh + kg + 16 * j) : zero4;
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < PG; ++j) {
-                const int k0 = kg + 16 * j;
-                if (k0 < D) tile_step<NTO, OCP>(acc, al[j], ah[j], sb + (k0 + 4 * q4) * OCP + g8 + c0);
-            }
-        }
-    }
-    {
-        const float* ml = M + ((rbase + r0 + g8) * HV + h) * L + 4 * q4;
-        const float* mh = ml + (size_t)8 * HV * L;
-        float4 al[L / 16], ah[L / 16];
-#pragma unroll
-        for (int j = 0; j < L / 16; ++j) {
-            al[j] = lo_ok ? *reinterpret_cast<const float4*>(ml + 16 * j) : zero4;
-            ah[j] = hi_ok ? *reinterpret_cast<const float4*>(mh + 16 * j) : zero4;
-        }
-#pragma unroll
-        for (int j = 0; j < L / 16; ++j) tile_step<NTO, OCP>(acc, al[j], ah[j], db + (16 * j + 4 * q4) * OCP + g8 + c0);
-    }
-#pragma unroll
-    for (int nt = 0; nt < NTO; ++nt) {
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int t = r0 + g8 + 8 * hf, col = oc + c0 + nt * 8 + 2 * q4;
-            if (t < n)
-                *reinterpret_cast<float2*>(O + ((rbase + t) * HV + h) * D + col) =
-                    make_float2(acc[nt][2 * hf] * inv_sqrt_d, acc[nt][2 * hf + 1] * inv_sqrt_d);
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------------------
 // The gated RMS norm, y, planes and group sums of one chunk of one value head: a warp a token.
 extern "C" __global__ void __launch_bounds__(NT_OUT) gdn_chunk_out(
     const EZ::T* __restrict__ z, const float* __restrict__ gamma, EO::T* __restrict__ out, long long plane,
@@ -809,7 +728,7 @@ extern "C" __global__ void __launch_bounds__(NT_OUT) gdn_chunk_out(
 #endif
     const int* e2 = plan + PLAN_ENT(n_seqs, cap_long) + 2 * ent;
     const int li = e2[0], c = e2[1];
-    const int* inf = plan + PLAN_LONG(n_seqs) + PLAN_REC * li;
+    const int* inf = plan + PLAN_LONG(n_seqs) + 4 * li;
     const int start = inf[1], len = inf[2];
     const int t0 = c * L;
     const int n = min(L, len - t0);

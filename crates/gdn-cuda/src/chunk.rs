@@ -119,34 +119,10 @@ impl ChunkSpec {
         4 * (2 * d * (cb + 2) + l * (cb + 2) + 3 * l)
     }
 
-    /// Value columns one readout block (gdn_chunk_o) owns (the kernel's OC).
-    pub fn oc(&self) -> usize {
-        [64, 32, 16]
-            .into_iter()
-            .find(|&c| self.shape.d.is_multiple_of(c))
-            .unwrap_or(16)
-    }
-
-    /// Dynamic shared memory of the readout kernel, bytes (the kernel's O_SMEM).
-    pub fn o_smem(&self) -> usize {
-        4 * (self.shape.d + self.l()) * (self.oc() + 2)
-    }
-
-    /// Threads of a readout block (the kernel's NT_O).
-    pub fn o_threads(&self) -> usize {
-        self.l() / 16 * 2 * 32
-    }
-
     /// Whether the chunked path holds this shape (its tiles fit shared memory); else every window stays
     /// token-serial.
     pub fn supported(&self) -> bool {
-        self.prep_smem() <= MAX_SMEM && self.state_smem() <= MAX_SMEM && self.o_smem() <= MAX_SMEM
-    }
-
-    /// Floats of each chunk's initial state (`sc`), a chunk of the call.
-    pub fn floats_per_chunk(&self) -> usize {
-        let s = &self.shape;
-        s.h_v * s.d * s.d
+        self.prep_smem() <= MAX_SMEM && self.state_smem() <= MAX_SMEM
     }
 
     /// Scratch floats per row of a call.
@@ -191,12 +167,11 @@ impl ChunkSpec {
     }
 }
 
-/// The five loaded kernels of one specialisation.
+/// The four loaded kernels of one specialisation.
 pub(crate) struct ChunkFns {
     plan: CudaFunction,
     prep: CudaFunction,
     state: CudaFunction,
-    o: CudaFunction,
     out: CudaFunction,
 }
 
@@ -206,8 +181,6 @@ pub(crate) struct ChunkScratch {
     buf: Option<CudaSlice<f32>>,
     /// Rows the float scratch holds, at its specialisation's floats per row.
     rows: usize,
-    /// Each chunk's initial state (the state kernel writes it, the readout kernel reads it).
-    states: Option<CudaSlice<f32>>,
     plan: Option<CudaSlice<i32>>,
     fns: HashMap<ChunkSpec, Arc<ChunkFns>>,
 }
@@ -294,14 +267,12 @@ impl CudaPool {
     pub fn release_chunk(&mut self) {
         self.chunk.buf = None;
         self.chunk.rows = 0;
-        self.chunk.states = None;
         self.chunk.plan = None;
     }
 
     /// Bytes of chunked-path scratch held now.
     pub fn chunk_bytes(&self) -> usize {
         self.chunk.buf.as_ref().map_or(0, |b| b.len() * 4)
-            + self.chunk.states.as_ref().map_or(0, |b| b.len() * 4)
             + self.chunk.plan.as_ref().map_or(0, |b| b.len() * 4)
     }
 
@@ -330,7 +301,6 @@ impl CudaPool {
             plan: load("gdn_chunk_plan", 0)?,
             prep: load("gdn_chunk_prep", spec.prep_smem())?,
             state: load("gdn_chunk_state", spec.state_smem())?,
-            o: load("gdn_chunk_o", spec.o_smem())?,
             out: load("gdn_chunk_out", 0)?,
         });
         self.chunk.fns.insert(*spec, fns.clone());
@@ -350,15 +320,8 @@ impl CudaPool {
         }
         self.chunk.rows = self.chunk.buf.as_ref().map_or(0, |b| b.len()) / per_row.max(1);
         let (cap_long, cap_ent) = caps(rows, seqs, self.chunk_min_len(), spec.l());
-        let states = cap_ent
-            .checked_mul(spec.floats_per_chunk())
-            .ok_or_else(|| too_large("rows"))?;
-        if self.chunk.states.as_ref().map_or(0, |b| b.len()) < states {
-            self.chunk.states = None;
-            self.chunk.states = Some(self.cuda.stream.alloc_zeros::<f32>(states).map_err(drv)?);
-        }
         let ints = cap_long
-            .checked_mul(5)
+            .checked_mul(4)
             .and_then(|x| x.checked_add(cap_ent.checked_mul(2)?))
             .and_then(|x| x.checked_add(seqs.checked_add(2)?))
             .ok_or_else(|| too_large("seqs"))?;
@@ -439,13 +402,6 @@ impl CudaPool {
                 .ok_or_else(|| Error::Backend("chunk scratch missing".into()))?,
             &cuda,
         );
-        let mut p_sc = ptr_mut(
-            self.chunk
-                .states
-                .as_mut()
-                .ok_or_else(|| Error::Backend("chunk states missing".into()))?,
-            &cuda,
-        );
         macro_rules! params {
             ($($x:ident),*) => { vec![$(&mut $x as *mut _ as *mut c_void),*] };
         }
@@ -456,7 +412,7 @@ impl CudaPool {
         // SAFETY: gdn_chunk_plan(const int* x4, int commits, int n_seqs, int n_slots, int n_rows, int min_len,
         // int cap_long, int cap_ent, int* plan, unsigned* fault): the four per-sequence arrays hold n_seqs
         // entries (checked by the callers; commit_at is read only when commits is set), the plan holds
-        // 2 + n_seqs + 5 cap_long + 2 cap_ent ints (chunk_scratch), the fault word is the pool's.
+        // 2 + n_seqs + 4 cap_long + 2 cap_ent ints (chunk_scratch), the fault word is the pool's.
         unsafe { launch(&cuda, &fns.plan, (1, 1), 1024, 0, &mut p)? };
         let mut p = params!(
             p_qkv, p_alpha, p_beta, p_hist, p_conv, p_dt, p_a, p_plan, n_seqs_i, cap_long_i, eps,
@@ -476,10 +432,9 @@ impl CudaPool {
                 &mut p,
             )?
         };
-        let mut p = params!(p_state, p_hist, p_qkv, p_plan, n_seqs_i, cap_long_i, p_scr, p_sc, rc);
-        // SAFETY: gdn_chunk_state(state, hist, qkv, plan, int n_seqs, int cap_long, float* scr, float* sc, long
-        // long rc): the pool's state and history, the rows and scratch as above, sc holds cap_ent chunks'
-        // states (chunk_scratch; the plan's chunk indices are below cap_ent); STATE_SMEM bytes of shared memory.
+        let mut p = params!(p_state, p_hist, p_qkv, p_plan, n_seqs_i, cap_long_i, p_scr, rc);
+        // SAFETY: gdn_chunk_state(state, hist, qkv, plan, int n_seqs, int cap_long, float* scr, long long
+        // rc): the pool's state and history, the rows and scratch as above; STATE_SMEM bytes of shared memory.
         unsafe {
             launch(
                 &cuda,
@@ -487,19 +442,6 @@ impl CudaPool {
                 ((sh.h_v * (sh.d / spec.cb())) as u32, grid_long),
                 256,
                 spec.state_smem(),
-                &mut p,
-            )?
-        };
-        let mut p = params!(p_plan, n_seqs_i, cap_long_i, p_scr, p_sc, rc);
-        // SAFETY: gdn_chunk_o(plan, int n_seqs, int cap_long, float* scr, const float* sc, long long rc): the
-        // plan, scratch and chunk states as above; O_SMEM bytes of shared memory, NT_O threads.
-        unsafe {
-            launch(
-                &cuda,
-                &fns.o,
-                (grid_ent, (sh.h_v * (sh.d / spec.oc())) as u32),
-                spec.o_threads() as u32,
-                spec.o_smem(),
                 &mut p,
             )?
         };
@@ -560,10 +502,9 @@ mod tests {
             );
             assert!(
                 spec.supported(),
-                "d {d}: {} / {} / {}",
+                "d {d}: {} / {}",
                 spec.prep_smem(),
-                spec.state_smem(),
-                spec.o_smem()
+                spec.state_smem()
             );
             assert!(d.is_multiple_of(spec.cb()) && spec.l().is_multiple_of(16));
         }
@@ -582,11 +523,6 @@ mod tests {
         }
         assert!(CHUNK_SRC.contains("#define PREP_SMEM (2 * L * DP4 + 2 * L * LP4 + 3 * L)"));
         assert!(CHUNK_SRC.contains("#define STATE_SMEM (2 * D * CBP + L * CBP + 3 * L)"));
-        assert!(CHUNK_SRC.contains("#define OC (D % 64 == 0 ? 64 : D % 32 == 0 ? 32 : 16)"));
-        assert!(CHUNK_SRC.contains("#define O_SMEM ((D + L) * OCP)"));
-        assert!(CHUNK_SRC.contains("#define NT_O (L / 16 * 2 * 32)"));
-        assert!(CHUNK_SRC.contains("#define PLAN_REC 5"));
         assert_eq!(seed.floats_per_row(), 48 * (5 * 128 + 64 + 1));
-        assert_eq!((seed.oc(), seed.o_threads()), (64, 256));
     }
 }
