@@ -1,22 +1,32 @@
 //! ptxas's report of the chunked kernels at the seed shape (no GPU; needs libnvrtc).
 use gdn::{Config, DType, PoolOptions, Shape};
-use gdn_cuda::chunk::ChunkSpec;
+use gdn_cuda::chunk::{ChunkProducts, ChunkSpec};
 use gdn_cuda::spec::Io;
 
 fn main() -> gdn::Result<()> {
-    for (io, pool) in [
-        (Io::all(DType::F32), PoolOptions::default()),
+    for (io, pool, products) in [
+        (
+            Io::all(DType::F32),
+            PoolOptions::default(),
+            ChunkProducts::Tf32x3,
+        ),
         (
             Io::all(DType::Bf16),
             PoolOptions {
                 state: DType::Bf16,
                 layout: gdn::StateLayout::ValueMajor,
             },
+            ChunkProducts::Tf32x3,
+        ),
+        (
+            Io::all(DType::F32),
+            PoolOptions::default(),
+            ChunkProducts::Tf32,
         ),
     ] {
-        let spec = ChunkSpec::new((9, 0), &Config::new(Shape::SEED), false, io, pool);
+        let spec = ChunkSpec::new((9, 0), &Config::new(Shape::SEED), false, io, pool, products);
         let c = spec.compiled()?;
-        println!("{io:?} {pool:?}");
+        println!("{io:?} {pool:?} {products:?}");
         for l in c
             .log
             .lines()

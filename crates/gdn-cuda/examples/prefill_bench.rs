@@ -1,10 +1,12 @@
 //! Long windows (prefill) and verify windows at the seed shape: the chunked path (src/chunk.rs) beside the
 //! token-serial kernel, each timed by `time_varlen` (a CUDA graph of steps replayed, events, median of 7), f32
 //! state, commit all. Device runs only. `prefill_bench [quick]` (quick: no threshold sweep, fewer bf16 cases);
-//! `prefill_bench case B T`: that one case, chunked, f32 io (for a profiler).
+//! `prefill_bench case B T [fast]`: that one case, chunked, f32 io (for a profiler; `fast`: one-TF32 products).
+//! The table's prefill cases also time the opt-in one-TF32 products (`ChunkProducts::Tf32`).
 
 use gdn::synth::Synth;
 use gdn::{Commit, Config, DType, LayerPool, PoolOptions, RowsData, Seq, Shape, Step};
+use gdn_cuda::chunk::ChunkProducts;
 use gdn_cuda::{Cuda, CudaPool};
 
 fn time(pool: &mut CudaPool, rows: &RowsData, seqs: &[Seq], iters: usize) -> gdn::Result<f64> {
@@ -55,6 +57,8 @@ fn main() -> gdn::Result<()> {
     chunked.set_chunk_min_len(Some(1));
     let mut serial = chunked.clone();
     serial.set_chunk_min_len(Some(usize::MAX));
+    let mut fast = chunked.clone();
+    fast.set_chunk_products(ChunkProducts::Tf32);
     let mut rng = Synth::new(14);
     let layer = rng.layer(Config::new(Shape::SEED))?;
     let max_rows = 32768;
@@ -79,10 +83,17 @@ fn main() -> gdn::Result<()> {
     };
     println!("seed shape, f32 state key-major, commit all; device us per call (graph replays)");
     println!();
-    println!("| case | io | chunked | token-serial | serial / chunked |");
-    println!("|---|---|---|---|---|");
+    println!(
+        "| case | io | chunked | token-serial | serial / chunked | chunked, one-TF32 products |"
+    );
+    println!("|---|---|---|---|---|---|");
     if let Some((b, t)) = only {
-        let mut p = pool(&chunked, b, &mut rng)?;
+        let which = if args.iter().any(|a| a == "fast") {
+            &fast
+        } else {
+            &chunked
+        };
+        let mut p = pool(which, b, &mut rng)?;
         let tc = time(&mut p, &rows_of(b * t, DType::F32), &uniform(b, t), 3)?;
         println!("| B {b} T {t} | F32 | {tc:.1} | - | - |");
         return Ok(());
@@ -112,7 +123,7 @@ fn main() -> gdn::Result<()> {
             cases.push((name, b, t, true, 10));
         }
     }
-    let mut pools: Vec<(usize, CudaPool, CudaPool)> = Vec::new();
+    let mut pools: Vec<(usize, CudaPool, CudaPool, CudaPool)> = Vec::new();
     for io in [DType::F32, DType::Bf16] {
         for (ci, &(name, b, t, with_serial, iters)) in cases.iter().enumerate() {
             // bf16 activations: the four prefill cases only
@@ -124,7 +135,8 @@ fn main() -> gdn::Result<()> {
             if !pools.iter().any(|p| p.0 == b) {
                 let c = pool(&chunked, b, &mut rng)?;
                 let s = pool(&serial, b, &mut rng)?;
-                pools.push((b, c, s));
+                let f = pool(&fast, b, &mut rng)?;
+                pools.push((b, c, s, f));
             }
             let entry = pools.iter_mut().find(|p| p.0 == b).expect("pool");
             let tc = time(&mut entry.1, &rows, &seqs, iters)?;
@@ -133,10 +145,19 @@ fn main() -> gdn::Result<()> {
             } else {
                 None
             };
+            // the fast products on the prefill cases
+            let tf = if ci < 5 {
+                let t = time(&mut entry.3, &rows, &seqs, iters)?;
+                entry.3.release_chunk();
+                Some(t)
+            } else {
+                None
+            };
             println!(
-                "| {name} | {io:?} | {tc:.1} | {} | {} |",
+                "| {name} | {io:?} | {tc:.1} | {} | {} | {} |",
                 ts.map_or("-".into(), |x| format!("{x:.1}")),
-                ts.map_or("-".into(), |x| format!("{:.2}x", x / tc))
+                ts.map_or("-".into(), |x| format!("{:.2}x", x / tc)),
+                tf.map_or("-".into(), |x| format!("{x:.1}"))
             );
         }
         // free the big pools' chunk scratch between dtypes

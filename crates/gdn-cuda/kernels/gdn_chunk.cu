@@ -13,7 +13,7 @@
 //
 // Macros (src/chunk.rs): GDN_D, GDN_HK, GDN_HV, GDN_SILU, GDN_GROUPED, GDN_PLANES, the element types
 // GDN_QKV_DT .. GDN_OUT_DT (0 f32, 1 bf16, 2 f16), GDN_STATE_DT (0 f32, 1 bf16), GDN_VMAJOR (state layout),
-// GDN_L (chunk length), GDN_CB (value columns a state block owns).
+// GDN_L (chunk length), GDN_CB (value columns a state block owns), GDN_TF32X1 (one TF32 product a step).
 //
 // Bits. Chunk boundaries are at multiples of L from the window start, and every value of token t of a chunk
 // depends only on the chunk's tokens up to t (loops over earlier tokens end at t, never at the chunk's
@@ -217,9 +217,21 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_chunk_plan(
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Tensor-core products: 3xTF32 (split4, mma3p: gdn_elt.cuh). A step's logical k q and q + 4 are taken from memory columns
-// 4 q, 4 q + 1 (first step of 16) or 4 q + 2, 4 q + 3 (second step), for A and B alike, so that one float4 of a row
-// feeds two steps; the sum over k is the same set of products.
+// Tensor-core products: 3xTF32 (split4, mma3p: gdn_elt.cuh), or with GDN_TF32X1 (the opt-in fast mode) one TF32
+// product of the high parts (each operand rounded to TF32, half away from zero; the remainders, never read, fold
+// away). A step's logical k q and q + 4 are taken from memory columns 4 q, 4 q + 1 (first step of 16) or 4 q + 2,
+// 4 q + 3 (second step), for A and B alike, so that one float4 of a row feeds two steps; the sum over k is the
+// same set of products.
+__device__ __forceinline__ void prod_step(float* c, const unsigned* ah, const unsigned* al, const float* b) {
+#if GDN_TF32X1
+    unsigned bh[2], bl[2];
+    split2_fast(b[0], bh[0], bl[0]);
+    split2_fast(b[1], bh[1], bl[1]);
+    mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
+#else
+    mma3p(c, ah, al, b);
+#endif
+}
 
 // ---------------------------------------------------------------------------------------------------------
 // Everything of one chunk that does not depend on the state. Shared memory (floats): q (then b v, once Q is out),
@@ -357,10 +369,10 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
                     if (s0 >= L || s0 > r0 + 15) continue;  // tiles above the diagonal are 0
                     const float4 kb = *reinterpret_cast<const float4*>(ks + (s0 + g8) * DP4 + k0 + 4 * q4);
                     const float b0[2] = {kb.x, kb.y}, b1[2] = {kb.z, kb.w};
-                    mma3p(ck[j], hk0, lk0, b0);
-                    mma3p(ck[j], hk1, lk1, b1);
-                    mma3p(cq[j], hq0, lq0, b0);
-                    mma3p(cq[j], hq1, lq1, b1);
+                    prod_step(ck[j], hk0, lk0, b0);
+                    prod_step(ck[j], hk1, lk1, b1);
+                    prod_step(cq[j], hq0, lq0, b0);
+                    prod_step(cq[j], hq1, lq1, b1);
                 }
             }
 #pragma unroll
@@ -463,8 +475,8 @@ __device__ __forceinline__ void tile_step(float (*acc)[4], float4 lo, float4 hi,
     for (int nt = 0; nt < NT8; ++nt) {
         const float* sp = bp + nt * 8;
         const float b0[2] = {sp[0], sp[CBP]}, b1[2] = {sp[2 * CBP], sp[3 * CBP]};
-        mma3p(acc[nt], h0, l0, b0);
-        mma3p(acc[nt], h1, l1, b1);
+        prod_step(acc[nt], h0, l0, b0);
+        prod_step(acc[nt], h1, l1, b1);
     }
 }
 #define STATE_SMEM (2 * D * CBP + L * CBP + 3 * L)
@@ -662,8 +674,8 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
                     const float* dp = dl + (s0 + 4 * q4) * CBP + nt * 8 + g8;
                     const float b0[2] = {bm[0] != 0.0f ? dp[0] : 0.0f, bm[1] != 0.0f ? dp[CBP] : 0.0f};
                     const float b1[2] = {bm[2] != 0.0f ? dp[2 * CBP] : 0.0f, bm[3] != 0.0f ? dp[3 * CBP] : 0.0f};
-                    mma3p(u[nt], h0, l0, b0);
-                    mma3p(u[nt], h1, l1, b1);
+                    prod_step(u[nt], h0, l0, b0);
+                    prod_step(u[nt], h1, l1, b1);
                 }
             }
 #pragma unroll

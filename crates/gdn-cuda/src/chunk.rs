@@ -42,6 +42,19 @@ fn dt_code(d: DType) -> u8 {
     }
 }
 
+/// How the chunked path's tensor-core products round ([`Cuda::set_chunk_products`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ChunkProducts {
+    /// 3xTF32 (each operand split into a TF32 high part and its remainder, three products): about f32's
+    /// accuracy, within the conformance suite's 2e-6 of the float64 oracle. The default.
+    #[default]
+    Tf32x3,
+    /// One TF32 product of the operands rounded to TF32 (10-bit mantissas): a third of the tensor-core work and
+    /// none of the remainders' splits, at about 1e-3 relative error on y and the committed state (FLA's and
+    /// FlashInfer's bf16 products are ~1e-3 to 5e-3). Opt-in.
+    Tf32,
+}
+
 /// Everything the chunked kernels are specialised on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ChunkSpec {
@@ -52,6 +65,7 @@ pub struct ChunkSpec {
     pub planes: bool,
     pub io: Io,
     pub pool: PoolOptions,
+    pub products: ChunkProducts,
 }
 
 impl ChunkSpec {
@@ -61,6 +75,7 @@ impl ChunkSpec {
         planes: bool,
         io: Io,
         pool: PoolOptions,
+        products: ChunkProducts,
     ) -> ChunkSpec {
         ChunkSpec {
             arch,
@@ -70,6 +85,7 @@ impl ChunkSpec {
             planes,
             io,
             pool,
+            products,
         }
     }
 
@@ -121,7 +137,7 @@ impl ChunkSpec {
             "#define GDN_D {}\n#define GDN_HK {}\n#define GDN_HV {}\n#define GDN_SILU {}\n#define GDN_GROUPED {}\n\
              #define GDN_PLANES {}\n#define GDN_QKV_DT {}\n#define GDN_ALPHA_DT {}\n#define GDN_BETA_DT {}\n\
              #define GDN_Z_DT {}\n#define GDN_OUT_DT {}\n#define GDN_STATE_DT {}\n#define GDN_VMAJOR {}\n\
-             #define GDN_L {}\n#define GDN_CB {}\n",
+             #define GDN_L {}\n#define GDN_CB {}\n#define GDN_TF32X1 {}\n",
             s.d,
             s.h_k,
             s.h_v,
@@ -137,6 +153,7 @@ impl ChunkSpec {
             (self.pool.layout == StateLayout::ValueMajor) as u8,
             self.l(),
             self.cb(),
+            (self.products == ChunkProducts::Tf32) as u8,
         )
     }
 
@@ -231,6 +248,7 @@ impl CudaPool {
             kind.planes,
             kind.io,
             self.options,
+            self.cuda.chunk_products,
         )
     }
 
@@ -480,6 +498,7 @@ mod tests {
                 false,
                 Io::all(DType::F32),
                 PoolOptions::default(),
+                ChunkProducts::default(),
             );
             assert!(
                 spec.supported(),
@@ -495,6 +514,7 @@ mod tests {
             false,
             Io::all(DType::F32),
             PoolOptions::default(),
+            ChunkProducts::default(),
         );
         assert_eq!((seed.l(), seed.cb()), (64, 32));
         // the formulas above are the kernel source's

@@ -118,6 +118,8 @@ pub struct Cuda {
     /// Windows of at least this many tokens take the chunked path (`None`: [`chunk::DEFAULT_CHUNK_MIN_LEN`];
     /// [`Cuda::set_chunk_min_len`]).
     pub(crate) chunk_min_len: Option<usize>,
+    /// The chunked path's products ([`Cuda::set_chunk_products`]; 3xTF32 by default).
+    pub(crate) chunk_products: chunk::ChunkProducts,
     /// Windows in [`spec::window_range`] run in the window kernel ([`Cuda::set_window_kernel`]; off by default).
     pub(crate) window: bool,
 }
@@ -186,6 +188,7 @@ impl Cuda {
             pdl: true,
             tune_override: None,
             chunk_min_len: None,
+            chunk_products: chunk::ChunkProducts::default(),
             window: false,
         })
     }
@@ -230,6 +233,14 @@ impl Cuda {
     /// choice is per sequence, from its own length only, so a sequence's bits do not depend on its batch.
     pub fn set_chunk_min_len(&mut self, min_len: Option<usize>) {
         self.chunk_min_len = min_len;
+    }
+
+    /// Sets how the chunked path's tensor-core products round, for pools created afterwards:
+    /// [`chunk::ChunkProducts::Tf32x3`] (the default, about f32's accuracy) or the faster, opt-in
+    /// [`chunk::ChunkProducts::Tf32`] (about 1e-3 relative). Every invariant of the chunked path holds within
+    /// either; their bits differ.
+    pub fn set_chunk_products(&mut self, products: chunk::ChunkProducts) {
+        self.chunk_products = products;
     }
 
     /// Runs the windows whose effective length (commit point, or length without one) is in

@@ -3,8 +3,8 @@
 //! message without a GPU, driver or libnvrtc; the compile test needs only libnvrtc.
 
 use gdn::{Commit, DType, Gate, HeadMap, PoolOptions, RowsData, Shape, StateLayout, TensorData};
-use gdn_conformance::varlen::{check_var, oracle_var, run_var, VarCase, VarSpec};
-use gdn_cuda::chunk::ChunkSpec;
+use gdn_conformance::varlen::{check_var, check_var_within, oracle_var, run_var, VarCase, VarSpec};
+use gdn_cuda::chunk::{ChunkProducts, ChunkSpec};
 use gdn_cuda::spec::Io;
 use gdn_cuda::Cuda;
 
@@ -67,9 +67,14 @@ fn chunked_kernels_compile() {
                 (pools()[3], Io::all(DType::Bf16), true),
                 (pools()[0], mixed, false),
             ]);
-        for (pool, io, planes) in variants {
+        // the fast mode's products once a shape, with the last pool kind (a bf16 state)
+        let fast = (pools()[3], Io::all(DType::F32), false, ChunkProducts::Tf32);
+        let variants = variants
+            .map(|(p, io, planes)| (p, io, planes, ChunkProducts::Tf32x3))
+            .chain([fast]);
+        for (pool, io, planes, products) in variants {
             {
-                let spec = ChunkSpec::new((9, 0), &config, planes, io, pool);
+                let spec = ChunkSpec::new((9, 0), &config, planes, io, pool, products);
                 assert!(spec.supported(), "{spec:?}");
                 let c = spec.compiled().unwrap_or_else(|e| panic!("{e}"));
                 if n == 0 {
@@ -208,6 +213,13 @@ fn chunked_commit_first_k_is_a_k_token_window() {
     let Some(cuda) = cuda_or_skip("chunked_commit_first_k_is_a_k_token_window", Some(1)) else {
         return;
     };
+    commit_first_k_bitwise(&cuda, None);
+}
+
+/// The body of `chunked_commit_first_k_is_a_k_token_window`, for a backend that chunks every window; `bound`:
+/// the oracle bound on y and S of a mode with its own (None: the dtypes' bounds).
+fn commit_first_k_bitwise(cuda: &Cuda, bound: Option<f64>) {
+    let cuda = cuda.clone();
     let t = 150;
     for (pi, pool) in pools().into_iter().enumerate() {
         let mut s = spec(
@@ -267,9 +279,52 @@ fn chunked_commit_first_k_is_a_k_token_window() {
         // and against the oracle
         let mut first = all.clone();
         first.seqs[0].commit = Commit::First(77);
-        let (ey, es, _) = check_var(&cuda, &first);
+        let (ey, es, _) = match bound {
+            Some(b) => check_var_within(&cuda, &first, b, b),
+            None => check_var(&cuda, &first),
+        };
         eprintln!("{pool:?} T {t} First(77): y {ey:.2e} S {es:.2e}");
     }
+}
+
+/// The opt-in fast products (one TF32 product, `ChunkProducts::Tf32`): long windows within their stated bound
+/// of the float64 oracle (5e-3 relative on y and the committed f32 state), and the chunked path's bitwise
+/// invariants (commit first k, verify, determinism) within the mode.
+#[test]
+fn fast_products_keep_their_bound_and_the_invariants() {
+    let Some(mut cuda) = cuda_or_skip("fast_products_keep_their_bound_and_the_invariants", None)
+    else {
+        return;
+    };
+    cuda.set_chunk_products(ChunkProducts::Tf32);
+    let cases = [
+        (
+            "d16 T65536",
+            spec(Shape::new(16, 1, 2).unwrap(), &[(65536, Commit::All)], 1),
+        ),
+        ("seed T2048", spec(Shape::SEED, &[(2048, Commit::All)], 3)),
+        (
+            "d32 T1500 First(700)",
+            spec(
+                Shape::new(32, 2, 4).unwrap(),
+                &[(1500, Commit::First(700)), (90, Commit::All)],
+                10,
+            ),
+        ),
+    ];
+    let mut worst = 0.0f64;
+    for (name, s) in &cases {
+        let (ey, es, eh) = check_var_within(&cuda, &s.build(), 5e-3, 5e-3);
+        eprintln!("fast {name}: y {ey:.2e} S {es:.2e} H {eh:.2e}");
+        worst = worst.max(ey).max(es);
+    }
+    // one TF32 product a step is ~1e-4 off: errors within the f32 bound would mean the mode did not apply
+    assert!(
+        worst > gdn_conformance::F32_BOUND,
+        "the fast products did not take effect (worst error {worst:.2e})"
+    );
+    cuda.set_chunk_min_len(Some(1));
+    commit_first_k_bitwise(&cuda, Some(5e-3));
 }
 
 /// A varlen mix of long and short sequences (both paths in one call, every commit kind): each sequence's bits

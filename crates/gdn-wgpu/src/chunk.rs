@@ -52,9 +52,10 @@ impl Geom {
 pub const NT: usize = 256;
 
 /// Windows of at least this many tokens (counted to the commit point where the window commits) run chunked by
-/// default on a GPU adapter. An estimate, not yet measured on a GPU (NOTES.md "Chunked windows");
-/// `Wgpu::measure_crossover` measures it on the adapter at hand.
-pub const DEFAULT_CHUNK_FROM: usize = 64;
+/// default on a GPU adapter: never (`usize::MAX`), because the one GPU measured (an H200 through NVIDIA's Vulkan
+/// driver, NOTES.md "Chunked windows") ran the chunked form at 0.52-0.75x the token-serial speed at every length
+/// from 16 to 4096 tokens. `Wgpu::measure_crossover` measures the crossover on the adapter at hand.
+pub const DEFAULT_CHUNK_FROM: usize = usize::MAX;
 
 /// The four entry points, in dispatch order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
