@@ -37,12 +37,20 @@ fn cpu() -> gdn::Cpu {
 
 /// The CUDA backend with its options from the environment (the library itself reads none): `GDN_CUDA_WINDOW=1`
 /// runs the windows of `gdn_cuda::spec::window_range` in the window kernel (eight tokens at a time in the chunked
-/// form); `GDN_CUDA_CHUNK_PRODUCTS=tf32` gives long windows' chunks one TF32 product a step instead of 3xTF32.
+/// form); `GDN_CUDA_CHUNK_PRODUCTS=tf32` gives long windows' chunks one TF32 product a step instead of 3xTF32
+/// (`tf32x3`, the default; another value is an error).
 pub fn cuda() -> Result<gdn_cuda::Cuda> {
     let mut c = gdn_cuda::Cuda::new()?;
     c.set_window_kernel(std::env::var("GDN_CUDA_WINDOW").is_ok_and(|v| v == "1"));
-    if std::env::var("GDN_CUDA_CHUNK_PRODUCTS").is_ok_and(|v| v == "tf32") {
-        c.set_chunk_products(gdn_cuda::chunk::ChunkProducts::Tf32);
+    match std::env::var("GDN_CUDA_CHUNK_PRODUCTS").as_deref() {
+        Ok("tf32") => c.set_chunk_products(gdn_cuda::chunk::ChunkProducts::Tf32),
+        Ok("tf32x3") | Err(_) => {}
+        Ok(other) => {
+            return Err(Error::Param {
+                name: "GDN_CUDA_CHUNK_PRODUCTS",
+                why: format!("tf32 or tf32x3, got {other:?}"),
+            })
+        }
     }
     Ok(c)
 }

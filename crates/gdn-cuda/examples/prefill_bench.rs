@@ -88,14 +88,15 @@ fn main() -> gdn::Result<()> {
     );
     println!("|---|---|---|---|---|---|");
     if let Some((b, t)) = only {
-        let which = if args.iter().any(|a| a == "fast") {
-            &fast
-        } else {
-            &chunked
-        };
-        let mut p = pool(which, b, &mut rng)?;
+        let is_fast = args.iter().any(|a| a == "fast");
+        let mut p = pool(if is_fast { &fast } else { &chunked }, b, &mut rng)?;
         let tc = time(&mut p, &rows_of(b * t, DType::F32), &uniform(b, t), 3)?;
-        println!("| B {b} T {t} | F32 | {tc:.1} | - | - |");
+        let (three, one) = if is_fast {
+            ("-".to_string(), format!("{tc:.1}"))
+        } else {
+            (format!("{tc:.1}"), "-".to_string())
+        };
+        println!("| B {b} T {t} | F32 | {three} | - | - | {one} |");
         return Ok(());
     }
     let mut cases: Vec<(&str, usize, usize, bool, usize)> = vec![

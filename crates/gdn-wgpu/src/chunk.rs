@@ -53,7 +53,7 @@ pub const NT: usize = 256;
 
 /// Windows of at least this many tokens (counted to the commit point where the window commits) run chunked by
 /// default on a GPU adapter: never (`usize::MAX`), because the one GPU measured (an H200 through NVIDIA's Vulkan
-/// driver, NOTES.md "Chunked windows") ran the chunked form at 0.52-0.75x the token-serial speed at every length
+/// driver, NOTES.md "Chunked windows") ran the chunked form at 0.35-0.75x the token-serial speed at every length
 /// from 16 to 4096 tokens. `Wgpu::measure_crossover` measures the crossover on the adapter at hand.
 pub const DEFAULT_CHUNK_FROM: usize = usize::MAX;
 

@@ -8,7 +8,8 @@
 //! point from a job list, the head's state in registers for the whole window, the conv, norms, delta rule,
 //! readout, gated RMS norm, planes and group sums fused. Two reduction paths: subgroup operations where the
 //! adapter has them (any subgroup size), workgroup memory where it has none. Long windows (from
-//! [`Options::chunk_from`] tokens to their commit point) run in the chunked WY / UT form instead (`chunk.wgsl`:
+//! [`Options::chunk_from`] tokens to their commit point; never by default on a GPU, where it measured slower)
+//! run in the chunked WY / UT form instead (`chunk.wgsl`:
 //! four dispatches, the state in column blocks in workgroup memory; [`Wgpu::measure_crossover`] measures where it
 //! pays). The library reads no environment variables: everything is in [`Options`].
 //!
