@@ -219,7 +219,6 @@ fn chunked_commit_first_k_is_a_k_token_window() {
 /// The body of `chunked_commit_first_k_is_a_k_token_window`, for a backend that chunks every window; `bound`:
 /// the oracle bound on y and S of a mode with its own (None: the dtypes' bounds).
 fn commit_first_k_bitwise(cuda: &Cuda, bound: Option<f64>) {
-    let cuda = cuda.clone();
     let t = 150;
     for (pi, pool) in pools().into_iter().enumerate() {
         let mut s = spec(
@@ -230,15 +229,15 @@ fn commit_first_k_bitwise(cuda: &Cuda, bound: Option<f64>) {
         s.options = pool;
         s.spare_slots = 0;
         let all = s.build();
-        let got_all = run_var(&cuda, &all);
-        let again = run_var(&cuda, &all);
+        let got_all = run_var(cuda, &all);
+        let again = run_var(cuda, &all);
         assert!(
             got_all == again,
             "{pool:?}: identical inputs gave different bits"
         );
         let mut verify = all.clone();
         verify.seqs[0].commit = Commit::Verify;
-        let got_v = run_var(&cuda, &verify);
+        let got_v = run_var(cuda, &verify);
         assert!(
             bits(&got_v.out.to_f32()) == bits(&got_all.out.to_f32()),
             "{pool:?}: verify y differs from commit-all y"
@@ -253,9 +252,9 @@ fn commit_first_k_bitwise(cuda: &Cuda, bound: Option<f64>) {
         for k in [1, 2, 5, 63, 64, 65, 100, 128, 129, 149, 150] {
             let mut first = all.clone();
             first.seqs[0].commit = Commit::First(k);
-            let got = run_var(&cuda, &first);
+            let got = run_var(cuda, &first);
             let short = truncate(&all, k);
-            let want = run_var(&cuda, &short);
+            let want = run_var(cuda, &short);
             for (slot, (g, w)) in got.slots.iter().zip(&want.slots).enumerate() {
                 assert!(
                     bits(&g.0) == bits(&w.0),
@@ -280,8 +279,8 @@ fn commit_first_k_bitwise(cuda: &Cuda, bound: Option<f64>) {
         let mut first = all.clone();
         first.seqs[0].commit = Commit::First(77);
         let (ey, es, _) = match bound {
-            Some(b) => check_var_within(&cuda, &first, b, b),
-            None => check_var(&cuda, &first),
+            Some(b) => check_var_within(cuda, &first, b, b),
+            None => check_var(cuda, &first),
         };
         eprintln!("{pool:?} T {t} First(77): y {ey:.2e} S {es:.2e}");
     }
