@@ -178,5 +178,6 @@ def _forward(self, hidden_states, cache_params=None, attention_mask=None, **kwar
         lengths=lengths,
         commit=commit,
         state_layout="value_major",
+        max_seqlen=t,
     )
     return self.out_proj(y.reshape(bsz, t, -1))

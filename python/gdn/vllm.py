@@ -27,6 +27,7 @@ def gdn_attention_core(
     query_start_loc,
     commit=None,
     validate=False,
+    max_query_len=None,
 ):
     """One varlen GDN step on vLLM's tensors; returns ``core_attn_out``.
 
@@ -54,6 +55,8 @@ def gdn_attention_core(
       prefix; gdn's Rust API folds the two into one state pass (``LayerPool::step_spec``), not yet
       exposed here.
     - ``validate``: check slot and ``query_start_loc`` values on the host first (synchronises).
+    - ``max_query_len``: vLLM's ``max_query_len`` of the batch (or None), passed on as ``max_seqlen``: a
+      decode batch (1) then skips the chunked prefill path's launches.
     """
     # a view (an error where none exists), so that the step writes core_attn_out itself
     out = core_attn_out.view(core_attn_out.shape[0], -1)
@@ -71,5 +74,6 @@ def gdn_attention_core(
         out=out,
         state_layout="value_major",
         validate=validate,
+        max_seqlen=max_query_len,
     )
     return core_attn_out

@@ -166,6 +166,8 @@ pub struct Args<'a, 'py> {
     pub layout: StateLayout,
     /// The speculative step's pending region, held words and accepted counts (None: a plain step).
     pub spec: Option<(&'a View<'py>, &'a View<'py>, &'a View<'py>)>,
+    /// The caller's bound on every window's length (`max_seqlen`).
+    pub max_len: Option<usize>,
 }
 
 fn dtype(v: &View<'_>) -> DType {
@@ -265,6 +267,7 @@ pub fn step(
         commit_at: x.commit.map(|c| c.ptr as u64),
         uniform_len,
         commits: true,
+        max_len: x.max_len,
     };
     debug_assert!(x.slots.elem == Elem::I32);
     let spec = x.spec.map(|(p, h, a)| RawSpec {

@@ -343,6 +343,7 @@ fn step_impl<'py>(
     validate: bool,
     dry: bool,
     spec: Option<SpecObjs<'_, 'py>>,
+    max_seqlen: Option<usize>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let lay = layer.get();
     let sh = *lay.inner.shape();
@@ -604,6 +605,7 @@ fn step_impl<'py>(
                 commit: com.as_ref(),
                 layout,
                 spec: spec_v.as_ref().map(|v| (&v.pending, &v.held, &v.accept)),
+                max_len: max_seqlen,
             };
             cuda::step(py, &lay.cuda, &lay.inner, dev, &args)?;
             return Ok(out_obj);
@@ -680,6 +682,10 @@ fn step_impl<'py>(
 ///     state_layout: ``"value_major"`` or ``"key_major"``, see ``state``.
 ///     validate: on CUDA, copy the index tensors to the host and check them first (syncs the stream). On the
 ///         CPU they are always checked.
+///     max_seqlen: None or an upper bound on every sequence's length (FLA's and flash-attn's ``max_seqlen``), a
+///         hint for CUDA: below 64 (the chunked path's threshold) a call with ``cu_seqlens`` or ``lengths`` skips
+///         the chunked path's launches (decode and short verify windows in large batches); a longer window is
+///         then not refused but runs token after token.
 ///
 /// Returns:
 ///     ``out``.
@@ -692,15 +698,21 @@ fn step_impl<'py>(
 /// copied back for the sequences that commit.
 ///
 /// On CUDA: one kernel launch, no host synchronisation (unless ``validate``), nothing allocated but ``out=None``'s
-/// output (``lengths`` are summed on the device by the kernel itself). Bad index values that
-/// ``validate=False`` lets through skip their sequence on the device and are reported by
-/// ``layer.check_faults()``. The steps of one layer on one device must be ordered (one stream, or streams ordered
-/// by events): they share the layer's q/k-history counters. CUDA graphs: run one step of each kind (dtypes,
-/// layout, commit given or not, decode without offsets or not) outside the capture first; it compiles the kernel
-/// and makes the layer's device copy, which a capture cannot.
+/// output (``lengths`` are summed on the device by the kernel itself). Windows of 64 tokens or more (prefill)
+/// take the chunked path (tensor-core chunks of 64 tokens: four more launches, within 2e-6 of the float64
+/// reference like the token-serial kernel, its bits its own); its scratch, about 135 KiB a row at Qwen3.5's
+/// shape (``rows x num_v_heads x (5 head_dim + 65)`` floats), is allocated outside torch's allocator by the first
+/// call that needs it, kept, and shared by every layer on the device (their steps are ordered anyway). Bad index
+/// values that ``validate=False`` lets through skip their sequence on the device and are reported by
+/// ``layer.check_faults()``. The steps of every layer on one device must be ordered (one stream, or streams
+/// ordered by events): they share the layer's q/k-history counters and the chunked scratch. CUDA graphs: run one
+/// step of each kind (dtypes, layout, commit given or not, decode without offsets or not) outside the capture
+/// first; it compiles the kernel and makes the layer's device copy, which a capture cannot. A captured step
+/// chunks only if an eager call of the same kind with at least its rows and sequences ran before (the scratch
+/// and the chunked kernels were there); else every window of the graph runs token after token.
 #[pyfunction]
 #[pyo3(signature = (layer, qkv, a, b, z, state, conv_state, slots, *, cu_seqlens = None, lengths = None,
-                    commit = None, out = None, state_layout = "value_major", validate = false))]
+                    commit = None, out = None, state_layout = "value_major", validate = false, max_seqlen = None))]
 #[allow(clippy::too_many_arguments)]
 fn step<'py>(
     py: Python<'py>,
@@ -718,6 +730,7 @@ fn step<'py>(
     out: Option<&Bound<'py, PyAny>>,
     state_layout: &str,
     validate: bool,
+    max_seqlen: Option<usize>,
 ) -> PyResult<Bound<'py, PyAny>> {
     step_impl(
         py,
@@ -737,6 +750,7 @@ fn step<'py>(
         validate,
         false,
         None,
+        max_seqlen,
     )
 }
 
@@ -744,7 +758,7 @@ fn step<'py>(
 /// cost of a call, for `bench_host.py`.
 #[pyfunction(name = "_check_only")]
 #[pyo3(signature = (layer, qkv, a, b, z, state, conv_state, slots, *, cu_seqlens = None, lengths = None,
-                    commit = None, out = None, state_layout = "value_major", validate = false))]
+                    commit = None, out = None, state_layout = "value_major", validate = false, max_seqlen = None))]
 #[allow(clippy::too_many_arguments)]
 fn check_only<'py>(
     py: Python<'py>,
@@ -762,6 +776,7 @@ fn check_only<'py>(
     out: Option<&Bound<'py, PyAny>>,
     state_layout: &str,
     validate: bool,
+    max_seqlen: Option<usize>,
 ) -> PyResult<Bound<'py, PyAny>> {
     step_impl(
         py,
@@ -781,6 +796,7 @@ fn check_only<'py>(
         validate,
         true,
         None,
+        max_seqlen,
     )
 }
 
@@ -1026,6 +1042,7 @@ fn spec_step<'py>(
             held,
             accept,
         }),
+        None,
     )
 }
 

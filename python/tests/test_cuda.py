@@ -69,6 +69,41 @@ def test_lengths_decode_and_vllm_conv_view():
     layer.check_faults()
 
 
+def long_case():
+    """Prefill-length windows beside short ones: 150 tokens committing all, a decode row, 130 committing after
+    100, a 70-token verify, a skipped 80, a 65-token window committing after 10 (below the chunked path's 64:
+    token-serial)."""
+    case = Case(rows=500)
+    case.slots = np.array([3, 1, 0, 5, -1, 2], np.int32)
+    case.cu = np.cumsum([0, 150, 1, 130, 70, 80, 65]).astype(np.int32)
+    case.commit = np.array([150, 1, 100, 0, 80, 10], np.int32)
+    return case
+
+
+def test_long_windows_match_the_reference():
+    layer, ref = make_layer()
+    for hint in (None, 1):
+        case = long_case()
+        s0, c0 = case.state.copy(), case.conv.copy()
+        x = to_torch(case, device=DEV)
+        # max_seqlen=1 is a wrong hint here: every window then runs token after token, still exact
+        run(layer, x, max_seqlen=hint)
+        torch.cuda.synchronize()
+        back(x, case)
+        check_against_reference(case, ref, s0, c0, tol=1e-5)
+        layer.check_faults()
+
+
+def test_long_windows_in_bf16_match_the_cpu_path():
+    layer, _ = make_layer()
+    xc = to_torch(long_case(), torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    xg = {k: v.to(DEV) for k, v in xc.items()}
+    run(layer, xc)
+    run(layer, xg)
+    for k in ("out", "state", "conv"):
+        assert rel(xg[k].float().cpu().numpy(), xc[k].float().numpy()) < 1e-2, k
+
+
 def test_graph_capture_and_replay():
     layer, _ = make_layer()
     case = Case()

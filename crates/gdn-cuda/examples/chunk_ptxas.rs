@@ -1,4 +1,5 @@
-//! ptxas's report of the chunked kernels at the seed shape (no GPU; needs libnvrtc).
+//! ptxas's report of the chunked kernels at the seed shape, the pool's and engine memory's (no GPU; needs
+//! libnvrtc).
 use gdn::{Config, DType, PoolOptions, Shape};
 use gdn_cuda::chunk::{ChunkProducts, ChunkSpec};
 use gdn_cuda::spec::Io;
@@ -24,15 +25,16 @@ fn main() -> gdn::Result<()> {
             ChunkProducts::Tf32,
         ),
     ] {
-        let spec = ChunkSpec::new((9, 0), &Config::new(Shape::SEED), false, io, pool, products);
-        let c = spec.compiled()?;
-        println!("{io:?} {pool:?} {products:?}");
-        for l in c
-            .log
-            .lines()
-            .filter(|l| l.contains("Compiling") || l.contains("registers") || l.contains("spill"))
-        {
-            println!("  {}", l.trim());
+        let pooled = ChunkSpec::new((9, 0), &Config::new(Shape::SEED), false, io, pool, products);
+        // the same on engine memory (CudaLayer), its conv state in the rows' dtype
+        for spec in [pooled, pooled.with_ext(io.qkv)] {
+            let c = spec.compiled()?;
+            println!("{io:?} {pool:?} {products:?} ext {:?}", spec.ext);
+            for l in c.log.lines().filter(|l| {
+                l.contains("Compiling") || l.contains("registers") || l.contains("spill")
+            }) {
+                println!("  {}", l.trim());
+            }
         }
     }
     Ok(())

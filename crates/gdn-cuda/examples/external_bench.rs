@@ -1,6 +1,7 @@
 //! The step on memory the caller owns (`CudaLayer::step_raw`) against the pool's step at the seed shape: device
 //! time per call (a CUDA graph of 20 steps replayed 10 times, events, median of 7, as the pool's
-//! `time_varlen`) and the host cost of one `step_raw` call (50 calls issued without waiting). Device runs only.
+//! `time_varlen`) and the host cost of one `step_raw` call (50 calls issued without waiting), decode, verify and
+//! prefill lengths (the chunked path from 64 tokens). Device runs only.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -127,6 +128,7 @@ fn case(
         commit_at: None,
         uniform_len: Some(t),
         commits: true,
+        max_len: None,
     };
     let ext = CudaLayer::new(cuda, &layer, b)?;
     ext.prepare(&raw.kind())?;
@@ -216,7 +218,17 @@ fn main() -> gdn::Result<()> {
             "bf16 value-major | bf16, bf16 vLLM view",
         ),
     ] {
-        for (b, t) in [(1, 1), (256, 1), (1, 8), (256, 8)] {
+        // prefill lengths too: windows of 64 tokens or more take the chunked path on both
+        for (b, t) in [
+            (1, 1),
+            (256, 1),
+            (1, 8),
+            (256, 8),
+            (1, 512),
+            (1, 8192),
+            (4, 8192),
+            (1, 32768),
+        ] {
             let r = case(&cuda, &s, st, io, conv, vllm, (b, t))?;
             println!(
                 "| {what} | {b} | {t} | {:.2} | {:.2} | {:.2} |",

@@ -13,7 +13,17 @@
 //
 // Macros (src/chunk.rs): GDN_D, GDN_HK, GDN_HV, GDN_SILU, GDN_GROUPED, GDN_PLANES, the element types
 // GDN_QKV_DT .. GDN_OUT_DT (0 f32, 1 bf16, 2 f16), GDN_STATE_DT (0 f32, 1 bf16), GDN_VMAJOR (state layout),
-// GDN_L (chunk length), GDN_CB (value columns a state block owns), GDN_TF32X1 (one TF32 product a step).
+// GDN_L (chunk length), GDN_CB (value columns a state block owns), GDN_TF32X1 (one TF32 product a step),
+// GDN_EXT (1: memory an engine owns, as gdn_step.cu's EXTERNAL: row and slot strides, the engine's conv state
+// in GDN_CONV_DT; 0: the pool's packed rows and private history).
+//
+// EXTERNAL (GDN_EXT 1). The conv state holds one copy of each channel's history per slot, read by the prep
+// blocks of chunk 0 (every value head of a key head reads its q / k history). The state kernel starts after the
+// prep kernel has finished (stream order), so its blocks may overwrite the history freely: at the commit point
+// the first value head of each key head writes the new q / k history, each value head its v history (the block
+// of column block 0), rounded to GDN_CONV_DT. Sequences: seq_start / seq_len, or seq_start = cu_seqlens and
+// seq_len = null, or seq_start = null (rows packed in sequence order from row 0; the plan sums the lengths);
+// seq_commit null: every sequence commits its whole window.
 //
 // Bits. Chunk boundaries are at multiples of L from the window start, and every value of token t of a chunk
 // depends only on the chunk's tokens up to t (loops over earlier tokens end at t, never at the chunk's
@@ -51,6 +61,25 @@ typedef Elt<GDN_BETA_DT> EB;
 typedef Elt<GDN_Z_DT> EZ;
 typedef Elt<GDN_OUT_DT> EO;
 typedef Elt<GDN_STATE_DT> ES;
+
+// engine memory's strides (GdnExt, QKV_RS .. SLOT_OFF): kernels/gdn_elt.cuh; its ctr is not used here
+#if GDN_EXT
+#define EXT_PARAM , const GdnExt ext
+#else
+#define EXT_PARAM
+#endif
+
+// A sequence's history before its window: column col (0 oldest) of entry e (channel ch) of value head h's list.
+struct HistIn {
+#if GDN_EXT
+    const EC::T* base;  // the slot's column w - 3
+    unsigned long long cs, ls;
+    __device__ __forceinline__ float at(int ch, int, int col) const { return EC::ld(base[ch * cs + col * ls]); }
+#else
+    const float* hh;  // the value head's private [3 D][3]
+    __device__ __forceinline__ float at(int, int e, int col) const { return hh[e * 3 + col]; }
+#endif
+};
 
 // Row t of the chunk's decays: out[s] = D[t][s] = g_{s+1} ... g_t for s <= t (D[t][t] = 1), from the chunk's
 // gates g[0..t]; returns gamma_t = D[t][0] g_0 (the decay of the chunk's initial state through token t).
@@ -93,6 +122,15 @@ __device__ __forceinline__ int channel(int h, int e) {
     return e < D ? g * D + e : e < 2 * D ? HK * D + g * D + (e - D) : 2 * HK * D + h * D + (e - 2 * D);
 }
 
+// whether value head h is the first of its key head's (the one that writes the shared q / k history)
+__device__ __forceinline__ bool first_of_key_head(int h) {
+#if GDN_GROUPED
+    return h % (HV / HK) == 0;
+#else
+    return h < HK;
+#endif
+}
+
 #define PLAN_SLOT 2
 #define PLAN_LONG(n_seqs) (2 + (n_seqs))
 #define PLAN_ENT(n_seqs, cap_long) (2 + (n_seqs) + 4 * (cap_long))
@@ -107,12 +145,67 @@ __device__ __forceinline__ int channel(int h, int e) {
 // the window: a commit after k < min_len tokens keeps the whole window token-serial, so its committed state is
 // bitwise that of a k-token window (which runs token-serial). A commit point outside 0..=len runs chunked and is
 // reported below.
+__device__ __forceinline__ int commit_of(const int* seq_commit, int s, int len) {
+    return seq_commit ? seq_commit[s] : len;
+}
 __device__ __forceinline__ bool runs_chunked(const int* seq_commit, int commits, int s, int slot, int len,
                                              int min_len) {
     if (slot < 0 || len < min_len) return false;
     if (!commits) return true;
-    const int c = seq_commit[s];
+    const int c = commit_of(seq_commit, s, len);
     return c <= 0 || c > len || c >= min_len;
+}
+
+// Sequence s's rows: start / len arrays, cu_seqlens (seq_len null) or lengths alone (seq_start null: `pos`, the
+// lengths before s summed, and `pos_bad`, whether one of them is not positive, which makes the start invalid;
+// both advanced past s, so a thread calls it for its sequences in order).
+__device__ __forceinline__ void rows_of(const int* seq_start, const int* seq_len, int s, long long& pos,
+                                        bool& pos_bad, int& start, int& len) {
+    if (!seq_len) {
+        start = seq_start[s];
+        len = seq_start[s + 1] - start;
+    } else if (seq_start) {
+        start = seq_start[s];
+        len = seq_len[s];
+    } else {
+        len = seq_len[s];
+        start = pos_bad || pos > 0x7fffffff ? -1 : (int)pos;
+        pos += len;
+        pos_bad |= len < 1;
+    }
+}
+
+// exclusive scan over the block's 1024 threads, in thread order, of two counts; also their totals
+__device__ __forceinline__ void scan2(long long a, long long b, long long* wa, long long* wb, long long& oa,
+                                     long long& ob, long long& ta, long long& tb) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    long long ia = a, ib = b;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const long long x = __shfl_up_sync(0xffffffffu, ia, off), y = __shfl_up_sync(0xffffffffu, ib, off);
+        if (lane >= off) {
+            ia += x;
+            ib += y;
+        }
+    }
+    if (lane == 31) {
+        wa[warp] = ia;
+        wb[warp] = ib;
+    }
+    __syncthreads();
+    long long ba = 0, bb = 0;
+    ta = tb = 0;
+    for (int w = 0; w < 32; ++w) {
+        if (w < warp) {
+            ba += wa[w];
+            bb += wb[w];
+        }
+        ta += wa[w];
+        tb += wb[w];
+    }
+    oa = ba + ia - a;
+    ob = bb + ib - b;
+    __syncthreads();  // wa / wb may be reused
 }
 
 extern "C" __global__ void __launch_bounds__(1024) gdn_chunk_plan(
@@ -121,65 +214,64 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_chunk_plan(
     int cap_long, int cap_ent, int* __restrict__ plan, unsigned* __restrict__ fault) {
     __shared__ long long warp_l[32], warp_e[32];
     __shared__ int keep_l, keep_e;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
     const int per = (n_seqs + 1023) / 1024;
     const int s0 = min(tid * per, n_seqs), s1 = min(s0 + per, n_seqs);
-    unsigned bad = 0;
-    long long nl = 0, ne = 0;
-    // pass 1: count (and write the token-serial slot array)
-    for (int s = s0; s < s1; ++s) {
-        const int slot = seq_slot[s], len = seq_len[s];
-        const bool is_long = runs_chunked(seq_commit, commits, s, slot, len, min_len);
-        plan[PLAN_SLOT + s] = is_long ? -1 : slot;
-        if (!is_long) continue;
-        const int start = seq_start[s];
-        if (slot >= n_slots) {
-            bad |= 1u;
-            continue;
-        }
-        if (start < 0 || start > n_rows - len) {
-            bad |= 4u;
-            continue;
-        }
-        nl += 1;
-        ne += (len + L - 1) / L;
-    }
-    // exclusive scan of (nl, ne) over threads, in thread order
-    long long il = nl, ie = ne;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-        const long long a = __shfl_up_sync(0xffffffffu, il, off), b = __shfl_up_sync(0xffffffffu, ie, off);
-        if (lane >= off) {
-            il += a;
-            ie += b;
-        }
-    }
-    if (lane == 31) {
-        warp_l[warp] = il;
-        warp_e[warp] = ie;
-    }
     if (tid == 0) {
         keep_l = 0x7fffffff;
         keep_e = 0x7fffffff;
     }
-    __syncthreads();
-    long long bl = 0, be = 0, tl = 0, te = 0;
-    for (int w = 0; w < 32; ++w) {
-        if (w < warp) {
-            bl += warp_l[w];
-            be += warp_e[w];
+    // lengths alone: the rows before this thread's run, and whether a length among them is not positive
+    long long pos0 = 0;
+    bool bad0 = false;
+    if (!seq_start) {
+        long long sum = 0, nbad = 0;
+        for (int s = s0; s < s1; ++s) {
+            const int l = seq_len[s];
+            sum += l;
+            nbad += l < 1;
         }
-        tl += warp_l[w];
-        te += warp_e[w];
+        long long tot_a, tot_b, nb;
+        scan2(sum, nbad, warp_l, warp_e, pos0, nb, tot_a, tot_b);
+        bad0 = nb > 0;
     }
-    long long ol = bl + il - nl, oe = be + ie - ne;
+    unsigned bad = 0;
+    long long nl = 0, ne = 0;
+    // pass 1: count (and write the token-serial slot array)
+    {
+        long long pos = pos0;
+        bool pbad = bad0;
+        for (int s = s0; s < s1; ++s) {
+            int start, len;
+            rows_of(seq_start, seq_len, s, pos, pbad, start, len);
+            const int slot = seq_slot[s];
+            const bool is_long = runs_chunked(seq_commit, commits, s, slot, len, min_len);
+            plan[PLAN_SLOT + s] = is_long ? -1 : slot;
+            if (!is_long) continue;
+            if (slot >= n_slots) {
+                bad |= 1u;
+                continue;
+            }
+            if (start < 0 || start > n_rows - len) {
+                bad |= 4u;
+                continue;
+            }
+            nl += 1;
+            ne += (len + L - 1) / L;
+        }
+    }
+    long long ol, oe, tl, te;
+    scan2(nl, ne, warp_l, warp_e, ol, oe, tl, te);
     // pass 2: write the lists
     int* const longs = plan + PLAN_LONG(n_seqs);
     int* const ents = plan + PLAN_ENT(n_seqs, cap_long);
+    long long pos = pos0;
+    bool pbad = bad0;
     for (int s = s0; s < s1; ++s) {
-        const int slot = seq_slot[s], len = seq_len[s];
+        int start, len;
+        rows_of(seq_start, seq_len, s, pos, pbad, start, len);
+        const int slot = seq_slot[s];
         if (!runs_chunked(seq_commit, commits, s, slot, len, min_len)) continue;
-        const int start = seq_start[s];
         if (slot >= n_slots || start < 0 || start > n_rows - len) continue;
         const int nch = (len + L - 1) / L;
         if (ol >= cap_long || oe + nch > cap_ent) {
@@ -192,7 +284,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_chunk_plan(
         }
         int commit = 0;
         if (commits) {
-            const int c = seq_commit[s];
+            const int c = commit_of(seq_commit, s, len);
             if (c >= 0 && c <= len) commit = c;
             else bad |= 8u;
         }
@@ -216,12 +308,6 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_chunk_plan(
     }
 }
 
-// ---------------------------------------------------------------------------------------------------------
-// Tensor-core products: 3xTF32 (split4, mma3p: gdn_elt.cuh), or with GDN_TF32X1 (the opt-in fast mode) one TF32
-// product of the high parts (each operand rounded to TF32, half away from zero; the remainders, never read, fold
-// away). A step's logical k q and q + 4 are taken from memory columns 4 q, 4 q + 1 (first step of 16) or 4 q + 2,
-// 4 q + 3 (second step), for A and B alike, so that one float4 of a row feeds two steps; the sum over k is the
-// same set of products.
 __device__ __forceinline__ void prod_step(float* c, const unsigned* ah, const unsigned* al, const float* b) {
 #if GDN_TF32X1
     unsigned bh[2], bl[2];
@@ -242,39 +328,46 @@ __device__ __forceinline__ void prod_step(float* c, const unsigned* ah, const un
 #define PREP_SMEM (2 * L * DP4 + 2 * L * LP4 + 3 * L)
 static_assert(L % 16 == 0 && L <= 64, "chunk length");
 // the conv + SiLU of channel e (0..3 D) of value head h over the chunk's n tokens, into dst[t * DP4] (times
-// scale[t] when given): every token's input in flight at once, the history in registers
-__device__ __forceinline__ void conv_channel(const EQ::T* __restrict__ qkv, const float* hh,
+// scale[t] when given): every token's input in flight at once (8 at once on engine memory), the history in
+// registers
+__device__ __forceinline__ void conv_channel(const EQ::T* __restrict__ qkv, size_t qrs, const HistIn& hin,
                                              const float* __restrict__ conv_w, int h, int e, int t0, int n,
                                              size_t rbase, float* dst, const float* scale) {
     const int ch = channel(h, e);
     const float4 w = __ldg(reinterpret_cast<const float4*>(conv_w) + ch);
     float x0, x1, x2;
     if (t0 == 0) {
-        x0 = hh[e * 3];
-        x1 = hh[e * 3 + 1];
-        x2 = hh[e * 3 + 2];
+        x0 = hin.at(ch, e, 0);
+        x1 = hin.at(ch, e, 1);
+        x2 = hin.at(ch, e, 2);
     } else {
-        x0 = EQ::ld(qkv[(rbase - 3) * C_ALL + ch]);
-        x1 = EQ::ld(qkv[(rbase - 2) * C_ALL + ch]);
-        x2 = EQ::ld(qkv[(rbase - 1) * C_ALL + ch]);
+        x0 = EQ::ld(qkv[(rbase - 3) * qrs + ch]);
+        x1 = EQ::ld(qkv[(rbase - 2) * qrs + ch]);
+        x2 = EQ::ld(qkv[(rbase - 1) * qrs + ch]);
     }
-    EQ::T raw[L];
+    // a run-time row stride (engine memory) needs an address register a load: 8 loads in flight, not L (more spill)
+    constexpr int G = GDN_EXT ? 8 : L;
 #pragma unroll
-    for (int t = 0; t < L; ++t) raw[t] = t < n ? qkv[(rbase + t) * C_ALL + ch] : (EQ::T)0;
+    for (int tb = 0; tb < L; tb += G) {
+        if (tb >= n) break;
+        EQ::T raw[G];
 #pragma unroll
-    for (int t = 0; t < L; ++t) {
-        if (t >= n) break;
-        const float x = EQ::ld(raw[t]);
-        float s = 0.0f;
-        s = fmaf(x0, w.x, s);
-        s = fmaf(x1, w.y, s);
-        s = fmaf(x2, w.z, s);
-        s = fmaf(x, w.w, s);
-        const float a = silu_w(s);
-        dst[t * DP4] = scale ? scale[t] * a : a;
-        x0 = x1;
-        x1 = x2;
-        x2 = x;
+        for (int t = 0; t < G; ++t) raw[t] = tb + t < n ? qkv[(rbase + tb + t) * qrs + ch] : (EQ::T)0;
+#pragma unroll
+        for (int t = 0; t < G; ++t) {
+            if (tb + t >= n) break;
+            const float x = EQ::ld(raw[t]);
+            float s = 0.0f;
+            s = fmaf(x0, w.x, s);
+            s = fmaf(x1, w.y, s);
+            s = fmaf(x2, w.z, s);
+            s = fmaf(x, w.w, s);
+            const float a = silu_w(s);
+            dst[(tb + t) * DP4] = scale ? scale[tb + t] * a : a;
+            x0 = x1;
+            x1 = x2;
+            x2 = x;
+        }
     }
 }
 
@@ -282,7 +375,7 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
     const EQ::T* __restrict__ qkv, const EA::T* __restrict__ alpha, const EB::T* __restrict__ beta,
     const float* __restrict__ hist, const float* __restrict__ conv_w, const float* __restrict__ dt,
     const float* __restrict__ ssm_a, const int* __restrict__ plan, int n_seqs, int cap_long, float eps,
-    float* __restrict__ scr, long long rc) {
+    float* __restrict__ scr, long long rc EXT_PARAM) {
     extern __shared__ __align__(16) float sm[];
     float* const qs = sm;
     float* const ks = qs + L * DP4;
@@ -302,7 +395,14 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
     const int t0 = c * L;
     const int n = min(L, len - t0);
     const size_t rbase = (size_t)start + t0;
-    const float* hh = hist + ((size_t)slot * HV + h) * (3 * D * 3);
+#if GDN_EXT
+    (void)hist;
+    const HistIn hin{reinterpret_cast<const EC::T*>(ext.conv) + (size_t)slot * ext.conv_ss + ext.conv_off, ext.conv_cs,
+                     ext.conv_ls};
+#else
+    const HistIn hin{hist + ((size_t)slot * HV + h) * (3 * D * 3)};
+#endif
+    const size_t qrs = QKV_RS;
     const float inv_sqrt_d = 1.0f / sqrtf((float)D);
 
     float* const W = scr;
@@ -314,11 +414,11 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
 
     // 1. conv + SiLU of q and k, a thread a channel (v waits for q's place, step 5)
     for (int e = tid; e < 2 * D; e += NT_PREP)
-        conv_channel(qkv, hh, conv_w, h, e, t0, n, rbase, (e < D ? qs : ks) + e % D, nullptr);
+        conv_channel(qkv, qrs, hin, conv_w, h, e, t0, n, rbase, (e < D ? qs : ks) + e % D, nullptr);
     if (tid < n) {
         const size_t r = rbase + tid;
-        gs[tid] = softplus_decay(EA::ld(alpha[r * HV + h]) + dt[h], ssm_a[h]);
-        bs[tid] = sigmoid_f(EB::ld(beta[r * HV + h]));
+        gs[tid] = softplus_decay(EA::ld(alpha[r * A_RS + h]) + dt[h], ssm_a[h]);
+        bs[tid] = sigmoid_f(EB::ld(beta[r * B_RS + h]));
     }
     __syncthreads();
 
@@ -410,7 +510,7 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
         ks[t * DP4 + i] = (bs[t] * gam[t]) * kt;
     }
     __syncthreads();
-    for (int e = tid; e < D; e += NT_PREP) conv_channel(qkv, hh, conv_w, h, 2 * D + e, t0, n, rbase, qs + e, bs);
+    for (int e = tid; e < D; e += NT_PREP) conv_channel(qkv, qrs, hin, conv_w, h, 2 * D + e, t0, n, rbase, qs + e, bs);
     __syncthreads();
 
     // 6. forward substitution, a thread a column of [W | U], in blocks of 8 rows, the solution replacing the
@@ -484,7 +584,7 @@ static_assert(2 * L / 16 <= NT_STATE / 32, "a warp a row tile of [W; Q]");
 static_assert(2 * L <= NT_STATE, "a thread a decay");
 extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
     ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __restrict__ qkv,
-    const int* __restrict__ plan, int n_seqs, int cap_long, float* __restrict__ scr, long long rc) {
+    const int* __restrict__ plan, int n_seqs, int cap_long, float* __restrict__ scr, long long rc EXT_PARAM) {
     extern __shared__ __align__(16) float sm[];
     float* const ssb = sm;  // [2][D][CBP]
     float* const dl = ssb + 2 * D * CBP;
@@ -508,7 +608,7 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
     const float* const M = O + (size_t)rc * HV * D;
     const float* const G = M + (size_t)rc * HV * L;
 
-    ES::T* const sbase = state + (size_t)slot * D * HV * D;
+    ES::T* const sbase = state + SLOT_OFF(slot);
 #if GDN_VMAJOR
 #define SIDX(i, j) (((size_t)h * D + (j)) * D + (i))
 #else
@@ -694,30 +794,47 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
 
     // the conv history after the commit token: the last three of (old history, the window's raw inputs)
     if (commit > 0 && cb == 0) {
+#if GDN_EXT
+        // the engine's one copy: q / k by the key head's first value head, v by its own (the prep has read them all)
+        (void)hist;
+        EC::T* const hb = reinterpret_cast<EC::T*>(ext.conv) + (size_t)slot * ext.conv_ss + ext.conv_off;
+        const bool qk_writer = first_of_key_head(h);
+#else
         float* hh = hist + ((size_t)slot * HV + h) * (3 * D * 3);
+#endif
         for (int e = tid; e < 3 * D; e += NT_STATE) {
             const int ch = channel(h, e);
+#if GDN_EXT
+            if (e < 2 * D && !qk_writer) continue;
+            EC::T* const p = hb + (size_t)ch * ext.conv_cs;
+            const float o0 = EC::ld(p[0]), o1 = EC::ld(p[ext.conv_ls]), o2 = EC::ld(p[2 * ext.conv_ls]);
+#else
             const float o0 = hh[e * 3], o1 = hh[e * 3 + 1], o2 = hh[e * 3 + 2];
+#endif
             float nv[3];
 #pragma unroll
             for (int m = 0; m < 3; ++m) {
                 const int u = commit - 3 + m;
                 const int oi = m + commit;
-                nv[m] = u >= 0 ? EQ::ld(qkv[((size_t)start + u) * C_ALL + ch]) : (oi == 0 ? o0 : oi == 1 ? o1 : o2);
+                nv[m] = u >= 0 ? EQ::ld(qkv[((size_t)start + u) * QKV_RS + ch]) : (oi == 0 ? o0 : oi == 1 ? o1 : o2);
             }
+#if GDN_EXT
+            p[0] = EC::st(nv[0]);
+            p[ext.conv_ls] = EC::st(nv[1]);
+            p[2 * ext.conv_ls] = EC::st(nv[2]);
+#else
             hh[e * 3] = nv[0];
             hh[e * 3 + 1] = nv[1];
             hh[e * 3 + 2] = nv[2];
+#endif
         }
     }
 }
 
-// ---------------------------------------------------------------------------------------------------------
-// The gated RMS norm, y, planes and group sums of one chunk of one value head: a warp a token.
 extern "C" __global__ void __launch_bounds__(NT_OUT) gdn_chunk_out(
     const EZ::T* __restrict__ z, const float* __restrict__ gamma, EO::T* __restrict__ out, long long plane,
     const int* __restrict__ plan, int n_seqs, int cap_long, float eps, const float* __restrict__ scr,
-    long long rc) {
+    long long rc EXT_PARAM) {
 #if GDN_PLANES
     __shared__ float ys[NT_OUT / 32][D];
 #endif
@@ -742,14 +859,14 @@ extern "C" __global__ void __launch_bounds__(NT_OUT) gdn_chunk_out(
         for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
         const float rs = rsqrtf(acc / (float)D + eps);
         for (int j = lane; j < D; j += 32) {
-            const float zt = EZ::ld(z[r * N_OUT + h * D + j]);
+            const float zt = EZ::ld(z[r * Z_RS + h * D + j]);
 #if GDN_SILU
             const float act = zt * sigmoid_f(zt);
 #else
             const float act = sigmoid_f(zt);
 #endif
             const float yv = ((rs * o[j]) * gamma[j]) * act;
-            const size_t yi = r * N_OUT + h * D + j;
+            const size_t yi = r * O_RS + h * D + j;
             out[yi] = EO::st(yv);
 #if GDN_PLANES
             const int jj = j & 15;

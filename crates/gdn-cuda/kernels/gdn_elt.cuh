@@ -107,3 +107,33 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes));
 #endif
 }
+
+// Element strides of rows and state slots for the step kernels (gdn_step.cu, gdn_chunk.cu; expanded where the
+// kernel uses them, after its own D, HV, C_ALL and N_OUT): the pool's packed layout, or with GDN_EXT the engine's
+// (run-time arguments, GdnExt: src/external.rs ExtArgs field for field) and its conv state in GDN_CONV_DT.
+#ifndef GDN_EXT
+#define GDN_EXT 0
+#endif
+#if GDN_EXT
+typedef Elt<GDN_CONV_DT> EC;
+struct GdnExt {
+    void* conv;                                              // the engine's conv state, in GDN_CONV_DT
+    unsigned* ctr;                                           // [S][HK] last-reader counters, 0 between calls
+    unsigned long long state_ss;                             // elements between state slots
+    unsigned long long conv_ss, conv_cs, conv_ls, conv_off;  // conv: slot, channel, column strides; column w - 3
+    unsigned long long qkv_rs, a_rs, b_rs, z_rs, o_rs;       // row strides of the inputs and of y
+};
+#define QKV_RS ext.qkv_rs
+#define A_RS ext.a_rs
+#define B_RS ext.b_rs
+#define Z_RS ext.z_rs
+#define O_RS ext.o_rs
+#define SLOT_OFF(s) ((size_t)(s) * ext.state_ss)
+#else
+#define QKV_RS C_ALL
+#define A_RS HV
+#define B_RS HV
+#define Z_RS N_OUT
+#define O_RS N_OUT
+#define SLOT_OFF(s) ((size_t)(s) * D * HV * D)
+#endif

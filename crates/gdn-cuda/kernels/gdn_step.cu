@@ -197,31 +197,10 @@ typedef Elt<GDN_Z_DT> EZ;
 typedef Elt<GDN_OUT_DT> EO;
 typedef Elt<GDN_STATE_DT> ES;
 
-// Element strides of rows and state slots: the pool's packed layout, or the engine's (run-time arguments).
+// The element strides of rows and state slots (GdnExt, QKV_RS .. SLOT_OFF): kernels/gdn_elt.cuh.
 #if GDN_EXT
-typedef Elt<GDN_CONV_DT> EC;
 // blocks that read one key head's q / k history in one sequence
 #define READERS ((HV / HK) * NCB)
-struct GdnExt {
-    void* conv;                       // the engine's conv state, in GDN_CONV_DT
-    unsigned* ctr;                    // [S][HK] last-reader counters, 0 between calls
-    unsigned long long state_ss;      // elements between state slots
-    unsigned long long conv_ss, conv_cs, conv_ls, conv_off;  // conv: slot, channel, column strides; column w - 3
-    unsigned long long qkv_rs, a_rs, b_rs, z_rs, o_rs;       // row strides of the inputs and of y
-};
-#define QKV_RS ext.qkv_rs
-#define A_RS ext.a_rs
-#define B_RS ext.b_rs
-#define Z_RS ext.z_rs
-#define O_RS ext.o_rs
-#define SLOT_OFF(s) ((size_t)(s) * ext.state_ss)
-#else
-#define QKV_RS C_ALL
-#define A_RS HV
-#define B_RS HV
-#define Z_RS N_OUT
-#define O_RS N_OUT
-#define SLOT_OFF(s) ((size_t)(s) * D * HV * D)
 #endif
 
 // With GDN_STAGE (the host sets it for calls that fill the device), a bf16 state at T 1 with one block a head

@@ -20,6 +20,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaFunction, CudaSlice};
 use gdn::{DType, Error, Gate, HeadMap, PoolOptions, Result, Shape, StateLayout};
 
+use crate::external::ExtArgs;
 use crate::pool::{int, ptr, ptr_mut, too_large, CudaPool, Operands, StateBuf, StepKind};
 use crate::spec::{compiled_source, Compiled, Io};
 use crate::{drv, Cuda};
@@ -66,6 +67,8 @@ pub struct ChunkSpec {
     pub io: Io,
     pub pool: PoolOptions,
     pub products: ChunkProducts,
+    /// Memory an engine owns (`GDN_EXT`, [`crate::CudaLayer`]): its conv state's element type; `None`: the pool's.
+    pub ext: Option<DType>,
 }
 
 impl ChunkSpec {
@@ -86,6 +89,15 @@ impl ChunkSpec {
             io,
             pool,
             products,
+            ext: None,
+        }
+    }
+
+    /// The specialisation for memory an engine owns, its conv state in `conv`.
+    pub fn with_ext(self, conv: DType) -> ChunkSpec {
+        ChunkSpec {
+            ext: Some(conv),
+            ..self
         }
     }
 
@@ -133,7 +145,10 @@ impl ChunkSpec {
 
     pub fn header(&self) -> String {
         let s = &self.shape;
-        format!(
+        let ext = self.ext.map_or(String::new(), |c| {
+            format!("#define GDN_EXT 1\n#define GDN_CONV_DT {}\n", dt_code(c))
+        });
+        ext + &format!(
             "#define GDN_D {}\n#define GDN_HK {}\n#define GDN_HV {}\n#define GDN_SILU {}\n#define GDN_GROUPED {}\n\
              #define GDN_PLANES {}\n#define GDN_QKV_DT {}\n#define GDN_ALPHA_DT {}\n#define GDN_BETA_DT {}\n\
              #define GDN_Z_DT {}\n#define GDN_OUT_DT {}\n#define GDN_STATE_DT {}\n#define GDN_VMAJOR {}\n\
@@ -175,14 +190,20 @@ pub(crate) struct ChunkFns {
     out: CudaFunction,
 }
 
-/// The pool's chunked-path scratch and loaded kernels.
+/// A scratch buffer and plan a captured graph may still use.
+type Retired = (Option<CudaSlice<f32>>, Option<CudaSlice<i32>>);
+
+/// The chunked path's scratch and loaded kernels: a pool's own, or the one all [`crate::CudaLayer`]s of a
+/// backend share.
 #[derive(Default)]
 pub(crate) struct ChunkScratch {
     buf: Option<CudaSlice<f32>>,
-    /// Rows the float scratch holds, at its specialisation's floats per row.
-    rows: usize,
     plan: Option<CudaSlice<i32>>,
     fns: HashMap<ChunkSpec, Arc<ChunkFns>>,
+    /// A captured graph holds the scratch's address (engine memory, `CudaLayer`): growing it then keeps the old
+    /// buffers alive in `retired` (until `release`), so the graph's replays still find them.
+    pub(crate) pinned: bool,
+    retired: Vec<Retired>,
 }
 
 /// How many long sequences and chunks a call of `rows` rows and `seqs` sequences can hold (rows do not overlap).
@@ -191,12 +212,22 @@ fn caps(rows: usize, seqs: usize, min_len: usize, l: usize) -> (usize, usize) {
     (cap_long, rows / l + cap_long + 1)
 }
 
-/// Launches a kernel without programmatic dependent launch (every chunked kernel reads what the one before
-/// it wrote, so each waits for the previous one to finish).
+/// Ints of the plan for a call of `seqs` sequences with these caps.
+fn plan_ints(seqs: usize, cap_long: usize, cap_ent: usize) -> Result<usize> {
+    cap_long
+        .checked_mul(4)
+        .and_then(|x| x.checked_add(cap_ent.checked_mul(2)?))
+        .and_then(|x| x.checked_add(seqs.checked_add(2)?))
+        .ok_or_else(|| too_large("seqs"))
+}
+
+/// Launches a kernel on `stream` without programmatic dependent launch (every chunked kernel reads what the one
+/// before it wrote, so each waits for the previous one to finish).
 ///
 /// # Safety
 /// As [`crate::pool::launch_kernel`]: the parameters match the kernel's in order and type, each pointing to a
-/// value that lives across the call, every device pointer valid for what the kernel indexes.
+/// value that lives across the call, every device pointer valid for what the kernel indexes; `stream` is live
+/// and of the backend's context.
 unsafe fn launch(
     cuda: &Cuda,
     f: &CudaFunction,
@@ -204,9 +235,10 @@ unsafe fn launch(
     threads: u32,
     smem: usize,
     params: &mut [*mut c_void],
+    stream: sys::CUstream,
 ) -> Result<()> {
     cuda.ctx.bind_to_thread().map_err(drv)?;
-    // SAFETY: the caller's contract; the stream is the backend's own.
+    // SAFETY: the caller's contract.
     let r = unsafe {
         sys::cuLaunchKernel(
             f.cu_function(),
@@ -217,7 +249,7 @@ unsafe fn launch(
             1,
             1,
             smem as u32,
-            cuda.stream.cu_stream(),
+            stream,
             params.as_mut_ptr(),
             std::ptr::null_mut(),
         )
@@ -225,14 +257,283 @@ unsafe fn launch(
     r.result().map_err(drv)
 }
 
+/// One call's memory as the chunked kernels take it: the pool's (`ext` None: packed rows, the private history at
+/// `hist`) or an engine's (`ext`: strides and its conv state).
+pub(crate) struct ChunkCall {
+    pub n_seqs: usize,
+    pub rows: usize,
+    pub n_slots: i32,
+    pub commits: bool,
+    /// The shortest live window the caller knows of (else 1).
+    pub lo: usize,
+    pub plane: i64,
+    pub eps: f32,
+    pub qkv: u64,
+    pub alpha: u64,
+    pub beta: u64,
+    pub z: u64,
+    pub out: u64,
+    /// Per-sequence device arrays (`start` may be cu_seqlens with `len` 0, or 0 with lengths alone: engine memory
+    /// only; `commit` 0 with `commits`: every sequence commits its whole window).
+    pub slot: u64,
+    pub start: u64,
+    pub len: u64,
+    pub commit: u64,
+    pub state: u64,
+    pub hist: u64,
+    /// conv_w, dt, a, gamma.
+    pub weights: [u64; 4],
+    pub fault: u64,
+    pub ext: Option<ExtArgs>,
+    pub stream: sys::CUstream,
+}
+
+impl ChunkScratch {
+    /// Compiles (once a process) and loads (once) the kernels of `spec`.
+    pub(crate) fn fns(&mut self, cuda: &Cuda, spec: &ChunkSpec) -> Result<Arc<ChunkFns>> {
+        if let Some(f) = self.fns.get(spec) {
+            return Ok(f.clone());
+        }
+        let compiled = spec.compiled()?;
+        let module = cuda
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin.clone()))
+            .map_err(drv)?;
+        let load = |name: &str, smem: usize| -> Result<CudaFunction> {
+            let f = module.load_function(name).map_err(drv)?;
+            if smem > 48 * 1024 {
+                f.set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .map_err(drv)?;
+            }
+            Ok(f)
+        };
+        let fns = Arc::new(ChunkFns {
+            plan: load("gdn_chunk_plan", 0)?,
+            prep: load("gdn_chunk_prep", spec.prep_smem())?,
+            state: load("gdn_chunk_state", spec.state_smem())?,
+            out: load("gdn_chunk_out", 0)?,
+        });
+        self.fns.insert(*spec, fns.clone());
+        Ok(fns)
+    }
+
+    /// Whether the scratch already holds a call of `rows` rows and `seqs` sequences of `spec`, its kernels loaded.
+    pub(crate) fn holds(&self, spec: &ChunkSpec, rows: usize, seqs: usize, min_len: usize) -> bool {
+        let (cap_long, cap_ent) = caps(rows, seqs, min_len, spec.l());
+        let floats = rows.max(1).saturating_mul(spec.floats_per_row());
+        self.fns.contains_key(spec)
+            && self.buf.as_ref().is_some_and(|b| b.len() >= floats)
+            && plan_ints(seqs, cap_long, cap_ent)
+                .is_ok_and(|n| self.plan.as_ref().is_some_and(|p| p.len() >= n))
+    }
+
+    /// Grows the scratch (on the backend's stream) to hold a call of `rows` rows and `seqs` sequences.
+    pub(crate) fn reserve(
+        &mut self,
+        cuda: &Cuda,
+        spec: &ChunkSpec,
+        rows: usize,
+        seqs: usize,
+        min_len: usize,
+    ) -> Result<()> {
+        let per_row = spec.floats_per_row();
+        let floats = rows
+            .max(1)
+            .checked_mul(per_row)
+            .ok_or_else(|| too_large("rows"))?;
+        if self.pinned {
+            self.retired.push((self.buf.take(), self.plan.take()));
+            self.pinned = false;
+        }
+        if self.buf.as_ref().map_or(0, |b| b.len()) < floats {
+            self.buf = None;
+            self.buf = Some(cuda.stream.alloc_zeros::<f32>(floats).map_err(drv)?);
+        }
+        let (cap_long, cap_ent) = caps(rows, seqs, min_len, spec.l());
+        let ints = plan_ints(seqs, cap_long, cap_ent)?;
+        if self.plan.as_ref().map_or(0, |b| b.len()) < ints {
+            self.plan = None;
+            self.plan = Some(cuda.stream.alloc_zeros::<i32>(ints).map_err(drv)?);
+        }
+        Ok(())
+    }
+
+    /// Frees the scratch (the next long window allocates it again).
+    pub(crate) fn release(&mut self) {
+        self.buf = None;
+        self.plan = None;
+        self.retired.clear();
+        self.pinned = false;
+    }
+
+    /// Bytes held now.
+    pub(crate) fn bytes(&self) -> usize {
+        let held = |b: &Option<CudaSlice<f32>>, p: &Option<CudaSlice<i32>>| {
+            b.as_ref().map_or(0, |b| b.len() * 4) + p.as_ref().map_or(0, |p| p.len() * 4)
+        };
+        held(&self.buf, &self.plan) + self.retired.iter().map(|(b, p)| held(b, p)).sum::<usize>()
+    }
+
+    /// Runs the call's long windows in chunks (the scratch must hold the call: [`ChunkScratch::reserve`]) and
+    /// returns the slot array the token-serial kernel runs with (the long windows' slots skipped), or `None`
+    /// when no sequence is left for it.
+    ///
+    /// # Safety
+    /// Every address in `call` is device memory of the backend's context valid for what the kernels index: the
+    /// rows for `call.rows` rows of the spec's dtypes and strides, the per-sequence arrays for `call.n_seqs`
+    /// entries as `call` describes them, the state and history (or conv state) for `call.n_slots` slots, the
+    /// weights the layer's, the output for its layout; `call.stream` is live and of that context.
+    pub(crate) unsafe fn run(
+        &mut self,
+        cuda: &Cuda,
+        spec: &ChunkSpec,
+        min_len: usize,
+        call: &ChunkCall,
+    ) -> Result<Option<u64>> {
+        let fns = self.fns(cuda, spec)?;
+        if !self.holds(spec, call.rows, call.n_seqs, min_len) {
+            return Err(Error::Backend("chunk scratch not reserved".into()));
+        }
+        let sh = spec.shape;
+        let (cap_long, cap_ent) = caps(call.rows, call.n_seqs, min_len, spec.l());
+        let grid_long = u32::try_from(cap_long)
+            .ok()
+            .filter(|&y| y <= 65535)
+            .ok_or_else(|| too_large("seqs"))?;
+        let grid_ent = u32::try_from(cap_ent)
+            .ok()
+            .filter(|&x| x < i32::MAX as u32)
+            .ok_or_else(|| too_large("rows"))?;
+        let mut n_seqs_i = int(call.n_seqs, "seqs")?;
+        let mut n_slots = call.n_slots;
+        let mut n_rows = int(call.rows, "rows")?;
+        let mut min_len_i = int(min_len, "chunk_min_len")?;
+        let mut cap_long_i = int(cap_long, "seqs")?;
+        let mut cap_ent_i = int(cap_ent, "rows")?;
+        let mut commits = call.commits as i32;
+        // rows the float scratch holds at this specialisation's floats per row
+        let held = self.buf.as_ref().map_or(0, |b| b.len()) / spec.floats_per_row().max(1);
+        let mut rc = i64::try_from(held).map_err(|_| too_large("rows"))?;
+        let mut eps = call.eps;
+        let mut plane = call.plane;
+        let (mut p_slot, mut p_start, mut p_len, mut p_commit) =
+            (call.slot, call.start, call.len, call.commit);
+        let (mut p_qkv, mut p_alpha, mut p_beta, mut p_z, mut p_out) =
+            (call.qkv, call.alpha, call.beta, call.z, call.out);
+        let (mut p_fault, mut p_hist, mut p_state) = (call.fault, call.hist, call.state);
+        let [mut p_conv, mut p_dt, mut p_a, mut p_gamma] = call.weights;
+        let stream = call.stream;
+        let mut p_plan = ptr_mut(
+            self.plan
+                .as_mut()
+                .ok_or_else(|| Error::Backend("chunk plan missing".into()))?,
+            cuda,
+        );
+        let mut p_scr = ptr_mut(
+            self.buf
+                .as_mut()
+                .ok_or_else(|| Error::Backend("chunk scratch missing".into()))?,
+            cuda,
+        );
+        let mut ext = call.ext;
+        macro_rules! params {
+            ($($x:ident),*) => {{
+                let mut v: Vec<*mut c_void> = vec![$(&mut $x as *mut _ as *mut c_void),*];
+                if let Some(e) = ext.as_mut() {
+                    v.push(e as *mut ExtArgs as *mut c_void);
+                }
+                v
+            }};
+        }
+        let mut p = vec![
+            &mut p_slot as *mut _ as *mut c_void,
+            &mut p_start as *mut _ as *mut c_void,
+            &mut p_len as *mut _ as *mut c_void,
+            &mut p_commit as *mut _ as *mut c_void,
+            &mut commits as *mut _ as *mut c_void,
+            &mut n_seqs_i as *mut _ as *mut c_void,
+            &mut n_slots as *mut _ as *mut c_void,
+            &mut n_rows as *mut _ as *mut c_void,
+            &mut min_len_i as *mut _ as *mut c_void,
+            &mut cap_long_i as *mut _ as *mut c_void,
+            &mut cap_ent_i as *mut _ as *mut c_void,
+            &mut p_plan as *mut _ as *mut c_void,
+            &mut p_fault as *mut _ as *mut c_void,
+        ];
+        // SAFETY: gdn_chunk_plan(const int* x4, int commits, int n_seqs, int n_slots, int n_rows, int min_len,
+        // int cap_long, int cap_ent, int* plan, unsigned* fault): the per-sequence arrays as the caller states
+        // (start may be cu_seqlens with len null, or null with lengths; commit_at is read only when commits is
+        // set and is not null), the plan holds 2 + n_seqs + 4 cap_long + 2 cap_ent ints (`holds`), the fault
+        // word is the caller's.
+        unsafe { launch(cuda, &fns.plan, (1, 1), 1024, 0, &mut p, stream)? };
+        let mut p = params!(
+            p_qkv, p_alpha, p_beta, p_hist, p_conv, p_dt, p_a, p_plan, n_seqs_i, cap_long_i, eps,
+            p_scr, rc
+        );
+        // SAFETY: gdn_chunk_prep(qkv, alpha, beta, hist, conv_w, dt, a, plan, int n_seqs, int cap_long, float
+        // eps, float* scr, long long rc[, GdnExt ext]): the rows hold `rows` rows in the spec's dtypes and
+        // strides (the caller's contract), the plan lists only sequences whose slot is in the pool and whose
+        // rows are in 0..rows, the scratch holds rc >= rows rows (`holds`); the ExtArgs struct (with `ext`) is
+        // the kernel's GdnExt field for field; dynamic shared memory as the kernel's PREP_SMEM.
+        unsafe {
+            launch(
+                cuda,
+                &fns.prep,
+                (grid_ent, sh.h_v as u32),
+                256,
+                spec.prep_smem(),
+                &mut p,
+                stream,
+            )?
+        };
+        let mut p = params!(p_state, p_hist, p_qkv, p_plan, n_seqs_i, cap_long_i, p_scr, rc);
+        // SAFETY: gdn_chunk_state(state, hist, qkv, plan, int n_seqs, int cap_long, float* scr, long long
+        // rc[, GdnExt ext]): the state and history (or conv state), the rows and scratch as above;
+        // STATE_SMEM bytes of shared memory.
+        unsafe {
+            launch(
+                cuda,
+                &fns.state,
+                ((sh.h_v * (sh.d / spec.cb())) as u32, grid_long),
+                256,
+                spec.state_smem(),
+                &mut p,
+                stream,
+            )?
+        };
+        let mut p =
+            params!(p_z, p_gamma, p_out, plane, p_plan, n_seqs_i, cap_long_i, eps, p_scr, rc);
+        // SAFETY: gdn_chunk_out(z, gamma, out, long long plane, plan, int n_seqs, int cap_long, float eps, const
+        // float* scr, long long rc[, GdnExt ext]): z and the output hold `rows` rows in the spec's dtypes and
+        // strides, the output layout of `plane` (the caller's contract); the scratch as above.
+        unsafe {
+            launch(
+                cuda,
+                &fns.out,
+                (grid_ent, sh.h_v as u32),
+                128,
+                0,
+                &mut p,
+                stream,
+            )?
+        };
+        // every window chunked: nothing is left for the token-serial kernel, unless a commit point below
+        // min_len keeps its window there (the plan kernel decides on the device)
+        if call.lo >= min_len && !call.commits {
+            return Ok(None);
+        }
+        Ok(Some(p_plan + 8))
+    }
+}
+
 impl CudaPool {
     /// The window length from which a sequence takes the chunked path (the backend's setting when the pool
     /// was created, [`Cuda::set_chunk_min_len`], or [`DEFAULT_CHUNK_MIN_LEN`]).
     pub fn chunk_min_len(&self) -> usize {
-        self.cuda
-            .chunk_min_len
-            .unwrap_or(DEFAULT_CHUNK_MIN_LEN)
-            .max(1)
+        self.cuda.chunk_min_len()
     }
 
     /// Sets this pool's threshold (see [`Cuda::set_chunk_min_len`]; `None`: the default).
@@ -259,77 +560,19 @@ impl CudaPool {
         if !spec.supported() {
             return Ok(());
         }
-        self.chunk_fns(&spec)?;
-        self.chunk_scratch(&spec, rows, seqs)
+        let min_len = self.chunk_min_len();
+        self.chunk.fns(&self.cuda, &spec)?;
+        self.chunk.reserve(&self.cuda, &spec, rows, seqs, min_len)
     }
 
     /// Frees the chunked path's scratch (the next long window allocates it again).
     pub fn release_chunk(&mut self) {
-        self.chunk.buf = None;
-        self.chunk.rows = 0;
-        self.chunk.plan = None;
+        self.chunk.release();
     }
 
     /// Bytes of chunked-path scratch held now.
     pub fn chunk_bytes(&self) -> usize {
-        self.chunk.buf.as_ref().map_or(0, |b| b.len() * 4)
-            + self.chunk.plan.as_ref().map_or(0, |b| b.len() * 4)
-    }
-
-    fn chunk_fns(&mut self, spec: &ChunkSpec) -> Result<Arc<ChunkFns>> {
-        if let Some(f) = self.chunk.fns.get(spec) {
-            return Ok(f.clone());
-        }
-        let compiled = spec.compiled()?;
-        let module = self
-            .cuda
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin.clone()))
-            .map_err(drv)?;
-        let load = |name: &str, smem: usize| -> Result<CudaFunction> {
-            let f = module.load_function(name).map_err(drv)?;
-            if smem > 48 * 1024 {
-                f.set_attribute(
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )
-                .map_err(drv)?;
-            }
-            Ok(f)
-        };
-        let fns = Arc::new(ChunkFns {
-            plan: load("gdn_chunk_plan", 0)?,
-            prep: load("gdn_chunk_prep", spec.prep_smem())?,
-            state: load("gdn_chunk_state", spec.state_smem())?,
-            out: load("gdn_chunk_out", 0)?,
-        });
-        self.chunk.fns.insert(*spec, fns.clone());
-        Ok(fns)
-    }
-
-    fn chunk_scratch(&mut self, spec: &ChunkSpec, rows: usize, seqs: usize) -> Result<()> {
-        let per_row = spec.floats_per_row();
-        let floats = rows
-            .max(1)
-            .checked_mul(per_row)
-            .ok_or_else(|| too_large("rows"))?;
-        let have = self.chunk.buf.as_ref().map_or(0, |b| b.len());
-        if have < floats || self.chunk.rows < rows {
-            self.chunk.buf = None;
-            self.chunk.buf = Some(self.cuda.stream.alloc_zeros::<f32>(floats).map_err(drv)?);
-        }
-        self.chunk.rows = self.chunk.buf.as_ref().map_or(0, |b| b.len()) / per_row.max(1);
-        let (cap_long, cap_ent) = caps(rows, seqs, self.chunk_min_len(), spec.l());
-        let ints = cap_long
-            .checked_mul(4)
-            .and_then(|x| x.checked_add(cap_ent.checked_mul(2)?))
-            .and_then(|x| x.checked_add(seqs.checked_add(2)?))
-            .ok_or_else(|| too_large("seqs"))?;
-        if self.chunk.plan.as_ref().map_or(0, |b| b.len()) < ints {
-            self.chunk.plan = None;
-            self.chunk.plan = Some(self.cuda.stream.alloc_zeros::<i32>(ints).map_err(drv)?);
-        }
-        Ok(())
+        self.chunk.bytes()
     }
 
     /// The launch hook: runs the call's long windows in chunks and returns the operands the token-serial kernel
@@ -351,115 +594,46 @@ impl CudaPool {
         if !spec.supported() {
             return Ok(Some(ops));
         }
-        let fns = self.chunk_fns(&spec)?;
-        self.chunk_scratch(&spec, rows, n_seqs)?;
-        let sh = *self.layer.shape();
-        let (cap_long, cap_ent) = caps(rows, n_seqs, min_len, spec.l());
-        let grid_long = u32::try_from(cap_long)
-            .ok()
-            .filter(|&y| y <= 65535)
-            .ok_or_else(|| too_large("seqs"))?;
-        let grid_ent = u32::try_from(cap_ent)
-            .ok()
-            .filter(|&x| x < i32::MAX as u32)
-            .ok_or_else(|| too_large("rows"))?;
-        let mut n_seqs_i = int(n_seqs, "seqs")?;
-        let mut n_slots = int(self.slots, "slots")?;
-        let mut n_rows = int(rows, "rows")?;
-        let mut min_len_i = int(min_len, "chunk_min_len")?;
-        let mut cap_long_i = int(cap_long, "seqs")?;
-        let mut cap_ent_i = int(cap_ent, "rows")?;
-        let mut commits = kind.commits as i32;
-        let mut rc = i64::try_from(self.chunk.rows).map_err(|_| too_large("rows"))?;
-        let mut eps = self.layer.config.eps;
-        let mut plane = i64::try_from(plane_stride.unwrap_or(0)).map_err(|_| too_large("plane"))?;
+        self.chunk.fns(&self.cuda, &spec)?;
+        self.chunk
+            .reserve(&self.cuda, &spec, rows, n_seqs, min_len)?;
         let cuda = self.cuda.clone();
-        let (mut p_slot, mut p_start, mut p_len, mut p_commit) =
-            (ops.slot, ops.start, ops.len, ops.commit_at);
-        let (mut p_qkv, mut p_alpha, mut p_beta, mut p_z, mut p_out) =
-            (ops.qkv, ops.alpha, ops.beta, ops.z, ops.out);
-        let mut p_fault = ptr_mut(&mut self.fault, &cuda);
-        let mut p_hist = ptr_mut(&mut self.hist, &cuda);
-        let mut p_conv = ptr(&self.conv_w, &cuda);
-        let mut p_dt = ptr(&self.dt, &cuda);
-        let mut p_a = ptr(&self.a, &cuda);
-        let mut p_gamma = ptr(&self.gamma, &cuda);
-        let mut p_state = match &mut self.state {
-            StateBuf::F32(s) => ptr_mut(s, &cuda),
-            StateBuf::Bf16(s) => ptr_mut(s, &cuda),
+        let call = ChunkCall {
+            n_seqs,
+            rows,
+            n_slots: int(self.slots, "slots")?,
+            commits: kind.commits,
+            lo,
+            plane: i64::try_from(plane_stride.unwrap_or(0)).map_err(|_| too_large("plane"))?,
+            eps: self.layer.config.eps,
+            qkv: ops.qkv,
+            alpha: ops.alpha,
+            beta: ops.beta,
+            z: ops.z,
+            out: ops.out,
+            slot: ops.slot,
+            start: ops.start,
+            len: ops.len,
+            commit: ops.commit_at,
+            state: match &mut self.state {
+                StateBuf::F32(s) => ptr_mut(s, &cuda),
+                StateBuf::Bf16(s) => ptr_mut(s, &cuda),
+            },
+            hist: ptr_mut(&mut self.hist, &cuda),
+            weights: [
+                ptr(&self.conv_w, &cuda),
+                ptr(&self.dt, &cuda),
+                ptr(&self.a, &cuda),
+                ptr(&self.gamma, &cuda),
+            ],
+            fault: ptr_mut(&mut self.fault, &cuda),
+            ext: None,
+            stream: cuda.stream.cu_stream(),
         };
-        let mut p_plan = ptr_mut(
-            self.chunk
-                .plan
-                .as_mut()
-                .ok_or_else(|| Error::Backend("chunk plan missing".into()))?,
-            &cuda,
-        );
-        let mut p_scr = ptr_mut(
-            self.chunk
-                .buf
-                .as_mut()
-                .ok_or_else(|| Error::Backend("chunk scratch missing".into()))?,
-            &cuda,
-        );
-        macro_rules! params {
-            ($($x:ident),*) => { vec![$(&mut $x as *mut _ as *mut c_void),*] };
-        }
-        let mut p = params!(
-            p_slot, p_start, p_len, p_commit, commits, n_seqs_i, n_slots, n_rows, min_len_i,
-            cap_long_i, cap_ent_i, p_plan, p_fault
-        );
-        // SAFETY: gdn_chunk_plan(const int* x4, int commits, int n_seqs, int n_slots, int n_rows, int min_len,
-        // int cap_long, int cap_ent, int* plan, unsigned* fault): the four per-sequence arrays hold n_seqs
-        // entries (checked by the callers; commit_at is read only when commits is set), the plan holds
-        // 2 + n_seqs + 4 cap_long + 2 cap_ent ints (chunk_scratch), the fault word is the pool's.
-        unsafe { launch(&cuda, &fns.plan, (1, 1), 1024, 0, &mut p)? };
-        let mut p = params!(
-            p_qkv, p_alpha, p_beta, p_hist, p_conv, p_dt, p_a, p_plan, n_seqs_i, cap_long_i, eps,
-            p_scr, rc
-        );
-        // SAFETY: gdn_chunk_prep(qkv, alpha, beta, hist, conv_w, dt, a, plan, int n_seqs, int cap_long, float
-        // eps, float* scr, long long rc): the rows hold `rows` rows in the spec's dtypes (checked by the
-        // callers), the plan lists only sequences whose slot is in the pool and whose rows are in 0..rows, the
-        // scratch holds rc >= rows rows (chunk_scratch); dynamic shared memory as the kernel's PREP_SMEM.
-        unsafe {
-            launch(
-                &cuda,
-                &fns.prep,
-                (grid_ent, sh.h_v as u32),
-                256,
-                spec.prep_smem(),
-                &mut p,
-            )?
-        };
-        let mut p = params!(p_state, p_hist, p_qkv, p_plan, n_seqs_i, cap_long_i, p_scr, rc);
-        // SAFETY: gdn_chunk_state(state, hist, qkv, plan, int n_seqs, int cap_long, float* scr, long long
-        // rc): the pool's state and history, the rows and scratch as above; STATE_SMEM bytes of shared memory.
-        unsafe {
-            launch(
-                &cuda,
-                &fns.state,
-                ((sh.h_v * (sh.d / spec.cb())) as u32, grid_long),
-                256,
-                spec.state_smem(),
-                &mut p,
-            )?
-        };
-        let mut p =
-            params!(p_z, p_gamma, p_out, plane, p_plan, n_seqs_i, cap_long_i, eps, p_scr, rc);
-        // SAFETY: gdn_chunk_out(z, gamma, out, long long plane, plan, int n_seqs, int cap_long, float eps, const
-        // float* scr, long long rc): z and the output hold `rows` rows in the spec's dtypes and the output
-        // layout of plane_stride (checked by the callers); the scratch as above.
-        unsafe { launch(&cuda, &fns.out, (grid_ent, sh.h_v as u32), 128, 0, &mut p)? };
-        // every window chunked: nothing is left for the token-serial kernel, unless a commit point below
-        // min_len keeps its window there (the plan kernel decides on the device)
-        if lo >= min_len && !kind.commits {
-            return Ok(None);
-        }
-        Ok(Some(Operands {
-            slot: p_plan + 8,
-            ..ops
-        }))
+        // SAFETY: the pool's own state, history, weights and fault word, on its own stream; the rows, the
+        // per-sequence arrays (start / len / commit_at, n_seqs each) and the output checked by the callers.
+        let slot = unsafe { self.chunk.run(&cuda, &spec, min_len, &call)? };
+        Ok(slot.map(|slot| Operands { slot, ..ops }))
     }
 }
 

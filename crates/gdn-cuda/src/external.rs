@@ -83,6 +83,7 @@
 //!     commit_at: None, // both commit their whole window
 //!     uniform_len: Some(1),
 //!     commits: true,
+//!     max_len: None,
 //! };
 //! ext.prepare(&step.kind())?; // compile before a graph capture
 //! // SAFETY: the buffers above are of this context and of the extents the step names; `stream` is live.
@@ -98,6 +99,7 @@ use std::sync::Mutex;
 use cudarc::driver::{sys, CudaSlice, DevicePtr};
 use gdn::{DType, Error, Layer, OutputLayout, PoolOptions, Result, StateLayout};
 
+use crate::chunk::{ChunkCall, ChunkScratch, ChunkSpec};
 use crate::pool::{fault_error, launch_kernel, STAGE_MIN_BLOCKS};
 use crate::spec::{Io, Spec};
 use crate::{drv, Cuda};
@@ -161,7 +163,11 @@ pub enum SeqRows {
 /// slots of one call must be distinct. Two hints pick the kernel and do not change bits: `uniform_len` (every
 /// live sequence has this length; a sequence of another length is skipped and reported) and `commits` (false:
 /// the verify-only kernel, nothing is written back and `commit_at` is not read; it must be true with `commit_at`
-/// `None`).
+/// `None`). A third, `max_len` (no live window is longer), lets a call whose windows are all shorter than the
+/// chunked path's threshold ([`Cuda::chunk_min_len`]) skip the chunked path's four launches: with `max_len`
+/// below it every window of the call runs token after token, a longer one too (its bits are then the
+/// token-serial kernel's; nothing is skipped). Without it (and without `uniform_len`), a call of at least that
+/// many rows launches the chunked path, which finds its long windows on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RawStep {
     pub rows: usize,
@@ -179,6 +185,7 @@ pub struct RawStep {
     pub commit_at: Option<u64>,
     pub uniform_len: Option<usize>,
     pub commits: bool,
+    pub max_len: Option<usize>,
 }
 
 /// What picks the kernel of a [`RawStep`] (what [`CudaLayer::prepare`] compiles ahead of a graph capture).
@@ -271,7 +278,7 @@ pub fn pending_bytes(shape: &gdn::Shape, slots: usize) -> Result<usize> {
 /// The kernel's `GdnExt` argument (gdn_step.cu), field for field; every field 8 bytes, so no padding.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct ExtArgs {
+pub(crate) struct ExtArgs {
     conv: u64,
     ctr: u64,
     state_ss: u64,
@@ -794,6 +801,7 @@ impl CudaLayer {
             commit_at: None,
             uniform_len: None,
             commits: true,
+            max_len: None,
         };
         // SAFETY: the caller's contract; the rows are empty (nothing read there, no output written).
         unsafe { self.step_spec_raw(&step, spec, stream) }
@@ -833,6 +841,15 @@ impl CudaLayer {
             SeqRows::StartLen { start, len } => (start, len),
             SeqRows::Lengths(len) => (0u64, len),
         };
+        // long windows take the chunked path first; the token-serial kernel runs the rest (or nothing)
+        let slot = match spec {
+            Some(_) => step.slot,
+            // SAFETY: the caller's contract covers the chunked kernels' reads and writes (the same memory).
+            None => match unsafe { self.chunk_first(step, ck, (p_start, p_len), stream)? } {
+                Some(slot) => slot,
+                None => return Ok(()),
+            },
+        };
         let mut p_state = step.state.ptr;
         let mut p_hist = 0u64;
         let mut p_qkv = step.qkv.ptr;
@@ -841,7 +858,7 @@ impl CudaLayer {
         let mut p_z = step.z.ptr;
         let [mut p_conv_w, mut p_dt, mut p_a, mut p_gamma] = self.w_ptr;
         let mut p_out = step.out.ptr;
-        let mut p_slot = step.slot;
+        let mut p_slot = slot;
         let mut p_start = p_start;
         let mut p_len = p_len;
         let mut p_commit = step.commit_at.unwrap_or(0);
@@ -910,6 +927,140 @@ impl CudaLayer {
                 stream,
             )
         }
+    }
+
+    /// The chunked kernels' specialisation for a step of this kind.
+    pub fn chunk_spec(&self, kind: &ExternalKind) -> ChunkSpec {
+        ChunkSpec::new(
+            self.cuda.arch,
+            &self.layer.config,
+            kind.planes,
+            kind.io,
+            kind.state,
+            self.cuda.chunk_products,
+        )
+        .with_ext(kind.conv)
+    }
+
+    /// Compiles the chunked kernels of `kind` and grows the chunked path's scratch to hold calls of up to
+    /// `rows` rows and `seqs` sequences (`rows x h_v x (5 d + 65)` floats at d 128, 135 KiB a row at the seed's
+    /// shape, and a small plan). The scratch is one per backend ([`Cuda`]), shared by all its layers, whose
+    /// long-window steps must therefore be ordered (one stream, or events), as one layer's steps must be. A step
+    /// captured into a CUDA graph takes the chunked path only if the scratch held its rows and sequences before
+    /// the capture (else every window of it runs token after token, whatever its length), and the graph then
+    /// holds the scratch's address: a later, larger call allocates a new scratch and keeps the old one for the
+    /// graph until [`CudaLayer::release_chunk`]. Waits for the context when it allocates.
+    pub fn reserve_chunk(&self, kind: &ExternalKind, rows: usize, seqs: usize) -> Result<()> {
+        let spec = self.chunk_spec(kind);
+        if !spec.supported() || kind.speculative {
+            return Ok(());
+        }
+        let mut scratch = self.ext_chunk()?;
+        self.grow(&mut scratch, &spec, rows, seqs)
+    }
+
+    /// Frees the shared chunked-path scratch of this layer's backend, old ones kept for captured graphs too (no
+    /// graph that used them may be replayed after this); the next long window allocates it again.
+    pub fn release_chunk(&self) -> Result<()> {
+        self.cuda.ctx.synchronize().map_err(drv)?;
+        self.ext_chunk()?.release();
+        Ok(())
+    }
+
+    /// Bytes the shared chunked-path scratch holds now.
+    pub fn chunk_bytes(&self) -> Result<usize> {
+        Ok(self.ext_chunk()?.bytes())
+    }
+
+    fn ext_chunk(&self) -> Result<std::sync::MutexGuard<'_, ChunkScratch>> {
+        self.cuda
+            .ext_chunk
+            .lock()
+            .map_err(|_| Error::Backend("chunk scratch lock poisoned".into()))
+    }
+
+    fn grow(
+        &self,
+        scratch: &mut ChunkScratch,
+        spec: &ChunkSpec,
+        rows: usize,
+        seqs: usize,
+    ) -> Result<()> {
+        let min_len = self.cuda.chunk_min_len();
+        scratch.fns(&self.cuda, spec)?;
+        if scratch.holds(spec, rows, seqs, min_len) {
+            return Ok(());
+        }
+        // a step on another stream may still use the old scratch; the new one is ready before any step uses it
+        self.cuda.ctx.synchronize().map_err(drv)?;
+        scratch.reserve(&self.cuda, spec, rows, seqs, min_len)?;
+        self.cuda.stream.synchronize().map_err(drv)
+    }
+
+    /// Runs the step's long windows in chunks on `stream` and returns the slot array the token-serial kernel
+    /// runs with, or `None` when nothing is left for it.
+    ///
+    /// # Safety
+    /// `step_raw`'s contract; `rows` is the step's (start or cu_seqlens, len) pair of device arrays.
+    unsafe fn chunk_first(
+        &self,
+        step: &RawStep,
+        ck: &Checked,
+        rows: (u64, u64),
+        stream: sys::CUstream,
+    ) -> Result<Option<u64>> {
+        let min_len = self.cuda.chunk_min_len();
+        let hi = step.max_len.or(step.uniform_len).unwrap_or(step.rows);
+        if hi < min_len || step.rows < min_len {
+            return Ok(Some(step.slot));
+        }
+        let spec = self.chunk_spec(&step.kind());
+        if !spec.supported() {
+            return Ok(Some(step.slot));
+        }
+        let mut scratch = self.ext_chunk()?;
+        let mut capture = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: `stream` is live (the caller's contract); the out-pointer is a live local.
+        unsafe { sys::cuStreamIsCapturing(stream, &mut capture) }
+            .result()
+            .map_err(drv)?;
+        let capturing = capture != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        if capturing {
+            // neither compile nor allocate in a capture: only what was reserved chunks
+            if !scratch.holds(&spec, step.rows, step.seqs, min_len) {
+                return Ok(Some(step.slot));
+            }
+            scratch.pinned = true;
+        } else {
+            self.grow(&mut scratch, &spec, step.rows, step.seqs)?;
+        }
+        let call = ChunkCall {
+            n_seqs: step.seqs,
+            rows: step.rows,
+            n_slots: ck.n_slots,
+            commits: step.commits,
+            lo: step.uniform_len.unwrap_or(1),
+            plane: ck.plane,
+            eps: self.layer.config.eps,
+            qkv: step.qkv.ptr,
+            alpha: step.alpha.ptr,
+            beta: step.beta.ptr,
+            z: step.z.ptr,
+            out: step.out.ptr,
+            slot: step.slot,
+            start: rows.0,
+            len: rows.1,
+            commit: step.commit_at.unwrap_or(0),
+            state: step.state.ptr,
+            hist: 0,
+            weights: self.w_ptr,
+            fault: self.scratch_ptr,
+            ext: Some(ck.ext),
+            stream,
+        };
+        // SAFETY: the caller's contract for the step's memory (checked extents, dtypes and strides in `ck`); the
+        // weights and fault word are this layer's; the scratch holds the call (grown or checked above).
+        unsafe { scratch.run(&self.cuda, &spec, min_len, &call) }
     }
 
     /// Waits for the whole context (every stream of it, the caller's too), then reports and clears what the

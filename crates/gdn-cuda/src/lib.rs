@@ -120,6 +120,9 @@ pub struct Cuda {
     pub(crate) chunk_min_len: Option<usize>,
     /// The chunked path's products ([`Cuda::set_chunk_products`]; 3xTF32 by default).
     pub(crate) chunk_products: chunk::ChunkProducts,
+    /// The chunked path's scratch and kernels for every [`CudaLayer`] of this backend (their long-window steps
+    /// are ordered, so they share it; see [`CudaLayer::reserve_chunk`]).
+    pub(crate) ext_chunk: Arc<std::sync::Mutex<chunk::ChunkScratch>>,
     /// Windows in [`spec::window_range`] run in the window kernel ([`Cuda::set_window_kernel`]; off by default).
     pub(crate) window: bool,
 }
@@ -189,6 +192,7 @@ impl Cuda {
             tune_override: None,
             chunk_min_len: None,
             chunk_products: chunk::ChunkProducts::default(),
+            ext_chunk: Default::default(),
             window: false,
         })
     }
@@ -233,6 +237,14 @@ impl Cuda {
     /// choice is per sequence, from its own length only, so a sequence's bits do not depend on its batch.
     pub fn set_chunk_min_len(&mut self, min_len: Option<usize>) {
         self.chunk_min_len = min_len;
+    }
+
+    /// The window length from which a sequence takes the chunked path ([`Cuda::set_chunk_min_len`], or
+    /// [`chunk::DEFAULT_CHUNK_MIN_LEN`]).
+    pub fn chunk_min_len(&self) -> usize {
+        self.chunk_min_len
+            .unwrap_or(chunk::DEFAULT_CHUNK_MIN_LEN)
+            .max(1)
     }
 
     /// Sets how the chunked path's tensor-core products round, for pools created afterwards:

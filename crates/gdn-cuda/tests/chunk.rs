@@ -32,7 +32,8 @@ fn pools() -> [PoolOptions; 4] {
     ]
 }
 
-/// The chunked kernels compile for every pool kind, 16-bit tensors and planes, at the seed shape and three
+/// The chunked kernels compile for every pool kind, 16-bit tensors and planes, engine memory with each conv
+/// dtype, at the seed shape and three
 /// others (d 16, d 48 with column blocks of 16, d 256 with chunks of 32); no GPU needed.
 #[test]
 fn chunked_kernels_compile() {
@@ -70,11 +71,38 @@ fn chunked_kernels_compile() {
         // the fast mode's products once a shape, with the last pool kind (a bf16 state)
         let fast = (pools()[3], Io::all(DType::F32), false, ChunkProducts::Tf32);
         let variants = variants
-            .map(|(p, io, planes)| (p, io, planes, ChunkProducts::Tf32x3))
-            .chain([fast]);
-        for (pool, io, planes, products) in variants {
+            .map(|(p, io, planes)| (p, io, planes, ChunkProducts::Tf32x3, None))
+            .chain([(fast.0, fast.1, fast.2, fast.3, None)])
+            // engine memory (CudaLayer): its conv state in each dtype, once a shape each
+            .chain([
+                (
+                    pools()[0],
+                    Io::all(DType::F32),
+                    false,
+                    ChunkProducts::Tf32x3,
+                    Some(DType::F32),
+                ),
+                (
+                    pools()[3],
+                    Io::all(DType::Bf16),
+                    true,
+                    ChunkProducts::Tf32x3,
+                    Some(DType::Bf16),
+                ),
+                (
+                    pools()[1],
+                    mixed,
+                    false,
+                    ChunkProducts::Tf32,
+                    Some(DType::F16),
+                ),
+            ]);
+        for (pool, io, planes, products, ext) in variants {
             {
-                let spec = ChunkSpec::new((9, 0), &config, planes, io, pool, products);
+                let mut spec = ChunkSpec::new((9, 0), &config, planes, io, pool, products);
+                if let Some(conv) = ext {
+                    spec = spec.with_ext(conv);
+                }
                 assert!(spec.supported(), "{spec:?}");
                 let c = spec.compiled().unwrap_or_else(|e| panic!("{e}"));
                 if n == 0 {

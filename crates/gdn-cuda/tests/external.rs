@@ -104,6 +104,8 @@ struct Case {
     uniform: bool,
     /// history (and so inputs) rounded to bf16 first
     bf16_hist: bool,
+    /// the `max_len` hint
+    max_len: Option<usize>,
 }
 
 /// What one path produced: output bytes, every slot's state (f32 bits in the pool's layout) and SPEC history.
@@ -354,6 +356,7 @@ fn engine(s: &Arc<CudaStream>, c: &Case, inp: &Inputs) -> Engine {
         commit_at: (!c.commit_none).then(|| a(8)),
         uniform_len: (c.uniform && c.seqs.iter().all(|q| q.len == first)).then_some(first),
         commits: commit.iter().any(|&k| k > 0),
+        max_len: c.max_len,
     };
     Engine {
         state,
@@ -499,7 +502,42 @@ fn base(name: &'static str) -> Case {
         rows: 13,
         uniform: false,
         bf16_hist: false,
+        max_len: None,
     }
+}
+
+/// Windows long enough for the chunked path (the default threshold, 64) beside short ones, with the base case's
+/// mix of commits: a commit point inside a chunk, one below the threshold (that window stays token-serial), a
+/// verify, a skipped slot; one row between sequences (cu_seqlens and lengths alone make them adjacent).
+fn long(mut c: Case) -> Case {
+    let spec = [
+        (4, 150, Commit::All),
+        (0, 1, Commit::All),
+        (2, 130, Commit::First(100)),
+        (3, 70, Commit::Verify),
+        (-1, 80, Commit::All),
+        (5, 65, Commit::First(10)),
+        (6, 64, Commit::First(64)),
+    ];
+    let mut at = 1;
+    c.seqs = spec
+        .iter()
+        .map(|&(slot, len, commit)| {
+            let q = seq(slot, at, len, commit);
+            at += len + 1;
+            q
+        })
+        .collect();
+    c.rows = at + 2;
+    c
+}
+
+/// Every sequence commits its whole window
+fn all_commit(mut c: Case) -> Case {
+    for q in &mut c.seqs {
+        q.commit = Commit::All;
+    }
+    c
 }
 
 /// Lengths alone: adjacent sequences from row 0
@@ -582,16 +620,8 @@ fn cases() -> Vec<Case> {
         },
         Case {
             commit_none: true,
-            seqs: base("")
-                .seqs
-                .into_iter()
-                .map(|q| Seq {
-                    commit: Commit::All,
-                    ..q
-                })
-                .collect(),
             conv_kind: ConvKind::VllmT,
-            ..adjacent(base("commit_at None, cu_seqlens, vLLM conv"))
+            ..adjacent(all_commit(base("commit_at None, cu_seqlens, vLLM conv")))
         },
         Case {
             conv_kind: ConvKind::VllmT,
@@ -637,6 +667,84 @@ fn cases() -> Vec<Case> {
             state: bf16_vm,
             ..adjacent(base("d 32, bf16 value-major, cu_seqlens"))
         },
+        // long windows: the chunked kernels on engine memory
+        long(base(
+            "long windows, f32 key-major, packed conv, start/len, mixed commits",
+        )),
+        Case {
+            state: PoolOptions {
+                state: DType::Bf16,
+                layout: StateLayout::KeyMajor,
+            },
+            io: DType::Bf16,
+            conv_kind: ConvKind::Hf4,
+            row_pad: 8,
+            state_pad: 8,
+            ..adjacent(long(base(
+                "long windows, bf16 state, bf16 io, HF conv, strided rows, cu_seqlens",
+            )))
+        },
+        Case {
+            state: PoolOptions {
+                state: DType::F32,
+                layout: StateLayout::ValueMajor,
+            },
+            io: DType::F16,
+            out: DType::Bf16,
+            conv_kind: ConvKind::VllmT,
+            head_map: HeadMap::Grouped,
+            ..packed(long(base(
+                "long windows, lengths alone, value-major, vLLM conv, f16 io, grouped heads",
+            )))
+        },
+        Case {
+            state: bf16_vm,
+            planes: true,
+            ..long(base("long windows, bf16 value-major, planes"))
+        },
+        Case {
+            commit_none: true,
+            conv_kind: ConvKind::VllmT,
+            ..adjacent(all_commit(long(base(
+                "long windows, commit_at None, cu_seqlens, vLLM conv",
+            ))))
+        },
+        Case {
+            seqs: long(base(""))
+                .seqs
+                .into_iter()
+                .map(|q| Seq {
+                    commit: Commit::Verify,
+                    ..q
+                })
+                .collect(),
+            ..long(base("long windows, verify only: nothing written"))
+        },
+        Case {
+            shape: Shape::new(256, 2, 4).unwrap(),
+            conv_kind: ConvKind::Hf4,
+            row_pad: 4,
+            ..long(base("long windows, d 256 (chunks of 32)"))
+        },
+        Case {
+            shape: Shape::new(32, 2, 4).unwrap(),
+            head_map: HeadMap::Grouped,
+            state: bf16_vm,
+            ..packed(long(base("long windows, d 32, lengths alone")))
+        },
+        // rows past the threshold, every window short: the chunked path finds nothing (or, with the hint, is
+        // not launched)
+        Case {
+            uniform: false,
+            conv_kind: ConvKind::VllmT,
+            ..adjacent(decode(base("decode B 70 with cu_seqlens, no hint"), 70))
+        },
+        Case {
+            uniform: false,
+            max_len: Some(1),
+            conv_kind: ConvKind::VllmT,
+            ..adjacent(decode(base("decode B 70 with cu_seqlens, max_len 1"), 70))
+        },
     ];
     for c in &mut v {
         if c.name.is_empty() {
@@ -649,7 +757,7 @@ fn cases() -> Vec<Case> {
 fn run_case(cuda: &Cuda, s: &Arc<CudaStream>, c: &Case, seed: u64) -> (Result3, Result3) {
     let inp = inputs(c, seed);
     let reference = pool_run(cuda, c, &inp);
-    let layer = CudaLayer::new(cuda, &inp.layer, 64).unwrap();
+    let layer = CudaLayer::new(cuda, &inp.layer, c.seqs.len().max(1)).unwrap();
     let e = engine(s, c, &inp);
     layer.prepare(&e.step.kind()).unwrap();
     // SAFETY: every address in the step is a live allocation of this context on `s`, sized by `engine` for
@@ -737,19 +845,36 @@ fn graph_replays_of_the_external_step_equal_repeated_steps() {
         },
         ..decode(base("graph, B 6"), 6)
     };
-    graph_case(&cuda, &s, &c, 3);
+    graph_case(&cuda, &s, &c, 3, true);
     let c = Case {
         conv_kind: ConvKind::Hf4,
         ..decode(base("graph, B 64"), 64)
     };
-    graph_case(&cuda, &s, &c, 10);
+    graph_case(&cuda, &s, &c, 10, true);
+    // long windows: chunked in the graph when the scratch was reserved before the capture, token after token
+    // when it was not
+    let c = Case {
+        conv_kind: ConvKind::VllmT,
+        ..adjacent(all_commit(long(base("graph, long windows, reserved"))))
+    };
+    graph_case(&cuda, &s, &c, 3, true);
+    let c = Case {
+        name: "graph, long windows, not reserved: token-serial",
+        ..c
+    };
+    graph_case(&cuda, &s, &c, 2, false);
 }
 
-fn graph_case(cuda: &Cuda, s: &Arc<CudaStream>, c: &Case, replays: usize) {
+/// `replays` steps of the pool against as many replays of one captured external step; `reserve`: the chunked
+/// path's scratch reserved before the capture (else the pool runs every window token after token too).
+fn graph_case(cuda: &Cuda, s: &Arc<CudaStream>, c: &Case, replays: usize, reserve: bool) {
     let inp = inputs(c, 3);
     // the pool, three steps on the same rows
     let sh = c.shape;
     let mut p = cuda.create_cuda_pool(&inp.layer, c.slots, c.state).unwrap();
+    if !reserve {
+        p.set_chunk_min_len(Some(usize::MAX));
+    }
     for (i, (st, h)) in inp.init.iter().enumerate() {
         p.write_slot(i, st, h).unwrap();
     }
@@ -774,9 +899,20 @@ fn graph_case(cuda: &Cuda, s: &Arc<CudaStream>, c: &Case, replays: usize) {
         state,
         hist,
     };
-    let layer = CudaLayer::new(cuda, &inp.layer, 64).unwrap();
+    let mut own = cuda.clone();
+    if !reserve {
+        // a backend of its own: its scratch never allocated
+        own = Cuda::new().unwrap();
+        own.set_window_kernel(false);
+    }
+    let layer = CudaLayer::new(&own, &inp.layer, 64).unwrap();
     let e = engine(s, c, &inp);
     layer.prepare(&e.step.kind()).unwrap();
+    if reserve {
+        layer
+            .reserve_chunk(&e.step.kind(), c.rows, c.seqs.len())
+            .unwrap();
+    }
     s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .unwrap();
     // SAFETY: as in `run_case`

@@ -307,6 +307,7 @@ fn stage_with(
         commit_at: Some(p(7)),
         uniform_len: (uniform && seqs.iter().all(|q| q.len == len0) && len0 <= 8).then_some(len0),
         commits: true,
+        max_len: None,
     };
     Staged {
         accept: p(8),
