@@ -579,29 +579,7 @@ __device__ __forceinline__ void tile_step(float (*acc)[4], float4 lo, float4 hi,
         prod_step(acc[nt], h1, l1, b1);
     }
 }
-// [W; Q] of a chunk staged in shared memory ([2 L][D], 16-byte groups of odd rows XOR-swizzled by 4 where a row
-// is a whole number of 128-byte lines, so a quarter warp's float4 loads of rows r, r + 1 hit distinct banks)
-#define XS_SW(r) ((D / 4) % 8 == 0 ? (((r) & 1) << 2) : 0)
-#define STATE_SMEM (2 * D * CBP + L * CBP + 3 * L + 2 * L * D)
-__device__ __forceinline__ float4 xs_ld(const float* xs, int r, int k) {
-    return *reinterpret_cast<const float4*>(xs + r * D + 4 * ((k >> 2) ^ XS_SW(r)));
-}
-// cp.async of the first n rows of W and Q of the chunk at rbase into xs (one commit group)
-__device__ __forceinline__ void stage_wq(float* xs, const float* W, const float* Q, size_t rbase, int h, int n,
-                                         int tid) {
-    const unsigned base = (unsigned)__cvta_generic_to_shared(xs);
-    constexpr int CPR = D / 4;  // 16-byte groups a row
-    for (int i = tid; i < 2 * n * CPR; i += NT_STATE) {
-        const int rr = i / CPR, g = i % CPR;
-        const bool isq = rr >= n;
-        const int t = isq ? rr - n : rr, row = isq ? L + t : t;
-        const float* src = (isq ? Q : W) + ((rbase + t) * HV + h) * D + 4 * g;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + 4u * (row * D + 4 * (g ^ XS_SW(row)))),
-                     "l"(src)
-                     : "memory");
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
+#define STATE_SMEM (2 * D * CBP + L * CBP + 3 * L)
 static_assert(2 * L / 16 <= NT_STATE / 32, "a warp a row tile of [W; Q]");
 static_assert(2 * L <= NT_STATE, "a thread a decay");
 extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
@@ -613,7 +591,6 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
     float* const gsm = dl + L * CBP;
     float* const dec = gsm + L;
     float* const decc = dec + L;
-    float* const xs = decc + L;  // [W; Q] of the chunk (stage_wq)
 
     const int li = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, g8 = lane >> 2, q4 = lane & 3;
@@ -653,7 +630,6 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
     const int r0 = (warp % (L / 16)) * 16;        // its first row in the chunk
     const bool has_tile = warp < 2 * L / 16;
     float g_next = tid < L && tid < len ? G[((size_t)start + tid) * HV + h] : 1.0f;
-    stage_wq(xs, W, Q, start, h, min(L, len), tid);
     for (int c = 0; c < nch; ++c) {
         const int t0 = c * L;
         const int n = min(L, len - t0);
@@ -665,7 +641,6 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
             const int n1 = min(L, len - t0 - L);
             g_next = tid < n1 ? G[(rbase + L + tid) * HV + h] : 1.0f;
         }
-        asm volatile("cp.async.wait_group 0;" ::: "memory");  // this chunk's [W; Q]
         __syncthreads();
         // the decay rows of the chunk's end and of a commit inside it (read only after the next barrier)
         const bool need_upd = c + 1 < nch;
@@ -681,23 +656,12 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
 #pragma unroll
         for (int nt = 0; nt < NT8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
         if (has_tile) {
+            const float* X = is_q ? Q : W;
             const bool lo_ok = r0 + g8 < n, hi_ok = r0 + g8 + 8 < n;
-            const float* xr = xs + (is_q ? L * D : 0);
-            // U for delta, loaded before the products so that its latency hides behind them
-            float2 u2v[NT8][2];
-            if (!is_q) {
-#pragma unroll
-                for (int nt = 0; nt < NT8; ++nt)
-#pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        const int t = r0 + g8 + 8 * hf, col = nt * 8 + 2 * q4;
-                        u2v[nt][hf] = t < n ? *reinterpret_cast<const float2*>(U + ((rbase + t) * HV + h) * D + cb * CB +
-                                                                             col)
-                                            : make_float2(0.0f, 0.0f);
-                    }
-            }
-            // the operands of PG steps of 16 from shared memory, each split once for its products
-            constexpr int PG = 2;
+            const float* xl = X + ((rbase + r0 + g8) * HV + h) * D + 4 * q4;
+            const float* xh = xl + (size_t)8 * HV * D;
+            // the operands of PG steps of 16 loaded at once, each split once for its products
+            constexpr int PG = 4;
 #pragma unroll
             for (int kg = 0; kg < D; kg += 16 * PG) {
                 float4 al[PG], ah[PG];
@@ -705,8 +669,8 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
 #pragma unroll
                 for (int j = 0; j < PG; ++j) {
                     if (kg + 16 * j < D) {
-                        al[j] = lo_ok ? xs_ld(xr, r0 + g8, kg + 16 * j + 4 * q4) : zero4;
-                        ah[j] = hi_ok ? xs_ld(xr, r0 + g8 + 8, kg + 16 * j + 4 * q4) : zero4;
+                        al[j] = lo_ok ? *reinterpret_cast<const float4*>(xl + kg + 16 * j) : zero4;
+                        ah[j] = hi_ok ? *reinterpret_cast<const float4*>(xh + kg + 16 * j) : zero4;
                     }
                 }
 #pragma unroll
@@ -723,15 +687,17 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
                     for (int hf = 0; hf < 2; ++hf) {
                         const int t = r0 + g8 + 8 * hf, col = nt * 8 + 2 * q4;
                         float2 d2 = make_float2(0.0f, 0.0f);
-                        if (t < n) d2 = make_float2(u2v[nt][hf].x - acc[nt][2 * hf], u2v[nt][hf].y - acc[nt][2 * hf + 1]);
+                        if (t < n) {
+                            const float2 u2 =
+                                *reinterpret_cast<const float2*>(U + ((rbase + t) * HV + h) * D + cb * CB + col);
+                            d2 = make_float2(u2.x - acc[nt][2 * hf], u2.y - acc[nt][2 * hf + 1]);
+                        }
                         *reinterpret_cast<float2*>(dl + t * CBP + col) = d2;
                     }
                 }
             }
         }
         __syncthreads();
-        // every warp is past its [W; Q] reads: the next chunk's go in now, in flight through P2 and P3
-        if (c + 1 < nch) stage_wq(xs, W, Q, rbase + L, h, min(L, len - t0 - L), tid);
         // P2: o = ((gamma q) S + M delta) / sqrt(d) for the Q warps' rows
         if (has_tile && is_q && r0 < n) {
             const bool lo_ok = r0 + g8 < n, hi_ok = r0 + g8 + 8 < n;

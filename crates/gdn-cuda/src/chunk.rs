@@ -125,11 +125,10 @@ impl ChunkSpec {
         4 * (2 * l * (d + 4) + 2 * l * (l + 4) + 3 * l)
     }
 
-    /// Dynamic shared memory of the state kernel, bytes (the kernel's STATE_SMEM: S twice, delta, the decays and
-    /// the chunk's [W; Q]).
+    /// Dynamic shared memory of the state kernel, bytes (the kernel's STATE_SMEM).
     pub fn state_smem(&self) -> usize {
         let (d, l, cb) = (self.shape.d, self.l(), self.cb());
-        4 * (2 * d * (cb + 2) + l * (cb + 2) + 3 * l + 2 * l * d)
+        4 * (2 * d * (cb + 2) + l * (cb + 2) + 3 * l)
     }
 
     /// Whether the chunked path holds this shape (its tiles fit shared memory); else every window stays
@@ -306,12 +305,6 @@ impl ChunkScratch {
                 f.set_attribute(
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     smem as i32,
-                )
-                .map_err(drv)?;
-                // the largest shared-memory carveout, so that two such blocks fit an SM
-                f.set_attribute(
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                    100,
                 )
                 .map_err(drv)?;
             }
@@ -703,9 +696,7 @@ mod tests {
             assert!(CHUNK_SRC.contains(&format!("#define {def}")), "{def}");
         }
         assert!(CHUNK_SRC.contains("#define PREP_SMEM (2 * L * DP4 + 2 * L * LP4 + 3 * L)"));
-        assert!(
-            CHUNK_SRC.contains("#define STATE_SMEM (2 * D * CBP + L * CBP + 3 * L + 2 * L * D)")
-        );
+        assert!(CHUNK_SRC.contains("#define STATE_SMEM (2 * D * CBP + L * CBP + 3 * L)"));
         assert_eq!(seed.floats_per_row(), 48 * (5 * 128 + 64 + 1));
     }
 }
