@@ -56,7 +56,8 @@ def gdn_attention_core(
       exposed here.
     - ``validate``: check slot and ``query_start_loc`` values on the host first (synchronises).
     - ``max_query_len``: vLLM's ``max_query_len`` of the batch (or None), passed on as ``max_seqlen``: a
-      decode batch (1) then skips the chunked prefill path's launches.
+      decode batch (1) then runs gdn's decode kernel and skips the chunked prefill path's launches (B 256,
+      bf16 state, H200: 288 us a call against 363 without it).
     """
     # a view (an error where none exists), so that the step writes core_attn_out itself
     out = core_attn_out.view(core_attn_out.shape[0], -1)

@@ -685,7 +685,9 @@ fn step_impl<'py>(
 ///     max_seqlen: None or an upper bound on every sequence's length (FLA's and flash-attn's ``max_seqlen``), a
 ///         hint for CUDA: below 64 (the chunked path's threshold) a call with ``cu_seqlens`` or ``lengths`` skips
 ///         the chunked path's launches (decode and short verify windows in large batches); a longer window is
-///         then not refused but runs token after token.
+///         then not refused but runs token after token. 1 runs the decode kernel, as a call without offsets does
+///         (a sequence of another length is then skipped and reported by ``layer.check_faults()``): measured on
+///         the H200 at B 256 with a bf16 state, 288 us a call against 363 without the hint.
 ///
 /// Returns:
 ///     ``out``.

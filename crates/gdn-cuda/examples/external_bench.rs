@@ -1,7 +1,8 @@
 //! The step on memory the caller owns (`CudaLayer::step_raw`) against the pool's step at the seed shape: device
 //! time per call (a CUDA graph of 20 steps replayed 10 times, events, median of 7, as the pool's
 //! `time_varlen`) and the host cost of one `step_raw` call (50 calls issued without waiting), decode, verify and
-//! prefill lengths (the chunked path from 64 tokens). Device runs only.
+//! prefill lengths (the chunked path from 64 tokens), then decode batches given by cu_seqlens with each length hint
+//! (`external_bench hints`: those alone). Device runs only.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -30,6 +31,18 @@ struct Row {
     host_us: f64,
 }
 
+/// What the call tells the kernels of its lengths.
+#[derive(Clone, Copy, PartialEq)]
+enum Hint {
+    /// `uniform_len` T (the tables above)
+    Uniform,
+    /// nothing: a call of at least 64 rows launches the chunked path, which finds no long window
+    Nothing,
+    /// `max_len` T
+    MaxLen,
+}
+
+#[allow(clippy::too_many_arguments)]
 fn case(
     cuda: &Cuda,
     s: &Arc<CudaStream>,
@@ -38,6 +51,7 @@ fn case(
     conv_dt: DType,
     vllm_conv: bool,
     (b, t): (usize, usize),
+    hint: Hint,
 ) -> gdn::Result<Row> {
     let drv = |e| gdn::Error::Backend(format!("{e:?}"));
     let sh = Shape::SEED;
@@ -126,9 +140,9 @@ fn case(
         slot: addr(&keep[7]),
         seq_rows: SeqRows::CuSeqlens(addr(&keep[8])),
         commit_at: None,
-        uniform_len: Some(t),
+        uniform_len: (hint == Hint::Uniform).then_some(t),
         commits: true,
-        max_len: None,
+        max_len: (hint == Hint::MaxLen).then_some(t),
     };
     let ext = CudaLayer::new(cuda, &layer, b)?;
     ext.prepare(&raw.kind())?;
@@ -190,6 +204,8 @@ fn case(
 }
 
 fn main() -> gdn::Result<()> {
+    // `external_bench hints`: only the decode batches given by cu_seqlens, with each hint
+    let hints_only = std::env::args().any(|a| a == "hints");
     let cuda = Cuda::new()?;
     let s = cuda
         .context()
@@ -229,10 +245,40 @@ fn main() -> gdn::Result<()> {
             (4, 8192),
             (1, 32768),
         ] {
-            let r = case(&cuda, &s, st, io, conv, vllm, (b, t))?;
+            if hints_only {
+                break;
+            }
+            let r = case(&cuda, &s, st, io, conv, vllm, (b, t), Hint::Uniform)?;
             println!(
                 "| {what} | {b} | {t} | {:.2} | {:.2} | {:.2} |",
                 r.pool_us, r.ext_us, r.host_us
+            );
+        }
+    }
+    // decode batches as vLLM passes them (cu_seqlens): the chunked path's fixed cost when nothing tells the
+    // call that no window is long
+    println!();
+    println!("| state | io, conv | B | T | hint | external µs | external host µs a call |");
+    println!("|---|---|---|---|---|---|---|");
+    for (b, t) in [(64, 1), (256, 1), (64, 4)] {
+        for (hint, name) in [
+            (Hint::Uniform, "uniform_len"),
+            (Hint::MaxLen, "max_len"),
+            (Hint::Nothing, "none"),
+        ] {
+            let r = case(
+                &cuda,
+                &s,
+                bf16vm,
+                DType::Bf16,
+                DType::Bf16,
+                true,
+                (b, t),
+                hint,
+            )?;
+            println!(
+                "| bf16 value-major | bf16, bf16 vLLM view | {b} | {t} | {name} | {:.2} | {:.2} |",
+                r.ext_us, r.host_us
             );
         }
     }
