@@ -702,9 +702,11 @@ fn step_impl<'py>(
 /// On CUDA: one kernel launch, no host synchronisation (unless ``validate``), nothing allocated but ``out=None``'s
 /// output (``lengths`` are summed on the device by the kernel itself). Windows of 64 tokens or more (prefill)
 /// take the chunked path (tensor-core chunks of 64 tokens: four more launches, within 2e-6 of the float64
-/// reference like the token-serial kernel, its bits its own); its scratch, about 135 KiB a row at Qwen3.5's
-/// shape (``rows x num_v_heads x (5 head_dim + 65)`` floats), is allocated outside torch's allocator by the first
-/// call that needs it, kept, and shared by every layer on the device (their steps are ordered anyway). Bad index
+/// reference like the token-serial kernel, its bits its own); its scratch, about 132 KiB a row at Qwen3.5's
+/// shape (``rows x num_v_heads x (5 head_dim + 65)`` floats), is allocated outside torch's allocator, after a
+/// device synchronize, by the first call that may hold a long window (``cu_seqlens`` or ``lengths`` with 64 rows
+/// or more and no ``max_seqlen`` below 64), grown the same way by a larger one, kept, and shared by every layer
+/// on the device (their steps are ordered anyway). Bad index
 /// values that ``validate=False`` lets through skip their sequence on the device and are reported by
 /// ``layer.check_faults()``. The steps of every layer on one device must be ordered (one stream, or streams
 /// ordered by events): they share the layer's q/k-history counters and the chunked scratch. CUDA graphs: run one

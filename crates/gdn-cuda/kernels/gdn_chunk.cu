@@ -144,13 +144,14 @@ __device__ __forceinline__ bool first_of_key_head(int h) {
 // A window runs chunked when it has at least min_len tokens and so has its commit point, if it commits inside
 // the window: a commit after k < min_len tokens keeps the whole window token-serial, so its committed state is
 // bitwise that of a k-token window (which runs token-serial). A commit point outside 0..=len runs chunked and is
-// reported below.
+// reported below. With a uniform length (the call's hint, 0: none) a live sequence of another length is skipped
+// and reported (fault 2) by the plan, as the token-serial kernel compiled for that length would.
 __device__ __forceinline__ int commit_of(const int* seq_commit, int s, int len) {
     return seq_commit ? seq_commit[s] : len;
 }
 __device__ __forceinline__ bool runs_chunked(const int* seq_commit, int commits, int s, int slot, int len,
-                                             int min_len) {
-    if (slot < 0 || len < min_len) return false;
+                                             int min_len, int uniform) {
+    if (slot < 0 || len < min_len || (uniform > 0 && len != uniform)) return false;
     if (!commits) return true;
     const int c = commit_of(seq_commit, s, len);
     return c <= 0 || c > len || c >= min_len;
@@ -211,7 +212,7 @@ __device__ __forceinline__ void scan2(long long a, long long b, long long* wa, l
 extern "C" __global__ void __launch_bounds__(1024) gdn_chunk_plan(
     const int* __restrict__ seq_slot, const int* __restrict__ seq_start, const int* __restrict__ seq_len,
     const int* __restrict__ seq_commit, int commits, int n_seqs, int n_slots, int n_rows, int min_len,
-    int cap_long, int cap_ent, int* __restrict__ plan, unsigned* __restrict__ fault) {
+    int uniform, int cap_long, int cap_ent, int* __restrict__ plan, unsigned* __restrict__ fault) {
     __shared__ long long warp_l[32], warp_e[32];
     __shared__ int keep_l, keep_e;
     const int tid = threadIdx.x;
@@ -245,7 +246,13 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_chunk_plan(
             int start, len;
             rows_of(seq_start, seq_len, s, pos, pbad, start, len);
             const int slot = seq_slot[s];
-            const bool is_long = runs_chunked(seq_commit, commits, s, slot, len, min_len);
+            if (slot >= 0 && uniform > 0 && len != uniform) {
+                // not the call's uniform length: skipped and reported here (the token-serial kernel may not run)
+                plan[PLAN_SLOT + s] = -1;
+                bad |= slot >= n_slots ? 1u : 2u;
+                continue;
+            }
+            const bool is_long = runs_chunked(seq_commit, commits, s, slot, len, min_len, uniform);
             plan[PLAN_SLOT + s] = is_long ? -1 : slot;
             if (!is_long) continue;
             if (slot >= n_slots) {
@@ -271,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_chunk_plan(
         int start, len;
         rows_of(seq_start, seq_len, s, pos, pbad, start, len);
         const int slot = seq_slot[s];
-        if (!runs_chunked(seq_commit, commits, s, slot, len, min_len)) continue;
+        if (!runs_chunked(seq_commit, commits, s, slot, len, min_len, uniform)) continue;
         if (slot >= n_slots || start < 0 || start > n_rows - len) continue;
         const int nch = (len + L - 1) / L;
         if (ol >= cap_long || oe + nch > cap_ent) {
@@ -308,6 +315,12 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_chunk_plan(
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Tensor-core products: 3xTF32 (split4, mma3p: gdn_elt.cuh), or with GDN_TF32X1 (the opt-in fast mode) one TF32
+// product of the high parts (each operand rounded to TF32, half away from zero; the remainders, never read, fold
+// away). A step's logical k q and q + 4 are taken from memory columns 4 q, 4 q + 1 (first step of 16) or 4 q + 2,
+// 4 q + 3 (second step), for A and B alike, so that one float4 of a row feeds two steps; the sum over k is the
+// same set of products.
 __device__ __forceinline__ void prod_step(float* c, const unsigned* ah, const unsigned* al, const float* b) {
 #if GDN_TF32X1
     unsigned bh[2], bl[2];
@@ -831,6 +844,8 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// The gated RMS norm, y, planes and group sums of one chunk of one value head: a warp a token.
 extern "C" __global__ void __launch_bounds__(NT_OUT) gdn_chunk_out(
     const EZ::T* __restrict__ z, const float* __restrict__ gamma, EO::T* __restrict__ out, long long plane,
     const int* __restrict__ plan, int n_seqs, int cap_long, float eps, const float* __restrict__ scr,

@@ -4,13 +4,14 @@
 //! commits after fewer than that many: then the whole window stays token-serial, so its committed state is
 //! bitwise a k-token window's, which is token-serial too): the rank-1 updates of a chunk become small matrix
 //! products, and only the chunk boundaries are sequential. The choice is per sequence, from its own length and
-//! commit point only. The pool's launch hands the call to four kernels (plan,
-//! prep, state, out) and the token-serial kernel gets the short sequences (the long ones' slots set to -1 in a
-//! copy of the slot array), so one call may mix both paths.
+//! commit point only. The pool's launch (and [`crate::CudaLayer`]'s on engine memory, `GDN_EXT`) hands the call to
+//! four kernels (plan, prep, state, out) and the token-serial kernel gets the short sequences (the long ones'
+//! slots set to -1 in a copy of the slot array), so one call may mix both paths.
 //!
-//! Scratch: the pool owns it, sized for the call's rows (floats: `rows x h_v x (5 d + L + 1)`; ints: the plan).
-//! The first call with more rows than reserved allocates it, so a step captured into a graph needs
-//! [`CudaPool::reserve_chunk`] first (with the rows and sequences of the largest call), as it needs
+//! Scratch ([`ChunkScratch`]): each pool owns one; the `CudaLayer`s of a backend share one. Sized for the call's
+//! rows (floats: `rows x h_v x (5 d + L + 1)`; ints: the plan). The first call with more rows than reserved
+//! allocates it, so a step captured into a graph needs [`CudaPool::reserve_chunk`] (or
+//! [`crate::CudaLayer::reserve_chunk`]) first (with the rows and sequences of the largest call), as it needs
 //! [`CudaPool::prepare`] for its kernels.
 
 use std::collections::HashMap;
@@ -266,6 +267,8 @@ pub(crate) struct ChunkCall {
     pub commits: bool,
     /// The shortest live window the caller knows of (else 1).
     pub lo: usize,
+    /// The call's uniform-length hint (0: none): a live window of another length is skipped and reported.
+    pub uniform: i32,
     pub plane: i64,
     pub eps: f32,
     pub qkv: u64,
@@ -411,6 +414,7 @@ impl ChunkScratch {
         let mut n_slots = call.n_slots;
         let mut n_rows = int(call.rows, "rows")?;
         let mut min_len_i = int(min_len, "chunk_min_len")?;
+        let mut uniform = call.uniform;
         let mut cap_long_i = int(cap_long, "seqs")?;
         let mut cap_ent_i = int(cap_ent, "rows")?;
         let mut commits = call.commits as i32;
@@ -458,13 +462,14 @@ impl ChunkScratch {
             &mut n_slots as *mut _ as *mut c_void,
             &mut n_rows as *mut _ as *mut c_void,
             &mut min_len_i as *mut _ as *mut c_void,
+            &mut uniform as *mut _ as *mut c_void,
             &mut cap_long_i as *mut _ as *mut c_void,
             &mut cap_ent_i as *mut _ as *mut c_void,
             &mut p_plan as *mut _ as *mut c_void,
             &mut p_fault as *mut _ as *mut c_void,
         ];
         // SAFETY: gdn_chunk_plan(const int* x4, int commits, int n_seqs, int n_slots, int n_rows, int min_len,
-        // int cap_long, int cap_ent, int* plan, unsigned* fault): the per-sequence arrays as the caller states
+        // int uniform, int cap_long, int cap_ent, int* plan, unsigned* fault): the per-sequence arrays as the caller states
         // (start may be cu_seqlens with len null, or null with lengths; commit_at is read only when commits is
         // set and is not null), the plan holds 2 + n_seqs + 4 cap_long + 2 cap_ent ints (`holds`), the fault
         // word is the caller's.
@@ -604,6 +609,7 @@ impl CudaPool {
             n_slots: int(self.slots, "slots")?,
             commits: kind.commits,
             lo,
+            uniform: int(kind.uniform_len.unwrap_or(0), "uniform_len")?,
             plane: i64::try_from(plane_stride.unwrap_or(0)).map_err(|_| too_large("plane"))?,
             eps: self.layer.config.eps,
             qkv: ops.qkv,

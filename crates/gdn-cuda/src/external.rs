@@ -697,11 +697,16 @@ impl CudaLayer {
     }
 
     /// The step on memory the caller owns, launched on `stream`: no allocation, no host synchronisation
-    /// (compile first with [`CudaLayer::prepare`] before a graph capture). Every host-visible argument is
-    /// checked first ([`CudaLayer::check`]) and `stream` must belong to this layer's context; an error leaves
-    /// everything untouched. Sequences the device finds out of range (a slot at or past `state.slots`, a
-    /// length not positive or not `uniform_len`, rows outside `rows`, a commit point outside 0..=length) are
-    /// skipped (a bad commit point commits nothing) and reported by [`CudaLayer::take_fault`].
+    /// (compile first with [`CudaLayer::prepare`] before a graph capture), except where the call may hold a
+    /// window of [`Cuda::chunk_min_len`] tokens or more (no `max_len` / `uniform_len` below it) and the backend's
+    /// chunked scratch does not hold it yet: then the first such call compiles the chunked kernels, and it and any
+    /// larger one wait for the whole context and allocate ([`CudaLayer::reserve_chunk`] does it ahead; not while
+    /// another stream of this thread is being captured). Every host-visible argument is checked first
+    /// ([`CudaLayer::check`]) and `stream` must belong to this layer's context; an error found there leaves
+    /// everything untouched (a driver error at a later launch may leave the long windows, launched first,
+    /// committed). Sequences the device finds out of range (a slot at or past `state.slots`, a length not
+    /// positive or not `uniform_len`, rows outside `rows`, a commit point outside 0..=length) are skipped (a bad
+    /// commit point commits nothing) and reported by [`CudaLayer::take_fault`].
     ///
     /// # Safety
     /// Every address in `step` is device memory of this layer's context (or reachable from it), valid for
@@ -710,7 +715,10 @@ impl CudaLayer {
     /// written by the step (the output, the state pool, the conv state) overlaps anything else the step reads
     /// or writes, and nothing else writes any of it while `stream` runs the step. `stream` is a live stream
     /// (or null, the legacy default stream of this context). Steps of one `CudaLayer` run one at a time (one
-    /// stream, or ordered by events): they share the q/k history counters.
+    /// stream, or ordered by events): they share the q/k history counters; and steps of all the `CudaLayer`s of
+    /// one [`Cuda`] (and its clones) that may chunk are ordered the same way: they share the chunked scratch. A
+    /// graph that captured a chunked step is not replayed after [`CudaLayer::release_chunk`] or once every clone
+    /// of that `Cuda` is dropped.
     pub unsafe fn step_raw(&self, step: &RawStep, stream: sys::CUstream) -> Result<()> {
         let ck = self.checked(step, false)?;
         // SAFETY: the caller's contract for `step_raw` is `launch`'s.
@@ -851,14 +859,18 @@ impl CudaLayer {
             SeqRows::StartLen { start, len } => (start, len),
             SeqRows::Lengths(len) => (0u64, len),
         };
-        // long windows take the chunked path first; the token-serial kernel runs the rest (or nothing)
+        // long windows take the chunked path first; the token-serial kernel runs the rest (or nothing), with the
+        // scratch's lock held until it is enqueued (its slot array lives in the scratch's plan)
+        let mut held = None;
         let slot = match spec {
             Some(_) => step.slot,
             // SAFETY: the caller's contract covers the chunked kernels' reads and writes (the same memory).
-            None => match unsafe { self.chunk_first(step, ck, (p_start, p_len), stream)? } {
-                Some(slot) => slot,
-                None => return Ok(()),
-            },
+            None => {
+                match unsafe { self.chunk_first(step, ck, (p_start, p_len), stream, &mut held)? } {
+                    Some(slot) => slot,
+                    None => return Ok(()),
+                }
+            }
         };
         let mut p_state = step.state.ptr;
         let mut p_hist = 0u64;
@@ -953,7 +965,7 @@ impl CudaLayer {
     }
 
     /// Compiles the chunked kernels of `kind` and grows the chunked path's scratch to hold calls of up to
-    /// `rows` rows and `seqs` sequences (`rows x h_v x (5 d + 65)` floats at d 128, 135 KiB a row at the seed's
+    /// `rows` rows and `seqs` sequences (`rows x h_v x (5 d + 65)` floats at d 128, 132 KiB a row at the seed's
     /// shape, and a small plan). The scratch is one per backend ([`Cuda`]), shared by all its layers, whose
     /// long-window steps must therefore be ordered (one stream, or events), as one layer's steps must be. A step
     /// captured into a CUDA graph takes the chunked path only if the scratch held its rows and sequences before
@@ -1008,16 +1020,17 @@ impl CudaLayer {
     }
 
     /// Runs the step's long windows in chunks on `stream` and returns the slot array the token-serial kernel
-    /// runs with, or `None` when nothing is left for it.
+    /// runs with, or `None` when nothing is left for it; when it used the scratch, its lock goes to `held`.
     ///
     /// # Safety
     /// `step_raw`'s contract; `rows` is the step's (start or cu_seqlens, len) pair of device arrays.
-    unsafe fn chunk_first(
-        &self,
+    unsafe fn chunk_first<'a>(
+        &'a self,
         step: &RawStep,
         ck: &Checked,
         rows: (u64, u64),
         stream: sys::CUstream,
+        held: &mut Option<std::sync::MutexGuard<'a, ChunkScratch>>,
     ) -> Result<Option<u64>> {
         let min_len = self.cuda.chunk_min_len();
         let hi = step.max_len.or(step.uniform()).unwrap_or(step.rows);
@@ -1050,6 +1063,8 @@ impl CudaLayer {
             n_slots: ck.n_slots,
             commits: step.commits,
             lo: step.uniform().unwrap_or(1),
+            uniform: i32::try_from(step.uniform().unwrap_or(0))
+                .map_err(|_| param("uniform_len", "does not fit the kernel's i32"))?,
             plane: ck.plane,
             eps: self.layer.config.eps,
             qkv: step.qkv.ptr,
@@ -1070,7 +1085,9 @@ impl CudaLayer {
         };
         // SAFETY: the caller's contract for the step's memory (checked extents, dtypes and strides in `ck`); the
         // weights and fault word are this layer's; the scratch holds the call (grown or checked above).
-        unsafe { scratch.run(&self.cuda, &spec, min_len, &call) }
+        let slot = unsafe { scratch.run(&self.cuda, &spec, min_len, &call) }?;
+        *held = Some(scratch);
+        Ok(slot)
     }
 
     /// Waits for the whole context (every stream of it, the caller's too), then reports and clears what the

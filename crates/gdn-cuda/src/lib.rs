@@ -233,7 +233,8 @@ impl Cuda {
     }
 
     /// Sets (or with `None` restores the measured default, [`chunk::DEFAULT_CHUNK_MIN_LEN`]) the window length
-    /// from which a sequence takes the chunked path, for pools created afterwards (`usize::MAX`: never). The
+    /// from which a sequence takes the chunked path, for pools and `CudaLayer`s created afterwards (`usize::MAX`:
+    /// never). The
     /// choice is per sequence, from its own length only, so a sequence's bits do not depend on its batch.
     pub fn set_chunk_min_len(&mut self, min_len: Option<usize>) {
         self.chunk_min_len = min_len;
