@@ -7,16 +7,19 @@ speculative form (one state pass per step on CUDA, gdn's one-pass CPU step on ho
 accepted tokens are committed as the next window runs; ``gdn.spec_buffers`` makes its two extra buffers,
 ``gdn.commit_held`` commits what a slot holds).
 ``gdn.hf.patch(model)`` runs an HF Qwen3.5 / Qwen3-Next model's GDN layers through gdn;
-``gdn.vllm.gdn_attention_core`` takes the inputs of vLLM's GDN attention core.
+``gdn.vllm.gdn_attention_core`` takes the inputs of vLLM's GDN attention core. On CUDA long windows (prefill)
+use a workspace kept between calls and shared by a device's layers: ``gdn.chunk_scratch_bytes()`` says how
+large it is, ``gdn.release_chunk_scratch()`` frees it.
 
 Conventions: HF transformers' and vLLM's (mixed q|k|v before the conv, raw a/b logits, conv state
 ``[slot][C][w]`` with the history in its last three columns, value-major state ``[slot][head][v][k]`` as vLLM,
 SGLang and FlashInfer keep it), FLA's ``cu_seqlens``.
 """
 
-from gdn._native import Layer, pending_row, spec_step, step
+from gdn._native import Layer, chunk_scratch_bytes, pending_row, release_chunk_scratch, spec_step, step
 
-__all__ = ["Layer", "step", "spec_step", "spec_buffers", "commit_held", "pending_row", "hf", "vllm"]
+__all__ = ["Layer", "step", "spec_step", "spec_buffers", "commit_held", "pending_row", "release_chunk_scratch",
+           "chunk_scratch_bytes", "hf", "vllm"]
 
 
 def spec_buffers(layer, slots, device):

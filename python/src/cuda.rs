@@ -63,6 +63,26 @@ fn backend_err(e: gdn::Error) -> PyErr {
     }
 }
 
+/// Frees the chunked scratch of every device gdn has run on (each device's layers share one); returns the bytes
+/// freed.
+pub fn release_chunk_scratch() -> PyResult<usize> {
+    let d = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
+    let mut freed = 0;
+    for (_, c) in d.iter() {
+        freed += c.chunk_scratch_bytes().map_err(backend_err)?;
+        c.release_chunk_scratch().map_err(backend_err)?;
+    }
+    Ok(freed)
+}
+
+/// Bytes of chunked scratch held on every device gdn has run on.
+pub fn chunk_scratch_bytes() -> PyResult<usize> {
+    let d = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
+    d.iter()
+        .map(|(_, c)| c.chunk_scratch_bytes().map_err(backend_err))
+        .sum()
+}
+
 fn device_backend(ordinal: usize) -> PyResult<Cuda> {
     let mut d = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
     if let Some((_, c)) = d.iter().find(|(o, _)| *o == ordinal) {

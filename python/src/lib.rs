@@ -705,8 +705,8 @@ fn step_impl<'py>(
 /// reference like the token-serial kernel, its bits its own); its scratch, about 132 KiB a row at Qwen3.5's
 /// shape (``rows x num_v_heads x (5 head_dim + 65)`` floats), is allocated outside torch's allocator, after a
 /// device synchronize, by the first call that may hold a long window (``cu_seqlens`` or ``lengths`` with 64 rows
-/// or more and no ``max_seqlen`` below 64), grown the same way by a larger one, kept, and shared by every layer
-/// on the device (their steps are ordered anyway). Bad index
+/// or more and no ``max_seqlen`` below 64), grown the same way by a larger one, kept (``gdn.release_chunk_scratch()``
+/// frees it), and shared by every layer on the device (their steps are ordered anyway). Bad index
 /// values that ``validate=False`` lets through skip their sequence on the device and are reported by
 /// ``layer.check_faults()``. The steps of every layer on one device must be ordered (one stream, or streams
 /// ordered by events): they share the layer's q/k-history counters and the chunked scratch. CUDA graphs: run one
@@ -1050,6 +1050,30 @@ fn spec_step<'py>(
     )
 }
 
+/// Frees the CUDA chunked path's scratch (the long windows' workspace, about 132 KiB a row at Qwen3.5's shape,
+/// kept after a prefill and shared by every layer on a device) on every device gdn has run on, after waiting for
+/// each device; the next long window allocates it again. Returns the bytes freed (0 without CUDA). A CUDA graph
+/// that captured a long-window step must not be replayed after this.
+#[pyfunction]
+fn release_chunk_scratch(py: Python<'_>) -> PyResult<usize> {
+    #[cfg(feature = "cuda")]
+    return py.detach(cuda::release_chunk_scratch);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = py;
+        Ok(0)
+    }
+}
+
+/// Bytes the CUDA chunked path's scratch holds now, over every device (0 without CUDA or before a long window).
+#[pyfunction]
+fn chunk_scratch_bytes() -> PyResult<usize> {
+    #[cfg(feature = "cuda")]
+    return cuda::chunk_scratch_bytes();
+    #[cfg(not(feature = "cuda"))]
+    Ok(0)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Layer>()?;
@@ -1057,5 +1081,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_only, m)?)?;
     m.add_function(wrap_pyfunction!(spec_step, m)?)?;
     m.add_function(wrap_pyfunction!(pending_row, m)?)?;
+    m.add_function(wrap_pyfunction!(release_chunk_scratch, m)?)?;
+    m.add_function(wrap_pyfunction!(chunk_scratch_bytes, m)?)?;
     Ok(())
 }

@@ -92,6 +92,11 @@ def test_long_windows_match_the_reference():
         back(x, case)
         check_against_reference(case, ref, s0, c0, tol=1e-5)
         layer.check_faults()
+    # the first call's chunked scratch is kept until released
+    held = gdn.chunk_scratch_bytes()
+    assert held > 0
+    assert gdn.release_chunk_scratch() == held
+    assert gdn.chunk_scratch_bytes() == 0
 
 
 def test_long_windows_in_bf16_match_the_cpu_path():

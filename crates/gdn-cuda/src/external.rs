@@ -984,14 +984,12 @@ impl CudaLayer {
     /// Frees the shared chunked-path scratch of this layer's backend, old ones kept for captured graphs too (no
     /// graph that used them may be replayed after this); the next long window allocates it again.
     pub fn release_chunk(&self) -> Result<()> {
-        self.cuda.ctx.synchronize().map_err(drv)?;
-        self.ext_chunk()?.release();
-        Ok(())
+        self.cuda.release_chunk_scratch()
     }
 
     /// Bytes the shared chunked-path scratch holds now.
     pub fn chunk_bytes(&self) -> Result<usize> {
-        Ok(self.ext_chunk()?.bytes())
+        self.cuda.chunk_scratch_bytes()
     }
 
     fn ext_chunk(&self) -> Result<std::sync::MutexGuard<'_, ChunkScratch>> {

@@ -240,6 +240,27 @@ impl Cuda {
         self.chunk_min_len = min_len;
     }
 
+    /// Frees the chunked-path scratch that this backend's [`CudaLayer`]s share (and the older buffers kept for
+    /// captured graphs), after waiting for the context; the next long window allocates it again. No graph that
+    /// captured a chunked step of these layers may be replayed after this.
+    pub fn release_chunk_scratch(&self) -> Result<()> {
+        self.ctx.synchronize().map_err(drv)?;
+        self.ext_chunk
+            .lock()
+            .map_err(|_| Error::Backend("chunk scratch lock poisoned".into()))?
+            .release();
+        Ok(())
+    }
+
+    /// Bytes of chunked-path scratch this backend's [`CudaLayer`]s hold now.
+    pub fn chunk_scratch_bytes(&self) -> Result<usize> {
+        Ok(self
+            .ext_chunk
+            .lock()
+            .map_err(|_| Error::Backend("chunk scratch lock poisoned".into()))?
+            .bytes())
+    }
+
     /// The window length from which a sequence takes the chunked path ([`Cuda::set_chunk_min_len`], or
     /// [`chunk::DEFAULT_CHUNK_MIN_LEN`]).
     pub fn chunk_min_len(&self) -> usize {
