@@ -5,7 +5,8 @@
 # Build here: cargo test --release -p gdn-cuda --no-run and cargo build --release -p gdn-cuda --example
 # external_bench; copy the external-* and chunk-* test binaries and external_bench, stripped and xz-compressed,
 # with this script into one ignored folder, the abi3 wheel (maturin build --release -m python/Cargo.toml) into
-# its py/, and carry that folder and .whl (FLA wheels). `h200_engine_prefill.sh [all|tests|bench]`.
+# its py/, and carry that folder and .whl (FLA wheels). `h200_engine_prefill.sh [all|tests|bench|hints|python]`
+# (all: tests, bench, python; python's f32 half needs PY_TIMEOUT=400 or so, a call of its own).
 set -u
 B=$(dirname "$0")
 S=$OUT/summary.txt
@@ -43,7 +44,15 @@ fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
 stamp "external_bench alone"
 timeout 200 $B/external_bench 2>&1 | tee "$OUT/external_bench.md" | tee -a "$S"
+fi
+if [ "$MODE" = hints ]; then
+stamp "external_bench hints"
+timeout 100 $B/external_bench hints 2>&1 | tee "$OUT/external_bench_hints.md" | tee -a "$S"
+fi
+if [ "$MODE" = all ] || [ "$MODE" = python ]; then
+[ -d /tmp/site/fla ] || { mkdir -p /tmp/gdnpy /tmp/site; python3 -m zipfile -e $B/py/*.whl /tmp/gdnpy
+  for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done; }
 stamp "prefill through python vs FLA"
-PYTHONPATH=/tmp/gdnpy:/tmp/site timeout 200 python3 tools/device/h200_prefill_py.py 2>&1 | grep -v Warn | tail -14 | tee -a "$S"
+PYTHONPATH=/tmp/gdnpy:/tmp/site timeout ${PY_TIMEOUT:-200} python3 tools/device/h200_prefill_py.py 2>&1 | grep -v Warn | tail -16 | tee -a "$S"
 fi
 stamp done
