@@ -1,7 +1,9 @@
 //! Long windows (prefill) and verify windows at the seed shape: the chunked path (src/chunk.rs) beside the
 //! token-serial kernel, each timed by `time_varlen` (a CUDA graph of steps replayed, events, median of 7), f32
 //! state, commit all. Device runs only. `prefill_bench [quick]` (quick: no threshold sweep, fewer bf16 cases);
-//! `prefill_bench case B T [fast]`: that one case, chunked, f32 io (for a profiler; `fast`: one-TF32 products).
+//! `prefill_bench case B T [fast]`: that one case, chunked, f32 io (for a profiler; `fast`: one-TF32 products);
+//! `prefill_bench dump FILE B T`: one chunked step of that case, its y, committed states and histories written to
+//! FILE as little-endian f32 (two builds' files compared with `cmp` tell whether a kernel change kept the bits).
 //! The table's prefill cases also time the opt-in one-TF32 products (`ChunkProducts::Tf32`).
 
 use gdn::synth::Synth;
@@ -22,6 +24,17 @@ fn time(pool: &mut CudaPool, rows: &RowsData, seqs: &[Seq], iters: usize) -> gdn
         * 1e6)
 }
 
+/// `B T` after argument `i` (B x T in 1..=32768).
+fn only_after(args: &[String], i: usize) -> Option<(usize, usize)> {
+    let num = |k: usize| args.get(i + k).and_then(|a| a.parse::<usize>().ok());
+    match (num(1), num(2)) {
+        (Some(b), Some(t)) if b.checked_mul(t).is_some_and(|r| (1..=32768).contains(&r)) => {
+            Some((b, t))
+        }
+        _ => None,
+    }
+}
+
 fn uniform(b: usize, t: usize) -> Vec<Seq> {
     (0..b)
         .map(|i| Seq {
@@ -37,20 +50,13 @@ fn main() -> gdn::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "quick");
     let only: Option<(usize, usize)> = match args.iter().position(|a| a == "case") {
-        Some(i) => {
-            let num = |k: usize| args.get(i + k).and_then(|a| a.parse::<usize>().ok());
-            match (num(1), num(2)) {
-                (Some(b), Some(t))
-                    if b.checked_mul(t).is_some_and(|r| (1..=32768).contains(&r)) =>
-                {
-                    Some((b, t))
-                }
-                _ => {
-                    eprintln!("usage: prefill_bench case B T (B x T at most 32768)");
-                    std::process::exit(2);
-                }
+        Some(i) => match only_after(&args, i) {
+            Some(bt) => Some(bt),
+            None => {
+                eprintln!("usage: prefill_bench case B T (B x T at most 32768)");
+                std::process::exit(2);
             }
-        }
+        },
         None => None,
     };
     let mut chunked = Cuda::new()?;
@@ -87,6 +93,33 @@ fn main() -> gdn::Result<()> {
         "| case | io | chunked | token-serial | serial / chunked | chunked, one-TF32 products |"
     );
     println!("|---|---|---|---|---|---|");
+    if let Some(i) = args.iter().position(|a| a == "dump") {
+        let (Some(file), Some((b, t))) = (args.get(i + 1), only_after(&args, i + 1)) else {
+            eprintln!("usage: prefill_bench dump FILE B T");
+            std::process::exit(2);
+        };
+        let mut p = pool(&chunked, b, &mut rng)?;
+        let rows = rows_of(b * t, DType::F32);
+        let seqs = uniform(b, t);
+        let mut out = gdn::TensorData::filled(b * t * sh.n(), 0.0, DType::F32);
+        p.step_varlen(
+            &Step {
+                rows: rows.view(),
+                seqs: &seqs,
+                plane_stride: None,
+            },
+            out.view_mut(),
+        )?;
+        let mut bytes: Vec<u8> = out.to_f32().iter().flat_map(|v| v.to_le_bytes()).collect();
+        for slot in 0..b {
+            let (mut st, mut h) = (vec![0.0; sh.state_len()], vec![0.0; sh.hist_len()]);
+            p.read_slot(slot, &mut st, &mut h)?;
+            bytes.extend(st.iter().chain(&h).flat_map(|v| v.to_le_bytes()));
+        }
+        std::fs::write(file, &bytes).map_err(|e| gdn::Error::Backend(format!("{file}: {e}")))?;
+        println!("{file}: {} bytes", bytes.len());
+        return Ok(());
+    }
     if let Some((b, t)) = only {
         let is_fast = args.iter().any(|a| a == "fast");
         let mut p = pool(if is_fast { &fast } else { &chunked }, b, &mut rng)?;
