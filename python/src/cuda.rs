@@ -66,9 +66,15 @@ fn backend_err(e: gdn::Error) -> PyErr {
 /// Frees the chunked scratch of every device gdn has run on (each device's layers share one); returns the bytes
 /// freed.
 pub fn release_chunk_scratch() -> PyResult<usize> {
-    let d = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
+    // the backends copied out, so that the device lock is not held while each device is waited for
+    let devices: Vec<Cuda> = DEVICES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .map(|(_, c)| c.clone())
+        .collect();
     let mut freed = 0;
-    for (_, c) in d.iter() {
+    for c in devices.iter() {
         freed += c.chunk_scratch_bytes().map_err(backend_err)?;
         c.release_chunk_scratch().map_err(backend_err)?;
     }
@@ -77,9 +83,15 @@ pub fn release_chunk_scratch() -> PyResult<usize> {
 
 /// Bytes of chunked scratch held on every device gdn has run on.
 pub fn chunk_scratch_bytes() -> PyResult<usize> {
-    let d = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
-    d.iter()
-        .map(|(_, c)| c.chunk_scratch_bytes().map_err(backend_err))
+    let devices: Vec<Cuda> = DEVICES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .map(|(_, c)| c.clone())
+        .collect();
+    devices
+        .iter()
+        .map(|c| c.chunk_scratch_bytes().map_err(backend_err))
         .sum()
 }
 

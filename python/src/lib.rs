@@ -1067,11 +1067,15 @@ fn release_chunk_scratch(py: Python<'_>) -> PyResult<usize> {
 
 /// Bytes the CUDA chunked path's scratch holds now, over every device (0 without CUDA or before a long window).
 #[pyfunction]
-fn chunk_scratch_bytes() -> PyResult<usize> {
+fn chunk_scratch_bytes(py: Python<'_>) -> PyResult<usize> {
+    // without the GIL: a step on another thread may hold the scratch's lock while it waits for its device
     #[cfg(feature = "cuda")]
-    return cuda::chunk_scratch_bytes();
+    return py.detach(cuda::chunk_scratch_bytes);
     #[cfg(not(feature = "cuda"))]
-    Ok(0)
+    {
+        let _ = py;
+        Ok(0)
+    }
 }
 
 #[pymodule]

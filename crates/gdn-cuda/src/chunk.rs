@@ -201,8 +201,8 @@ pub(crate) struct ChunkScratch {
     buf: Option<CudaSlice<f32>>,
     plan: Option<CudaSlice<i32>>,
     fns: HashMap<ChunkSpec, Arc<ChunkFns>>,
-    /// A captured graph holds the scratch's address (engine memory, `CudaLayer`): growing it then keeps the old
-    /// buffers alive in `retired` (until `release`), so the graph's replays still find them.
+    /// A captured graph may hold the scratch's addresses (set by a capture that used it, until `release`): a
+    /// buffer replaced by growth then stays alive in `retired`, so the graph's replays still find it.
     pub(crate) pinned: bool,
     retired: Vec<Retired>,
 }
@@ -347,17 +347,21 @@ impl ChunkScratch {
             .max(1)
             .checked_mul(per_row)
             .ok_or_else(|| too_large("rows"))?;
-        if self.pinned {
-            self.retired.push((self.buf.take(), self.plan.take()));
-            self.pinned = false;
+        let (cap_long, cap_ent) = caps(rows, seqs, min_len, spec.l());
+        let ints = plan_ints(seqs, cap_long, cap_ent)?;
+        let grow_buf = self.buf.as_ref().map_or(0, |b| b.len()) < floats;
+        let grow_plan = self.plan.as_ref().map_or(0, |b| b.len()) < ints;
+        // a buffer a captured graph may use is kept alive (retired) when it is replaced, never freed
+        if self.pinned && (grow_buf || grow_plan) {
+            let buf = if grow_buf { self.buf.take() } else { None };
+            let plan = if grow_plan { self.plan.take() } else { None };
+            self.retired.push((buf, plan));
         }
-        if self.buf.as_ref().map_or(0, |b| b.len()) < floats {
+        if grow_buf {
             self.buf = None;
             self.buf = Some(cuda.stream.alloc_zeros::<f32>(floats).map_err(drv)?);
         }
-        let (cap_long, cap_ent) = caps(rows, seqs, min_len, spec.l());
-        let ints = plan_ints(seqs, cap_long, cap_ent)?;
-        if self.plan.as_ref().map_or(0, |b| b.len()) < ints {
+        if grow_plan {
             self.plan = None;
             self.plan = Some(cuda.stream.alloc_zeros::<i32>(ints).map_err(drv)?);
         }

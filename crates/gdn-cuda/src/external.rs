@@ -161,7 +161,9 @@ pub enum SeqRows {
 /// (device `i32` arrays): `slot[s]` (negative: skipped), its rows (`seq_rows`), and `commit_at[s]` (0: verify, k:
 /// commit the state and history after its first k tokens; `None`: every sequence commits its whole window). The
 /// slots of one call must be distinct. Two hints pick the kernel and do not change bits: `uniform_len` (every
-/// live sequence has this length; a sequence of another length is skipped and reported) and `commits` (false:
+/// live sequence has this length; a sequence of another length is skipped and reported where a kernel is
+/// specialised on the length: up to 8 tokens, and from the chunked path's threshold on; between them the
+/// run-time-length kernel runs it) and `commits` (false:
 /// the verify-only kernel, nothing is written back and `commit_at` is not read; it must be true with `commit_at`
 /// `None`). A third, `max_len` (no live window is longer), lets a call whose windows are all shorter than the
 /// chunked path's threshold ([`Cuda::chunk_min_len`]) skip the chunked path's four launches: with `max_len`
@@ -532,7 +534,9 @@ impl CudaLayer {
                 ),
             ));
         }
-        if step.uniform_len == Some(0) || step.max_len == Some(0) {
+        // max_len 0 is a true bound only where no sequence has rows (an accept-only speculative call)
+        if step.uniform_len == Some(0) || (step.max_len == Some(0) && step.seqs > 0 && !speculative)
+        {
             return Err(Error::EmptyWindow);
         }
         if step.commit_at.is_none() && !step.commits {

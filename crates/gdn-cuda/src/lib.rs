@@ -244,11 +244,13 @@ impl Cuda {
     /// captured graphs), after waiting for the context; the next long window allocates it again. No graph that
     /// captured a chunked step of these layers may be replayed after this.
     pub fn release_chunk_scratch(&self) -> Result<()> {
-        self.ctx.synchronize().map_err(drv)?;
-        self.ext_chunk
+        // locked first, so that no step enqueues on the buffers between the wait and the free
+        let mut scratch = self
+            .ext_chunk
             .lock()
-            .map_err(|_| Error::Backend("chunk scratch lock poisoned".into()))?
-            .release();
+            .map_err(|_| Error::Backend("chunk scratch lock poisoned".into()))?;
+        self.ctx.synchronize().map_err(drv)?;
+        scratch.release();
         Ok(())
     }
 
