@@ -63,18 +63,22 @@ fn backend_err(e: gdn::Error) -> PyErr {
     }
 }
 
-/// Frees the chunked scratch of every device gdn has run on (each device's layers share one); returns the bytes
-/// freed.
-pub fn release_chunk_scratch() -> PyResult<usize> {
-    // the backends copied out, so that the device lock is not held while each device is waited for
-    let devices: Vec<Cuda> = DEVICES
+/// The backends of every device gdn has run on, copied out, so that the device list's lock is not held while a
+/// device is waited for.
+fn backends() -> Vec<Cuda> {
+    DEVICES
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .iter()
         .map(|(_, c)| c.clone())
-        .collect();
+        .collect()
+}
+
+/// Frees the chunked scratch of every device gdn has run on (each device's layers share one); returns the bytes
+/// freed.
+pub fn release_chunk_scratch() -> PyResult<usize> {
     let mut freed = 0;
-    for c in devices.iter() {
+    for c in backends().iter() {
         freed += c.chunk_scratch_bytes().map_err(backend_err)?;
         c.release_chunk_scratch().map_err(backend_err)?;
     }
@@ -83,13 +87,7 @@ pub fn release_chunk_scratch() -> PyResult<usize> {
 
 /// Bytes of chunked scratch held on every device gdn has run on.
 pub fn chunk_scratch_bytes() -> PyResult<usize> {
-    let devices: Vec<Cuda> = DEVICES
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .iter()
-        .map(|(_, c)| c.clone())
-        .collect();
-    devices
+    backends()
         .iter()
         .map(|c| c.chunk_scratch_bytes().map_err(backend_err))
         .sum()

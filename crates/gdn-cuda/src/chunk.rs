@@ -22,7 +22,7 @@ use cudarc::driver::{sys, CudaFunction, CudaSlice};
 use gdn::{DType, Error, Gate, HeadMap, PoolOptions, Result, Shape, StateLayout};
 
 use crate::external::ExtArgs;
-use crate::pool::{int, ptr, ptr_mut, too_large, CudaPool, Operands, StateBuf, StepKind};
+use crate::pool::{int, ptr, ptr_mut, too_large, CudaPool, Operands, StepKind};
 use crate::spec::{compiled_source, Compiled, Io};
 use crate::{drv, Cuda};
 
@@ -625,10 +625,7 @@ impl CudaPool {
             start: ops.start,
             len: ops.len,
             commit: ops.commit_at,
-            state: match &mut self.state {
-                StateBuf::F32(s) => ptr_mut(s, &cuda),
-                StateBuf::Bf16(s) => ptr_mut(s, &cuda),
-            },
+            state: self.state.ptr_mut(&cuda),
             hist: ptr_mut(&mut self.hist, &cuda),
             weights: [
                 ptr(&self.conv_w, &cuda),

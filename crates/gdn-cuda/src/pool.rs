@@ -217,6 +217,16 @@ pub(crate) enum StateBuf {
     Bf16(CudaSlice<bf16>),
 }
 
+impl StateBuf {
+    /// The pool's state address, for a kernel that writes it.
+    pub(crate) fn ptr_mut(&mut self, cuda: &Cuda) -> sys::CUdeviceptr {
+        match self {
+            StateBuf::F32(s) => ptr_mut(s, cuda),
+            StateBuf::Bf16(s) => ptr_mut(s, cuda),
+        }
+    }
+}
+
 /// Element types whose values are plain bytes (no padding, every bit pattern valid), so a slice of them can be
 /// moved to and from a byte buffer on the device.
 trait Plain: Copy {}
@@ -686,10 +696,7 @@ impl CudaPool {
                 name: "seqs",
                 why: format!("{n_seqs} sequences is above the 65535 a launch takes"),
             })?;
-        let mut p_state = match &mut self.state {
-            StateBuf::F32(s) => ptr_mut(s, &self.cuda),
-            StateBuf::Bf16(s) => ptr_mut(s, &self.cuda),
-        };
+        let mut p_state = self.state.ptr_mut(&self.cuda);
         let mut p_hist = ptr_mut(&mut self.hist, &self.cuda);
         let mut p_qkv = ops.qkv;
         let mut p_alpha = ops.alpha;
