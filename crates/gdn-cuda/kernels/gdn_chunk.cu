@@ -42,8 +42,6 @@
 #define HK GDN_HK
 #define HV GDN_HV
 #define L GDN_L
-#define CB GDN_CB
-#define NCB2 (D / CB)
 #define C_ALL ((2 * HK + HV) * D)
 #define N_OUT (HV * D)
 #define NT_PREP 256
@@ -51,7 +49,7 @@
 #define NT_OUT 128
 
 static_assert(D % 16 == 0, "d must be a multiple of 16");
-static_assert(D % CB == 0, "whole column blocks");
+static_assert(D % GDN_CB == 0, "whole column blocks");
 static_assert(HV % HK == 0, "h_v must be a multiple of h_k");
 
 // Element types (Elt<code>): kernels/gdn_elt.cuh, prepended to this source.
@@ -65,8 +63,10 @@ typedef Elt<GDN_STATE_DT> ES;
 // engine memory's strides (GdnExt, QKV_RS .. SLOT_OFF): kernels/gdn_elt.cuh; its ctr is not used here
 #if GDN_EXT
 #define EXT_PARAM , const GdnExt ext
+#define EXT_ARG , ext
 #else
 #define EXT_PARAM
+#define EXT_ARG
 #endif
 
 // A sequence's history before its window: column col (0 oldest) of entry e (channel ch) of value head h's list.
@@ -574,11 +574,18 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
 // has one owner, so nothing is staged); S (two buffers: read one, write the other) and delta live in shared
 // memory. Shared memory (floats): S [2][D][CBP], delta [L][CBP], gates and two decay rows [L]. While a chunk
 // runs, its successor's gates are loaded into registers.
+// The body is a template over the block's column count CB_ (CB, CBP, NT8, NCB2 below are its macros): the kernel
+// gdn_chunk_state takes GDN_CB columns a block, two blocks an SM; gdn_chunk_state_narrow 16, three an SM, for calls
+// too small to fill the device in equal shares (the host picks, src/chunk.rs `narrow_state`). Every value column's
+// arithmetic is the same in both (the products' rows and columns are independent), so the choice changes no bits.
+#define CB CB_
 #define CBP (CB + 2)
 #define NT8 (CB / 8)
+#define NCB2 (D / CB)
 // acc[nt] += one 16-wide k step of a 16-row tile (lo: its row g, hi: row g + 8, columns 4 q .. 4 q + 3 of the
 // step) times B's rows of the step (bp: row 4 q of the step, column g of tile 0; rows CBP apart) for NT8 column
 // tiles: the tile split once, two mma steps a column tile
+template <int CB_>
 __device__ __forceinline__ void tile_step(float (*acc)[4], float4 lo, float4 hi, const float* bp) {
     const float a0[4] = {lo.x, hi.x, lo.y, hi.y}, a1[4] = {lo.z, hi.z, lo.w, hi.w};
     unsigned h0[4], l0[4], h1[4], l1[4];
@@ -595,9 +602,11 @@ __device__ __forceinline__ void tile_step(float (*acc)[4], float4 lo, float4 hi,
 #define STATE_SMEM (2 * D * CBP + L * CBP + 3 * L)
 static_assert(2 * L / 16 <= NT_STATE / 32, "a warp a row tile of [W; Q]");
 static_assert(2 * L <= NT_STATE, "a thread a decay");
-extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
-    ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __restrict__ qkv,
-    const int* __restrict__ plan, int n_seqs, int cap_long, float* __restrict__ scr, long long rc EXT_PARAM) {
+template <int CB_>
+__device__ __forceinline__ void state_body(ES::T* __restrict__ state, float* __restrict__ hist,
+                                           const EQ::T* __restrict__ qkv, const int* __restrict__ plan, int n_seqs,
+                                           int cap_long, float* __restrict__ scr, long long rc EXT_PARAM) {
+    static_assert(D % CB == 0 && CB % 16 == 0, "whole column blocks of 16");
     extern __shared__ __align__(16) float sm[];
     float* const ssb = sm;  // [2][D][CBP]
     float* const dl = ssb + 2 * D * CBP;
@@ -689,7 +698,7 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
 #pragma unroll
                 for (int j = 0; j < PG; ++j) {
                     const int k0 = kg + 16 * j;
-                    if (k0 < D) tile_step(acc, al[j], ah[j], ss + (k0 + 4 * q4) * CBP + g8);
+                    if (k0 < D) tile_step<CB_>(acc, al[j], ah[j], ss + (k0 + 4 * q4) * CBP + g8);
                 }
             }
             if (!is_q) {
@@ -721,7 +730,7 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
                 const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 const float4 al = lo_ok ? *reinterpret_cast<const float4*>(ml + k0) : zero4;
                 const float4 ah = hi_ok ? *reinterpret_cast<const float4*>(mh + k0) : zero4;
-                tile_step(acc, al, ah, dl + (k0 + 4 * q4) * CBP + g8);
+                tile_step<CB_>(acc, al, ah, dl + (k0 + 4 * q4) * CBP + g8);
             }
 #pragma unroll
             for (int nt = 0; nt < NT8; ++nt) {
@@ -843,6 +852,23 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(
         }
     }
 }
+
+#undef CB
+#undef CBP
+#undef NT8
+#undef NCB2
+#define STATE_ARGS state, hist, qkv, plan, n_seqs, cap_long, scr, rc EXT_ARG
+#define STATE_PARAMS                                                                                          \
+    ES::T *__restrict__ state, float *__restrict__ hist, const EQ::T *__restrict__ qkv,                       \
+        const int *__restrict__ plan, int n_seqs, int cap_long, float *__restrict__ scr, long long rc EXT_PARAM
+extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(STATE_PARAMS) {
+    state_body<GDN_CB>(STATE_ARGS);
+}
+#if GDN_CB > 16
+extern "C" __global__ void __launch_bounds__(NT_STATE, 3) gdn_chunk_state_narrow(STATE_PARAMS) {
+    state_body<16>(STATE_ARGS);
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------------------
 // The gated RMS norm, y, planes and group sums of one chunk of one value head: a warp a token.

@@ -57,6 +57,10 @@ pub enum ChunkProducts {
     Tf32,
 }
 
+/// Value columns a block of the narrow state kernel owns, and its blocks an SM (the kernel's launch bounds).
+const NARROW_CB: usize = 16;
+const NARROW_MINB: usize = 3;
+
 /// Everything the chunked kernels are specialised on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ChunkSpec {
@@ -120,6 +124,25 @@ impl ChunkSpec {
         }
     }
 
+    /// Whether the module also holds `gdn_chunk_state_narrow` (16 columns a block, three blocks an SM).
+    pub fn has_narrow(&self) -> bool {
+        self.cb() > NARROW_CB
+    }
+
+    /// The state kernel for a call of at most `long` long windows on `sms` multiprocessors: the narrow one where
+    /// its blocks are all resident at once (three an SM) and the busiest multiprocessor then owns fewer value
+    /// columns than with the wide blocks (spread evenly). Measured at the seed's shape (H200, 2026-12-02): one
+    /// window 3 x 16 columns against 2 x 32, 6% faster at 8192 and 32768 tokens; two windows (not one wave) 2.5%
+    /// slower, four 9% slower (the narrow blocks read every operand tile twice as often). Both give the same bits.
+    pub fn narrow_state(&self, long: usize, sms: usize) -> bool {
+        let sms = sms.max(1);
+        let blocks = |cb: usize| long.saturating_mul(self.shape.h_v) * (self.shape.d / cb);
+        let busiest = |cb: usize| blocks(cb).div_ceil(sms) * cb;
+        self.has_narrow()
+            && blocks(NARROW_CB) <= NARROW_MINB * sms
+            && busiest(NARROW_CB) < busiest(self.cb())
+    }
+
     /// Dynamic shared memory of the prep kernel, bytes (the kernel's PREP_SMEM).
     pub fn prep_smem(&self) -> usize {
         let (d, l) = (self.shape.d, self.l());
@@ -128,7 +151,12 @@ impl ChunkSpec {
 
     /// Dynamic shared memory of the state kernel, bytes (the kernel's STATE_SMEM).
     pub fn state_smem(&self) -> usize {
-        let (d, l, cb) = (self.shape.d, self.l(), self.cb());
+        self.state_smem_for(self.cb())
+    }
+
+    /// The same for `cb` columns a block (the narrow kernel's: `NARROW_CB`).
+    pub fn state_smem_for(&self, cb: usize) -> usize {
+        let (d, l) = (self.shape.d, self.l());
         4 * (2 * d * (cb + 2) + l * (cb + 2) + 3 * l)
     }
 
@@ -188,6 +216,8 @@ pub(crate) struct ChunkFns {
     plan: CudaFunction,
     prep: CudaFunction,
     state: CudaFunction,
+    /// `gdn_chunk_state_narrow` (see [`ChunkSpec::narrow_state`]), where the spec has it.
+    narrow: Option<CudaFunction>,
     out: CudaFunction,
 }
 
@@ -317,6 +347,14 @@ impl ChunkScratch {
             plan: load("gdn_chunk_plan", 0)?,
             prep: load("gdn_chunk_prep", spec.prep_smem())?,
             state: load("gdn_chunk_state", spec.state_smem())?,
+            narrow: if spec.has_narrow() {
+                Some(load(
+                    "gdn_chunk_state_narrow",
+                    spec.state_smem_for(NARROW_CB),
+                )?)
+            } else {
+                None
+            },
             out: load("gdn_chunk_out", 0)?,
         });
         self.fns.insert(*spec, fns.clone());
@@ -499,16 +537,20 @@ impl ChunkScratch {
             )?
         };
         let mut p = params!(p_state, p_hist, p_qkv, p_plan, n_seqs_i, cap_long_i, p_scr, rc);
-        // SAFETY: gdn_chunk_state(state, hist, qkv, plan, int n_seqs, int cap_long, float* scr, long long
-        // rc[, GdnExt ext]): the state and history (or conv state), the rows and scratch as above;
-        // STATE_SMEM bytes of shared memory.
+        let (state_fn, cb) = match &fns.narrow {
+            Some(f) if spec.narrow_state(cap_long, cuda.multiprocessors()) => (f, NARROW_CB),
+            _ => (&fns.state, spec.cb()),
+        };
+        // SAFETY: gdn_chunk_state / gdn_chunk_state_narrow(state, hist, qkv, plan, int n_seqs, int cap_long, float*
+        // scr, long long rc[, GdnExt ext]): the state and history (or conv state), the rows and scratch as above;
+        // STATE_SMEM bytes of shared memory for its column count, a block per (head, column block, long window).
         unsafe {
             launch(
                 cuda,
-                &fns.state,
-                ((sh.h_v * (sh.d / spec.cb())) as u32, grid_long),
+                state_fn,
+                ((sh.h_v * (sh.d / cb)) as u32, grid_long),
                 256,
-                spec.state_smem(),
+                spec.state_smem_for(cb),
                 &mut p,
                 stream,
             )?
@@ -705,5 +747,35 @@ mod tests {
         assert!(CHUNK_SRC.contains("#define PREP_SMEM (2 * L * DP4 + 2 * L * LP4 + 3 * L)"));
         assert!(CHUNK_SRC.contains("#define STATE_SMEM (2 * D * CBP + L * CBP + 3 * L)"));
         assert_eq!(seed.floats_per_row(), 48 * (5 * 128 + 64 + 1));
+        // the narrow state kernel's launch bounds and columns are the constants the host plans with
+        assert!(CHUNK_SRC.contains(&format!(
+            "__launch_bounds__(NT_STATE, {NARROW_MINB}) gdn_chunk_state_narrow"
+        )));
+        assert!(CHUNK_SRC.contains(&format!("state_body<{NARROW_CB}>(STATE_ARGS)")));
+    }
+
+    /// The narrow state kernel takes the calls where it measured faster at the seed's shape on 132 SMs (one long
+    /// window), the wide one from two windows; shapes whose wide blocks are already 16 columns have no narrow one.
+    #[test]
+    fn narrow_state_kernel_takes_the_calls_that_cannot_fill_the_device() {
+        let spec = |shape| {
+            ChunkSpec::new(
+                (9, 0),
+                &gdn::Config::new(shape),
+                false,
+                Io::all(DType::F32),
+                PoolOptions::default(),
+                ChunkProducts::default(),
+            )
+        };
+        let seed = spec(Shape::SEED);
+        assert!(seed.narrow_state(1, 132));
+        for long in [2, 3, 4, 64] {
+            assert!(!seed.narrow_state(long, 132), "{long}");
+        }
+        // d 48: 16-column blocks already
+        assert!(!spec(Shape::new(48, 2, 4).unwrap()).has_narrow());
+        // a device with twice the multiprocessors fits the wide blocks of one window in equal shares
+        assert!(!seed.narrow_state(1, 264));
     }
 }

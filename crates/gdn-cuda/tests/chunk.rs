@@ -425,6 +425,62 @@ fn a_sequence_bits_do_not_depend_on_the_batch() {
     eprintln!("T 1000 d 32: token-serial y {ey:.2e} S {es:.2e}; chunked y {ey2:.2e} S {es2:.2e}");
 }
 
+/// The narrow state kernel (one long window at the seed's shape, 16 columns a block) and the wide one (several
+/// long windows, 32 columns a block) give a window the same bits: the window alone against it beside two others.
+#[test]
+fn narrow_and_wide_state_kernels_give_the_same_bits() {
+    let Some(cuda) = cuda_or_skip("narrow_and_wide_state_kernels_give_the_same_bits", None) else {
+        return;
+    };
+    let sms = cuda.multiprocessors();
+    let probe = ChunkSpec::new(
+        cuda.arch(),
+        &gdn::Config::new(Shape::SEED),
+        false,
+        Io::all(DType::F32),
+        PoolOptions::default(),
+        ChunkProducts::default(),
+    );
+    // the mix below has at most 3 long windows (rows / 64 and its sequences)
+    let (alone_narrow, mix_narrow) = (probe.narrow_state(1, sms), probe.narrow_state(3, sms));
+    eprintln!("{sms} SMs: alone narrow {alone_narrow}, mixed narrow {mix_narrow}");
+    for pool in pools() {
+        let mut s = spec(
+            Shape::SEED,
+            &[
+                (200, Commit::First(130)),
+                (7, Commit::All),
+                (198, Commit::All),
+            ],
+            50,
+        );
+        s.options = pool;
+        let mixed = s.build();
+        let got = run_var(&cuda, &mixed);
+        let mut alone = mixed.clone();
+        for seq in alone.seqs.iter_mut().skip(1) {
+            seq.slot = -1;
+        }
+        let one = run_var(&cuda, &alone);
+        let q = &mixed.seqs[0];
+        let n = mixed.layer.shape().n();
+        let rows = q.start * n..(q.start + q.len) * n;
+        assert!(
+            bits(&one.out.to_f32()[rows.clone()]) == bits(&got.out.to_f32()[rows]),
+            "{pool:?}: y differs between the state kernels"
+        );
+        let slot = q.slot as usize;
+        assert!(
+            bits(&one.slots[slot].0) == bits(&got.slots[slot].0)
+                && bits(&one.slots[slot].1) == bits(&got.slots[slot].1),
+            "{pool:?}: the committed slot differs between the state kernels"
+        );
+    }
+    if alone_narrow == mix_narrow {
+        eprintln!("note: on {sms} SMs both calls took the same state kernel");
+    }
+}
+
 /// A small mixed call through both paths (for compute-sanitizer: memcheck, racecheck, initcheck).
 #[test]
 fn small_mixed_call_for_the_sanitizer() {
