@@ -1,13 +1,11 @@
 // gdn_chunk.cu: the GDN window step (SPEC.md) of long windows in the chunked (WY / UT) form (see NOTES.md,
-// "Chunked windows"). Five kernels, launched in this order on one stream:
+// "Chunked windows"). Four kernels, launched in this order on one stream:
 //   gdn_chunk_plan   one block: splits the call's sequences by length and commit point (below min_len: left
 //                    to the token-serial kernel, whose slot array it writes with the long ones skipped), checks the
 //                    long ones and lists them and their chunks of L tokens
-//   gdn_chunk_gram   one block a (chunk, key head): the q / k conv + SiLU (with the history), their L2 norms and
-//                    the dots k_t . k_s and q_t . k_s, once for all the value heads that share the key head
-//   gdn_chunk_prep   one block a (chunk, value head): the v conv, gates, the chunk's decays,
-//                    A = strictly-lower(b_t D[t][s] k_t . k_s), M = lower(D[t][s] q_t . k_s), and by forward
-//                    substitution W = (I + A)^-1 diag(b gamma) K, U = (I + A)^-1 diag(b) V
+//   gdn_chunk_prep   one block a (chunk, value head): conv + SiLU (with the history), L2 norms, gates, the
+//                    chunk's decays, A = strictly-lower(b_t D[t][s] k_t . k_s), M = lower(D[t][s] q_t . k_s),
+//                    and by forward substitution W = (I + A)^-1 diag(b gamma) K, U = (I + A)^-1 diag(b) V
 //   gdn_chunk_state  one block a (sequence, value head, block of CB value columns): the state slice, chunk after
 //                    chunk: delta = U - W S, o = (gamma Q) S + M delta, S <- gamma_n S + sum_s D[n-1][s] k_s
 //                    delta_s^T; the committed state (and the history) at the commit point
@@ -35,10 +33,8 @@
 // Every reduction has a fixed order (no atomics in sums), the program is compiled with --fmad=false and every
 // fused multiply-add is an explicit fmaf.
 //
-// Scratch (floats, rc rows each; row r of the call, value head h, key head g): W, U, Q (gamma_t q_t), O (o before
-// the norm) [r][HV][D] each, QN, KN (the normalized q_t, k_t) [r][HK][D] each, M [r][HV][L], KK, QK (k_t . k_s,
-// q_t . k_s; entries s <= t of the tiles up to the diagonal) [r][HK][L] each, G (gates) [r][HV] (last, so that
-// every other plane starts at a multiple of 16 bytes: `Scr`). The plan (ints): [0] long sequences, [1]
+// Scratch (floats, row r of the call, value head h): W, U, Q (gamma_t q_t), K (k_t), O (o before the norm)
+// [r][HV][D] each, M [r][HV][L], G (gates) [r][HV]; rc rows each. The plan (ints): [0] long sequences, [1]
 // chunks, then the token-serial slot array [n_seqs], per long sequence (slot, start, len, commit) [cap_long][4],
 // per chunk (long sequence, chunk index) [cap_ent][2].
 
@@ -132,34 +128,6 @@ __device__ __forceinline__ bool first_of_key_head(int h) {
     return h % (HV / HK) == 0;
 #else
     return h < HK;
-#endif
-}
-
-// The scratch's planes (see Scratch above).
-struct Scr {
-    float *W, *U, *Q, *O, *QN, *KN, *M, *KK, *QK, *G;
-    __device__ __forceinline__ Scr(float* s, long long rc) {
-        const size_t vd = (size_t)rc * HV * D, kd = (size_t)rc * HK * D;
-        W = s;
-        U = W + vd;
-        Q = U + vd;
-        O = Q + vd;
-        QN = O + vd;
-        KN = QN + kd;
-        M = KN + kd;
-        KK = M + (size_t)rc * HV * L;
-        QK = KK + (size_t)rc * HK * L;
-        G = QK + (size_t)rc * HK * L;
-    }
-};
-
-// the first value head of key head g (its history copy is the one the gram kernel reads on the pool: every value
-// head's private copy of the q / k history holds the same values)
-__device__ __forceinline__ int first_value_head(int g) {
-#if GDN_GROUPED
-    return g * (HV / HK);
-#else
-    return g;
 #endif
 }
 
@@ -365,9 +333,12 @@ __device__ __forceinline__ void prod_step(float* c, const unsigned* ah, const un
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The conv of one channel, shared by the gram and prep kernels.
+// Everything of one chunk that does not depend on the state. Shared memory (floats): q (then b v, once Q is out),
+// k [L][DP4], the decays D[t][s] and A^T [L][LP4] each, gates, write strengths, gamma [L] each; v takes q's place
+// so that two blocks fit an SM.
 #define DP4 (D + 4)
 #define LP4 (L + 4)
+#define PREP_SMEM (2 * L * DP4 + 2 * L * LP4 + 3 * L)
 static_assert(L % 16 == 0 && L <= 64, "chunk length");
 // the conv + SiLU of channel e (0..3 D) of value head h over the chunk's n tokens, into dst[t * DP4] (times
 // scale[t] when given): every token's input in flight at once (8 at once on engine memory), the history in
@@ -413,19 +384,21 @@ __device__ __forceinline__ void conv_channel(const EQ::T* __restrict__ qkv, size
     }
 }
 
-// The chunk's q / k work, once a key head (every value head of the key head reads it): conv + SiLU of its q and k
-// channels with the history, their L2 norms, and k_t . k_s, q_t . k_s on tensor cores for the tiles up to the
-// diagonal. Writes QN, KN, KK, QK. Shared memory: q, k [L][DP4].
-#define GRAM_SMEM (2 * L * DP4)
-extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_gram(
-    const EQ::T* __restrict__ qkv, const float* __restrict__ hist, const float* __restrict__ conv_w,
-    const int* __restrict__ plan, int n_seqs, int cap_long, float eps, float* __restrict__ scr,
-    long long rc EXT_PARAM) {
+extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
+    const EQ::T* __restrict__ qkv, const EA::T* __restrict__ alpha, const EB::T* __restrict__ beta,
+    const float* __restrict__ hist, const float* __restrict__ conv_w, const float* __restrict__ dt,
+    const float* __restrict__ ssm_a, const int* __restrict__ plan, int n_seqs, int cap_long, float eps,
+    float* __restrict__ scr, long long rc EXT_PARAM) {
     extern __shared__ __align__(16) float sm[];
     float* const qs = sm;
     float* const ks = qs + L * DP4;
+    float* const as = ks + L * DP4;
+    float* const at = as + L * LP4;  // A^T, for the substitution
+    float* const gs = at + L * LP4;
+    float* const bs = gs + L;
+    float* const gam = bs + L;
 
-    const int ent = blockIdx.x, g = blockIdx.y, tid = threadIdx.x;
+    const int ent = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, g8 = lane >> 2, q4 = lane & 3;
     if (ent >= plan[1]) return;
     const int* e2 = plan + PLAN_ENT(n_seqs, cap_long) + 2 * ent;
@@ -435,122 +408,6 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_gram(
     const int t0 = c * L;
     const int n = min(L, len - t0);
     const size_t rbase = (size_t)start + t0;
-    // a value head of this key head: its channels and history entries 0 .. 2 D are the key head's
-    const int hr = first_value_head(g);
-#if GDN_EXT
-    (void)hist;
-    const HistIn hin{reinterpret_cast<const EC::T*>(ext.conv) + (size_t)slot * ext.conv_ss + ext.conv_off, ext.conv_cs,
-                     ext.conv_ls};
-#else
-    const HistIn hin{hist + ((size_t)slot * HV + hr) * (3 * D * 3)};
-#endif
-    const size_t qrs = QKV_RS;
-    const float inv_sqrt_d = 1.0f / sqrtf((float)D);
-    const Scr sc(scr, rc);
-
-    // 1. conv + SiLU of q and k, a thread a channel
-    for (int e = tid; e < 2 * D; e += NT_PREP)
-        conv_channel(qkv, qrs, hin, conv_w, hr, e, t0, n, rbase, (e < D ? qs : ks) + e % D, nullptr);
-    __syncthreads();
-
-    // 2. L2 norms of q and k: a warp a (token, q or k); lane-strided partial sums, then an xor butterfly; the
-    //    normalized rows to QN, KN
-    for (int p = warp; p < 2 * n; p += NT_PREP / 32) {
-        float* x = (p & 1 ? ks : qs) + (p >> 1) * DP4;
-        float* dst = (p & 1 ? sc.KN : sc.QN) + ((rbase + (p >> 1)) * HK + g) * D;
-        float acc = 0.0f;
-        for (int i = lane; i < D; i += 32) acc = fmaf(x[i], x[i], acc);
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-        const float r = rsqrtf(acc / (float)D + eps / (float)D);
-        for (int i = lane; i < D; i += 32) {
-            const float v = (r * x[i]) * inv_sqrt_d;
-            x[i] = v;
-            dst[i] = v;
-        }
-    }
-    __syncthreads();
-
-    // 3. k_t . k_s and q_t . k_s on tensor cores, a warp a 16 x 8 tile (t, s) at a time, to KK and QK (the
-    //    prep kernels read entries s <= t). A warp a row tile and every WPR-th column tile of it up to the diagonal,
-    //    the row tile's operands split once a step for all of them.
-    constexpr int RT = L / 16, WPR = (NT_PREP / 32) / RT, SPW = (L / 8 + WPR - 1) / WPR;
-    static_assert((NT_PREP / 32) % RT == 0, "whole warps a row tile");
-    const int r0 = (warp / WPR) * 16, sw = warp % WPR;
-    if (r0 >= n) return;
-    float ck[SPW][4], cq[SPW][4];
-#pragma unroll
-    for (int j = 0; j < SPW; ++j)
-#pragma unroll
-        for (int x = 0; x < 4; ++x) ck[j][x] = cq[j][x] = 0.0f;
-#pragma unroll 2
-    for (int k0 = 0; k0 < D; k0 += 16) {
-        const float4 kl = *reinterpret_cast<const float4*>(ks + (r0 + g8) * DP4 + k0 + 4 * q4);
-        const float4 kh = *reinterpret_cast<const float4*>(ks + (r0 + g8 + 8) * DP4 + k0 + 4 * q4);
-        const float4 ql = *reinterpret_cast<const float4*>(qs + (r0 + g8) * DP4 + k0 + 4 * q4);
-        const float4 qh = *reinterpret_cast<const float4*>(qs + (r0 + g8 + 8) * DP4 + k0 + 4 * q4);
-        const float a_k0[4] = {kl.x, kh.x, kl.y, kh.y}, a_k1[4] = {kl.z, kh.z, kl.w, kh.w};
-        const float a_q0[4] = {ql.x, qh.x, ql.y, qh.y}, a_q1[4] = {ql.z, qh.z, ql.w, qh.w};
-        unsigned hk0[4], lk0[4], hk1[4], lk1[4], hq0[4], lq0[4], hq1[4], lq1[4];
-        split4(a_k0, hk0, lk0);
-        split4(a_k1, hk1, lk1);
-        split4(a_q0, hq0, lq0);
-        split4(a_q1, hq1, lq1);
-#pragma unroll
-        for (int j = 0; j < SPW; ++j) {
-            const int s0 = (sw + j * WPR) * 8;
-            if (s0 >= L || s0 > r0 + 15) continue;  // tiles above the diagonal are never read
-            const float4 kb = *reinterpret_cast<const float4*>(ks + (s0 + g8) * DP4 + k0 + 4 * q4);
-            const float b0[2] = {kb.x, kb.y}, b1[2] = {kb.z, kb.w};
-            prod_step(ck[j], hk0, lk0, b0);
-            prod_step(ck[j], hk1, lk1, b1);
-            prod_step(cq[j], hq0, lq0, b0);
-            prod_step(cq[j], hq1, lq1, b1);
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < SPW; ++j) {
-        const int s0 = (sw + j * WPR) * 8;
-        if (s0 >= L || s0 > r0 + 15) continue;
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-            const int t = r0 + g8 + (x >> 1) * 8, s = s0 + 2 * q4 + (x & 1);
-            if (t >= n || s > t) continue;
-            const size_t o = ((rbase + t) * HK + g) * L + s;
-            sc.KK[o] = ck[j][x];
-            sc.QK[o] = cq[j][x];
-        }
-    }
-}
-
-// Everything else of one chunk that does not depend on the state, a value head. Shared memory (floats): b v, then
-// the key head's k (from KN) [L][DP4] each, the decays D[t][s] and A^T [L][LP4] each, gates, write strengths,
-// gamma [L] each.
-#define PREP_SMEM (2 * L * DP4 + 2 * L * LP4 + 3 * L)
-extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
-    const EQ::T* __restrict__ qkv, const EA::T* __restrict__ alpha, const EB::T* __restrict__ beta,
-    const float* __restrict__ hist, const float* __restrict__ conv_w, const float* __restrict__ dt,
-    const float* __restrict__ ssm_a, const int* __restrict__ plan, int n_seqs, int cap_long,
-    float* __restrict__ scr, long long rc EXT_PARAM) {
-    extern __shared__ __align__(16) float sm[];
-    float* const vs = sm;
-    float* const ks = vs + L * DP4;
-    float* const as = ks + L * DP4;
-    float* const at = as + L * LP4;  // A^T, for the substitution
-    float* const gs = at + L * LP4;
-    float* const bs = gs + L;
-    float* const gam = bs + L;
-
-    const int ent = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
-    if (ent >= plan[1]) return;
-    const int* e2 = plan + PLAN_ENT(n_seqs, cap_long) + 2 * ent;
-    const int li = e2[0], c = e2[1];
-    const int* inf = plan + PLAN_LONG(n_seqs) + 4 * li;
-    const int slot = inf[0], start = inf[1], len = inf[2];
-    const int t0 = c * L;
-    const int n = min(L, len - t0);
-    const size_t rbase = (size_t)start + t0;
-    const int g = key_head(h);
 #if GDN_EXT
     (void)hist;
     const HistIn hin{reinterpret_cast<const EC::T*>(ext.conv) + (size_t)slot * ext.conv_ss + ext.conv_off, ext.conv_cs,
@@ -559,49 +416,122 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
     const HistIn hin{hist + ((size_t)slot * HV + h) * (3 * D * 3)};
 #endif
     const size_t qrs = QKV_RS;
-    const Scr sc(scr, rc);
+    const float inv_sqrt_d = 1.0f / sqrtf((float)D);
 
-    // 1. gates and write strengths; the key head's normalized k rows
+    float* const W = scr;
+    float* const U = W + (size_t)rc * HV * D;
+    float* const Q = U + (size_t)rc * HV * D;
+    float* const K = Q + (size_t)rc * HV * D;
+    float* const M = K + 2 * (size_t)rc * HV * D;  // after O
+    float* const G = M + (size_t)rc * HV * L;
+
+    // 1. conv + SiLU of q and k, a thread a channel (v waits for q's place, step 5)
+    for (int e = tid; e < 2 * D; e += NT_PREP)
+        conv_channel(qkv, qrs, hin, conv_w, h, e, t0, n, rbase, (e < D ? qs : ks) + e % D, nullptr);
     if (tid < n) {
         const size_t r = rbase + tid;
         gs[tid] = softplus_decay(EA::ld(alpha[r * A_RS + h]) + dt[h], ssm_a[h]);
         bs[tid] = sigmoid_f(EB::ld(beta[r * B_RS + h]));
     }
-    for (int idx = tid; idx < n * (D / 4); idx += NT_PREP) {
-        const int t = idx / (D / 4), i = 4 * (idx % (D / 4));
-        *reinterpret_cast<float4*>(ks + t * DP4 + i) =
-            *reinterpret_cast<const float4*>(sc.KN + ((rbase + t) * HK + g) * D + i);
-    }
     __syncthreads();
-    // 2. the decay rows, one thread a token
+
+    // 2. L2 norms of q and k: a warp a (token, q or k); lane-strided partial sums, then an xor butterfly
+    for (int p = warp; p < 2 * n; p += NT_PREP / 32) {
+        float* x = (p & 1 ? ks : qs) + (p >> 1) * DP4;
+        float acc = 0.0f;
+        for (int i = lane; i < D; i += 32) acc = fmaf(x[i], x[i], acc);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        const float r = rsqrtf(acc / (float)D + eps / (float)D);
+        for (int i = lane; i < D; i += 32) x[i] = (r * x[i]) * inv_sqrt_d;
+    }
+    // 3. the decay rows, one thread a token
     if (tid < n) gam[tid] = decay_row(gs, tid, as + tid * LP4);
     __syncthreads();
 
-    // 3. M[t][s] = D[t][s] (q_t . k_s) for s <= t, 0 past it, and A^T[s][t] = b_t (D[t][s] (k_t . k_s)) for s < t
-    //    (0 at s >= t; A^T is read only at s < t and, for the last block's columns past n, its sums dropped)
+    // 4. k_t . k_s and q_t . k_s on tensor cores, a warp a 16 x 8 tile (t, s) at a time; then
+    //    M[t][s] = D[t][s] (q_t . k_s) for s <= t, 0 past it, and A[t][s] = b_t (D[t][s] (k_t . k_s)) for s < t
+    //    A warp a row tile and every WPR-th column tile of it up to the diagonal, the row tile's operands split
+    //    once a step for all of them.
+    {
+        constexpr int RT = L / 16, WPR = (NT_PREP / 32) / RT, SPW = (L / 8 + WPR - 1) / WPR;
+        static_assert((NT_PREP / 32) % RT == 0, "whole warps a row tile");
+        const int r0 = (warp / WPR) * 16, sw = warp % WPR;
+        if (r0 < n) {
+            float ck[SPW][4], cq[SPW][4];
+#pragma unroll
+            for (int j = 0; j < SPW; ++j)
+#pragma unroll
+                for (int x = 0; x < 4; ++x) ck[j][x] = cq[j][x] = 0.0f;
+#pragma unroll 2
+            for (int k0 = 0; k0 < D; k0 += 16) {
+                const float4 kl = *reinterpret_cast<const float4*>(ks + (r0 + g8) * DP4 + k0 + 4 * q4);
+                const float4 kh = *reinterpret_cast<const float4*>(ks + (r0 + g8 + 8) * DP4 + k0 + 4 * q4);
+                const float4 ql = *reinterpret_cast<const float4*>(qs + (r0 + g8) * DP4 + k0 + 4 * q4);
+                const float4 qh = *reinterpret_cast<const float4*>(qs + (r0 + g8 + 8) * DP4 + k0 + 4 * q4);
+                const float a_k0[4] = {kl.x, kh.x, kl.y, kh.y}, a_k1[4] = {kl.z, kh.z, kl.w, kh.w};
+                const float a_q0[4] = {ql.x, qh.x, ql.y, qh.y}, a_q1[4] = {ql.z, qh.z, ql.w, qh.w};
+                unsigned hk0[4], lk0[4], hk1[4], lk1[4], hq0[4], lq0[4], hq1[4], lq1[4];
+                split4(a_k0, hk0, lk0);
+                split4(a_k1, hk1, lk1);
+                split4(a_q0, hq0, lq0);
+                split4(a_q1, hq1, lq1);
+#pragma unroll
+                for (int j = 0; j < SPW; ++j) {
+                    const int s0 = (sw + j * WPR) * 8;
+                    if (s0 >= L || s0 > r0 + 15) continue;  // tiles above the diagonal are 0
+                    const float4 kb = *reinterpret_cast<const float4*>(ks + (s0 + g8) * DP4 + k0 + 4 * q4);
+                    const float b0[2] = {kb.x, kb.y}, b1[2] = {kb.z, kb.w};
+                    prod_step(ck[j], hk0, lk0, b0);
+                    prod_step(ck[j], hk1, lk1, b1);
+                    prod_step(cq[j], hq0, lq0, b0);
+                    prod_step(cq[j], hq1, lq1, b1);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < SPW; ++j) {
+                const int s0 = (sw + j * WPR) * 8;
+                if (s0 >= L || s0 > r0 + 15) continue;
+#pragma unroll
+                for (int x = 0; x < 4; ++x) {
+                    const int t = r0 + g8 + (x >> 1) * 8, s = s0 + 2 * q4 + (x & 1);
+                    if (t >= n) continue;
+                    const size_t r = rbase + t;
+                    const float dd = s <= t ? as[t * LP4 + s] : 0.0f;
+                    M[(r * HV + h) * L + s] = s <= t ? dd * cq[j][x] : 0.0f;
+                    at[s * LP4 + t] = s < t ? bs[t] * (dd * ck[j][x]) : 0.0f;
+                }
+            }
+        }
+    }
+    // M past the tiles computed above (above the diagonal) is zeros. A^T is read only at s < t (A's strict lower
+    // part, all written above); the last block's columns past n are read too, and their sums dropped.
     for (int p = tid; p < n * L; p += NT_PREP) {
         const int t = p / L, s = p % L;
-        const size_t o = ((rbase + t) * HK + g) * L + s;
-        const float dd = s <= t ? as[t * LP4 + s] : 0.0f;
-        sc.M[((rbase + t) * HV + h) * L + s] = s <= t ? dd * sc.QK[o] : 0.0f;
-        at[s * LP4 + t] = s < t ? bs[t] * (dd * sc.KK[o]) : 0.0f;
+        if ((s / 8) * 8 > (t / 16) * 16 + 15) M[((rbase + t) * HV + h) * L + s] = 0.0f;
     }
-    if (tid < n) sc.G[(rbase + tid) * HV + h] = gs[tid];
-    // 4. Q = gamma q to the scratch; the right-hand sides (b gamma) k in place and b v
-    for (int idx = tid; idx < n * D; idx += NT_PREP) {
-        const int t = idx / D, i = idx % D;
-        sc.Q[((rbase + t) * HV + h) * D + i] = gam[t] * sc.QN[((rbase + t) * HK + g) * D + i];
-        ks[t * DP4 + i] = (bs[t] * gam[t]) * ks[t * DP4 + i];
-    }
-    for (int e = tid; e < D; e += NT_PREP) conv_channel(qkv, qrs, hin, conv_w, h, 2 * D + e, t0, n, rbase, vs + e, bs);
+    if (tid < n) G[(rbase + tid) * HV + h] = gs[tid];
     __syncthreads();
 
-    // 5. forward substitution, a thread a column of [W | U], in blocks of 8 rows, the solution replacing the
+    // 5. Q = gamma q, K = k to the scratch; the right-hand side (b gamma) k in place; then b v in q's place
+    for (int idx = tid; idx < n * D; idx += NT_PREP) {
+        const int t = idx / D, i = idx % D;
+        const size_t o = ((rbase + t) * HV + h) * D + i;
+        const float kt = ks[t * DP4 + i];
+        Q[o] = gam[t] * qs[t * DP4 + i];
+        K[o] = kt;
+        ks[t * DP4 + i] = (bs[t] * gam[t]) * kt;
+    }
+    __syncthreads();
+    for (int e = tid; e < D; e += NT_PREP) conv_channel(qkv, qrs, hin, conv_w, h, 2 * D + e, t0, n, rbase, qs + e, bs);
+    __syncthreads();
+
+    // 6. forward substitution, a thread a column of [W | U], in blocks of 8 rows, the solution replacing the
     //    right-hand side in shared memory: x_t = rhs_t - sum_{s<t} A[t][s] x_s, one sum a row in order of s (the
     //    rows before the block from A^T, 8 rows at a time, then the block's own)
     for (int col = tid; col < 2 * D; col += NT_PREP) {
-        float* x = (col < D ? ks : vs) + col % D;
-        float* dst = (col < D ? sc.W : sc.U) + col % D;
+        float* x = (col < D ? ks : qs) + col % D;
+        float* dst = (col < D ? W : U) + col % D;
         for (int tb = 0; tb < n; tb += 8) {
             float acc[8], xr[8];
 #pragma unroll
@@ -640,7 +570,7 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
 // row tile w of [W; Q] (2 L rows: W's tiles first): P1 [delta | o] = [U | 0] -+ [W; Q] S; then the Q warps add
 // P2 M delta to o and store it; then every warp takes 16-row tiles of the state update P3 S' = gamma S + Kd^T
 // delta (Kd[s][i] = D[m-1][s] k_s[i] for s < m, 0 past m; m the chunk's length, and again with the commit
-// point's m inside the commit chunk). The W, Q, M, U, KN operands come straight from the scratch (each row tile
+// point's m inside the commit chunk). The W, Q, M, U, K operands come straight from the scratch (each row tile
 // has one owner, so nothing is staged); S (two buffers: read one, write the other) and delta live in shared
 // memory. Shared memory (floats): S [2][D][CBP], delta [L][CBP], gates and two decay rows [L]. While a chunk
 // runs, its successor's gates are loaded into registers.
@@ -692,15 +622,13 @@ __device__ __forceinline__ void state_body(ES::T* __restrict__ state, float* __r
     const int slot = inf[0], start = inf[1], len = inf[2], commit = inf[3];
     const float inv_sqrt_d = 1.0f / sqrtf((float)D);
 
-    const Scr sc(scr, rc);
-    const float* const W = sc.W;
-    const float* const U = sc.U;
-    const float* const Q = sc.Q;
-    const float* const KN = sc.KN;  // the key head's k (every value head of it reads the same rows)
-    float* const O = sc.O;
-    const float* const M = sc.M;
-    const float* const G = sc.G;
-    const int g = key_head(h);
+    const float* const W = scr;
+    const float* const U = W + (size_t)rc * HV * D;
+    const float* const Q = U + (size_t)rc * HV * D;
+    const float* const K = Q + (size_t)rc * HV * D;
+    float* const O = scr + 4 * (size_t)rc * HV * D;
+    const float* const M = O + (size_t)rc * HV * D;
+    const float* const G = M + (size_t)rc * HV * L;
 
     ES::T* const sbase = state + SLOT_OFF(slot);
 #if GDN_VMAJOR
@@ -833,7 +761,7 @@ __device__ __forceinline__ void state_body(ES::T* __restrict__ state, float* __r
                 u[nt][2] = gm * ss[(i0 + g8 + 8) * CBP + col];
                 u[nt][3] = gm * ss[(i0 + g8 + 8) * CBP + col + 1];
             }
-            const float* kb = KN + (rbase * HK + g) * D + i0 + g8;
+            const float* kb = K + (rbase * HV + h) * D + i0 + g8;
             // every step's keys loaded at once; steps past m have A and B exactly 0, as a loop to m would leave them
             float ka[L / 16][8];
 #pragma unroll
@@ -842,8 +770,8 @@ __device__ __forceinline__ void state_body(ES::T* __restrict__ state, float* __r
                 for (int x = 0; x < 4; ++x) {
                     const int s = s0 + 4 * q4 + x;
                     const bool ok = s < m;
-                    ka[s0 / 16][2 * x] = ok ? kb[(size_t)s * HK * D] : 0.0f;          // row i0 + g8
-                    ka[s0 / 16][2 * x + 1] = ok ? kb[(size_t)s * HK * D + 8] : 0.0f;  // row i0 + g8 + 8
+                    ka[s0 / 16][2 * x] = ok ? kb[(size_t)s * HV * D] : 0.0f;          // row i0 + g8
+                    ka[s0 / 16][2 * x + 1] = ok ? kb[(size_t)s * HV * D + 8] : 0.0f;  // row i0 + g8 + 8
                 }
             }
 #pragma unroll
@@ -962,7 +890,7 @@ extern "C" __global__ void __launch_bounds__(NT_OUT) gdn_chunk_out(
     const int start = inf[1], len = inf[2];
     const int t0 = c * L;
     const int n = min(L, len - t0);
-    const float* const O = Scr(const_cast<float*>(scr), rc).O;
+    const float* const O = scr + 4 * (size_t)rc * HV * D;
     for (int t = warp; t < n; t += NT_OUT / 32) {
         const size_t r = (size_t)start + t0 + t;
         const float* o = O + (r * HV + h) * D;

@@ -143,11 +143,6 @@ impl ChunkSpec {
             && busiest(NARROW_CB) < busiest(self.cb())
     }
 
-    /// Dynamic shared memory of the gram kernel, bytes (the kernel's GRAM_SMEM).
-    pub fn gram_smem(&self) -> usize {
-        4 * 2 * self.l() * (self.shape.d + 4)
-    }
-
     /// Dynamic shared memory of the prep kernel, bytes (the kernel's PREP_SMEM).
     pub fn prep_smem(&self) -> usize {
         let (d, l) = (self.shape.d, self.l());
@@ -174,7 +169,7 @@ impl ChunkSpec {
     /// Scratch floats per row of a call.
     pub fn floats_per_row(&self) -> usize {
         let s = &self.shape;
-        s.h_v * (4 * s.d + self.l() + 1) + s.h_k * 2 * (s.d + self.l())
+        s.h_v * (5 * s.d + self.l() + 1)
     }
 
     pub fn header(&self) -> String {
@@ -219,7 +214,6 @@ impl ChunkSpec {
 /// The four loaded kernels of one specialisation.
 pub(crate) struct ChunkFns {
     plan: CudaFunction,
-    gram: CudaFunction,
     prep: CudaFunction,
     state: CudaFunction,
     /// `gdn_chunk_state_narrow` (see [`ChunkSpec::narrow_state`]), where the spec has it.
@@ -351,7 +345,6 @@ impl ChunkScratch {
         };
         let fns = Arc::new(ChunkFns {
             plan: load("gdn_chunk_plan", 0)?,
-            gram: load("gdn_chunk_gram", spec.gram_smem())?,
             prep: load("gdn_chunk_prep", spec.prep_smem())?,
             state: load("gdn_chunk_state", spec.state_smem())?,
             narrow: if spec.has_narrow() {
@@ -523,29 +516,15 @@ impl ChunkScratch {
         // set and is not null), the plan holds 2 + n_seqs + 4 cap_long + 2 cap_ent ints (`holds`), the fault
         // word is the caller's.
         unsafe { launch(cuda, &fns.plan, (1, 1), 1024, 0, &mut p, stream)? };
-        let mut p = params!(p_qkv, p_hist, p_conv, p_plan, n_seqs_i, cap_long_i, eps, p_scr, rc);
-        // SAFETY: gdn_chunk_gram(qkv, hist, conv_w, plan, int n_seqs, int cap_long, float eps, float* scr, long
-        // long rc[, GdnExt ext]): as the prep below; dynamic shared memory as the kernel's GRAM_SMEM.
-        unsafe {
-            launch(
-                cuda,
-                &fns.gram,
-                (grid_ent, sh.h_k as u32),
-                256,
-                spec.gram_smem(),
-                &mut p,
-                stream,
-            )?
-        };
         let mut p = params!(
-            p_qkv, p_alpha, p_beta, p_hist, p_conv, p_dt, p_a, p_plan, n_seqs_i, cap_long_i, p_scr,
-            rc
+            p_qkv, p_alpha, p_beta, p_hist, p_conv, p_dt, p_a, p_plan, n_seqs_i, cap_long_i, eps,
+            p_scr, rc
         );
-        // SAFETY: gdn_chunk_prep(qkv, alpha, beta, hist, conv_w, dt, a, plan, int n_seqs, int cap_long, float*
-        // scr, long long rc[, GdnExt ext]): the rows hold `rows` rows in the spec's dtypes and strides (the
-        // caller's contract), the plan lists only sequences whose slot is in the pool and whose rows are in
-        // 0..rows, the scratch holds rc >= rows rows (`holds`); the ExtArgs struct (with `ext`) is the kernel's
-        // GdnExt field for field; dynamic shared memory as the kernel's PREP_SMEM.
+        // SAFETY: gdn_chunk_prep(qkv, alpha, beta, hist, conv_w, dt, a, plan, int n_seqs, int cap_long, float
+        // eps, float* scr, long long rc[, GdnExt ext]): the rows hold `rows` rows in the spec's dtypes and
+        // strides (the caller's contract), the plan lists only sequences whose slot is in the pool and whose
+        // rows are in 0..rows, the scratch holds rc >= rows rows (`holds`); the ExtArgs struct (with `ext`) is
+        // the kernel's GdnExt field for field; dynamic shared memory as the kernel's PREP_SMEM.
         unsafe {
             launch(
                 cuda,
@@ -767,11 +746,7 @@ mod tests {
         }
         assert!(CHUNK_SRC.contains("#define PREP_SMEM (2 * L * DP4 + 2 * L * LP4 + 3 * L)"));
         assert!(CHUNK_SRC.contains("#define STATE_SMEM (2 * D * CBP + L * CBP + 3 * L)"));
-        assert!(CHUNK_SRC.contains("#define GRAM_SMEM (2 * L * DP4)"));
-        assert_eq!(
-            seed.floats_per_row(),
-            48 * (4 * 128 + 64 + 1) + 16 * 2 * (128 + 64)
-        );
+        assert_eq!(seed.floats_per_row(), 48 * (5 * 128 + 64 + 1));
         // the narrow state kernel's launch bounds and columns are the constants the host plans with
         assert!(CHUNK_SRC.contains(&format!(
             "__launch_bounds__(NT_STATE, {NARROW_MINB}) gdn_chunk_state_narrow"
