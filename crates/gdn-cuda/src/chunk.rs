@@ -133,12 +133,15 @@ impl ChunkSpec {
     /// its blocks are all resident at once (three an SM) and the busiest multiprocessor then owns fewer value
     /// columns than with the wide blocks (spread evenly). Measured at the seed's shape (H200, 2026-12-02): one
     /// window 3 x 16 columns against 2 x 32, 6% faster at 8192 and 32768 tokens; two windows (not one wave) 2.5%
-    /// slower, four 9% slower (the narrow blocks read every operand tile twice as often). Both give the same bits.
+    /// slower, four 9% slower (the narrow blocks read every operand tile twice as often). With the one-TF32 products
+    /// the state kernel's tensor work is a third and the balance no longer pays (T 8192 even, T 32768 2% slower),
+    /// so those calls keep the wide kernel. Both give the same bits.
     pub fn narrow_state(&self, long: usize, sms: usize) -> bool {
         let sms = sms.max(1);
         let blocks = |cb: usize| long.saturating_mul(self.shape.h_v) * (self.shape.d / cb);
         let busiest = |cb: usize| blocks(cb).div_ceil(sms) * cb;
         self.has_narrow()
+            && self.products == ChunkProducts::Tf32x3
             && blocks(NARROW_CB) <= NARROW_MINB * sms
             && busiest(NARROW_CB) < busiest(self.cb())
     }
@@ -777,5 +780,11 @@ mod tests {
         assert!(!spec(Shape::new(48, 2, 4).unwrap()).has_narrow());
         // a device with twice the multiprocessors fits the wide blocks of one window in equal shares
         assert!(!seed.narrow_state(1, 264));
+        // the one-TF32 products keep the wide kernel
+        let fast = ChunkSpec {
+            products: ChunkProducts::Tf32,
+            ..seed
+        };
+        assert!(!fast.narrow_state(1, 132));
     }
 }
