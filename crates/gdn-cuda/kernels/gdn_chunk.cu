@@ -576,7 +576,8 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
 // runs, its successor's gates are loaded into registers.
 // The body is a template over the block's column count CB_ (CB, CBP, NT8, NCB2 below are its macros): the kernel
 // gdn_chunk_state takes GDN_CB columns a block, two blocks an SM; gdn_chunk_state_narrow 16, three an SM, for calls
-// too small to fill the device in equal shares (the host picks, src/chunk.rs `narrow_state`). Every value column's
+// too small to fill the device in equal shares (the host picks, src/chunk.rs `narrow_state`; 3xTF32 only, where three
+// blocks' shared memory fits an SM). Every value column's
 // arithmetic is the same in both (the products' rows and columns are independent), so the choice changes no bits.
 #define CB CB_
 #define CBP (CB + 2)
@@ -864,7 +865,7 @@ __device__ __forceinline__ void state_body(ES::T* __restrict__ state, float* __r
 extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(STATE_PARAMS) {
     state_body<GDN_CB>(STATE_ARGS);
 }
-#if GDN_CB > 16
+#if GDN_CB > 16 && !GDN_TF32X1 && 3 * (4 * (2 * D * 18 + L * 18 + 3 * L) + 1024) <= 228 * 1024
 extern "C" __global__ void __launch_bounds__(NT_STATE, 3) gdn_chunk_state_narrow(STATE_PARAMS) {
     state_body<16>(STATE_ARGS);
 }

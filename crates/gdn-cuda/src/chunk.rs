@@ -60,6 +60,8 @@ pub enum ChunkProducts {
 /// Value columns a block of the narrow state kernel owns, and its blocks an SM (the kernel's launch bounds).
 const NARROW_CB: usize = 16;
 const NARROW_MINB: usize = 3;
+/// Shared memory of one sm_90 multiprocessor (each block reserves 1 KiB of it).
+const SM_SMEM: usize = 228 * 1024;
 
 /// Everything the chunked kernels are specialised on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -124,9 +126,12 @@ impl ChunkSpec {
         }
     }
 
-    /// Whether the module also holds `gdn_chunk_state_narrow` (16 columns a block, three blocks an SM).
+    /// Whether the module also holds `gdn_chunk_state_narrow` (16 columns a block, three blocks an SM): the
+    /// 3xTF32 products only, wide blocks above 16 columns, three narrow blocks' shared memory within an SM's.
     pub fn has_narrow(&self) -> bool {
-        self.cb() > NARROW_CB
+        self.products == ChunkProducts::Tf32x3
+            && self.cb() > NARROW_CB
+            && NARROW_MINB * (self.state_smem_for(NARROW_CB) + 1024) <= SM_SMEM
     }
 
     /// The state kernel for a call of at most `long` long windows on `sms` multiprocessors: the narrow one where
@@ -135,15 +140,24 @@ impl ChunkSpec {
     /// window 3 x 16 columns against 2 x 32, 6% faster at 8192 and 32768 tokens; two windows (not one wave) 2.5%
     /// slower, four 9% slower (the narrow blocks read every operand tile twice as often). With the one-TF32 products
     /// the state kernel's tensor work is a third and the balance no longer pays (T 8192 even, T 32768 2% slower),
-    /// so those calls keep the wide kernel. Both give the same bits.
+    /// so those calls keep the wide kernel (`has_narrow`). Both give the same bits.
     pub fn narrow_state(&self, long: usize, sms: usize) -> bool {
         let sms = sms.max(1);
-        let blocks = |cb: usize| long.saturating_mul(self.shape.h_v) * (self.shape.d / cb);
-        let busiest = |cb: usize| blocks(cb).div_ceil(sms) * cb;
+        let blocks = |cb: usize| {
+            long.saturating_mul(self.shape.h_v)
+                .saturating_mul(self.shape.d / cb)
+        };
+        let busiest = |cb: usize| blocks(cb).div_ceil(sms).saturating_mul(cb);
         self.has_narrow()
-            && self.products == ChunkProducts::Tf32x3
-            && blocks(NARROW_CB) <= NARROW_MINB * sms
+            && blocks(NARROW_CB) <= NARROW_MINB.saturating_mul(sms)
             && busiest(NARROW_CB) < busiest(self.cb())
+    }
+
+    /// The state kernel a call of `rows` rows and `seqs` sequences takes (true: the narrow one): `narrow_state` of
+    /// the host's bound on its long windows, `min(seqs, rows / min_len)`, every sequence counted (also those the
+    /// device skips), so a prefill batched with many decodes keeps the wide kernel.
+    pub fn narrow_for_call(&self, rows: usize, seqs: usize, min_len: usize, sms: usize) -> bool {
+        self.narrow_state(caps(rows, seqs, min_len, self.l()).0, sms)
     }
 
     /// Dynamic shared memory of the prep kernel, bytes (the kernel's PREP_SMEM).
@@ -541,7 +555,16 @@ impl ChunkScratch {
         };
         let mut p = params!(p_state, p_hist, p_qkv, p_plan, n_seqs_i, cap_long_i, p_scr, rc);
         let (state_fn, cb) = match &fns.narrow {
-            Some(f) if spec.narrow_state(cap_long, cuda.multiprocessors()) => (f, NARROW_CB),
+            Some(f)
+                if spec.narrow_for_call(
+                    call.rows,
+                    call.n_seqs,
+                    min_len,
+                    cuda.multiprocessors(),
+                ) =>
+            {
+                (f, NARROW_CB)
+            }
             _ => (&fns.state, spec.cb()),
         };
         // SAFETY: gdn_chunk_state / gdn_chunk_state_narrow(state, hist, qkv, plan, int n_seqs, int cap_long, float*

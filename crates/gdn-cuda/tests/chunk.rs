@@ -105,6 +105,12 @@ fn chunked_kernels_compile() {
                 }
                 assert!(spec.supported(), "{spec:?}");
                 let c = spec.compiled().unwrap_or_else(|e| panic!("{e}"));
+                // the host loads the narrow state kernel exactly where the module has it
+                assert_eq!(
+                    c.log.contains("gdn_chunk_state_narrow"),
+                    spec.has_narrow(),
+                    "{spec:?}"
+                );
                 if n == 0 {
                     eprintln!("seed shape: {}", gdn_cuda::spec::resource_line(&c.log));
                 }
@@ -441,8 +447,13 @@ fn narrow_and_wide_state_kernels_give_the_same_bits() {
         PoolOptions::default(),
         ChunkProducts::default(),
     );
-    // the mix below has at most 3 long windows (rows / 64 and its sequences)
-    let (alone_narrow, mix_narrow) = (probe.narrow_state(1, sms), probe.narrow_state(3, sms));
+    // the host's choice for the calls below: the pool sends only the live sequences (1 alone, 3 mixed) of the
+    // call's 405 rows
+    let min_len = cuda.chunk_min_len();
+    let (alone_narrow, mix_narrow) = (
+        probe.narrow_for_call(405, 1, min_len, sms),
+        probe.narrow_for_call(405, 3, min_len, sms),
+    );
     eprintln!("{sms} SMs: alone narrow {alone_narrow}, mixed narrow {mix_narrow}");
     for pool in pools() {
         let mut s = spec(
@@ -456,6 +467,12 @@ fn narrow_and_wide_state_kernels_give_the_same_bits() {
         );
         s.options = pool;
         let mixed = s.build();
+        let last = mixed.seqs.last().expect("three sequences");
+        assert_eq!(
+            last.start + last.len,
+            405,
+            "the rows the choice above assumes"
+        );
         let got = run_var(&cuda, &mixed);
         let mut alone = mixed.clone();
         for seq in alone.seqs.iter_mut().skip(1) {
