@@ -14,6 +14,7 @@
 // Macros (src/chunk.rs): GDN_D, GDN_HK, GDN_HV, GDN_SILU, GDN_GROUPED, GDN_PLANES, the element types
 // GDN_QKV_DT .. GDN_OUT_DT (0 f32, 1 bf16, 2 f16), GDN_STATE_DT (0 f32, 1 bf16), GDN_VMAJOR (state layout),
 // GDN_L (chunk length), GDN_CB (value columns a state block owns), GDN_TF32X1 (one TF32 product a step),
+// GDN_NARROW (1: also the narrow state kernel, 16 columns a block),
 // GDN_EXT (1: memory an engine owns, as gdn_step.cu's EXTERNAL: row and slot strides, the engine's conv state
 // in GDN_CONV_DT; 0: the pool's packed rows and private history).
 //
@@ -576,9 +577,9 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
 // runs, its successor's gates are loaded into registers.
 // The body is a template over the block's column count CB_ (CB, CBP, NT8, NCB2 below are its macros): the kernel
 // gdn_chunk_state takes GDN_CB columns a block, two blocks an SM; gdn_chunk_state_narrow 16, three an SM, for calls
-// too small to fill the device in equal shares (the host picks, src/chunk.rs `narrow_state`; 3xTF32 only, where three
-// blocks' shared memory fits an SM). Every value column's
-// arithmetic is the same in both (the products' rows and columns are independent), so the choice changes no bits.
+// too small to fill the device in equal shares (compiled where the host sets GDN_NARROW, src/chunk.rs `has_narrow`,
+// and launched where it picks it, `narrow_state`). Every value column's arithmetic is the same in both (the
+// products' rows and columns are independent), so the choice changes no bits.
 #define CB CB_
 #define CBP (CB + 2)
 #define NT8 (CB / 8)
@@ -865,7 +866,7 @@ __device__ __forceinline__ void state_body(ES::T* __restrict__ state, float* __r
 extern "C" __global__ void __launch_bounds__(NT_STATE, 2) gdn_chunk_state(STATE_PARAMS) {
     state_body<GDN_CB>(STATE_ARGS);
 }
-#if GDN_CB > 16 && !GDN_TF32X1 && 3 * (4 * (2 * D * 18 + L * 18 + 3 * L) + 1024) <= 228 * 1024
+#if GDN_NARROW
 extern "C" __global__ void __launch_bounds__(NT_STATE, 3) gdn_chunk_state_narrow(STATE_PARAMS) {
     state_body<16>(STATE_ARGS);
 }

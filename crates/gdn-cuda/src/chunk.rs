@@ -198,7 +198,7 @@ impl ChunkSpec {
             "#define GDN_D {}\n#define GDN_HK {}\n#define GDN_HV {}\n#define GDN_SILU {}\n#define GDN_GROUPED {}\n\
              #define GDN_PLANES {}\n#define GDN_QKV_DT {}\n#define GDN_ALPHA_DT {}\n#define GDN_BETA_DT {}\n\
              #define GDN_Z_DT {}\n#define GDN_OUT_DT {}\n#define GDN_STATE_DT {}\n#define GDN_VMAJOR {}\n\
-             #define GDN_L {}\n#define GDN_CB {}\n#define GDN_TF32X1 {}\n",
+             #define GDN_L {}\n#define GDN_CB {}\n#define GDN_TF32X1 {}\n#define GDN_NARROW {}\n",
             s.d,
             s.h_k,
             s.h_v,
@@ -215,6 +215,7 @@ impl ChunkSpec {
             self.l(),
             self.cb(),
             (self.products == ChunkProducts::Tf32) as u8,
+            self.has_narrow() as u8,
         )
     }
 
