@@ -141,12 +141,17 @@ impl VarCase {
         let mut pool = backend
             .create_pool_with(&self.layer, self.init.len(), self.options)
             .expect("create_pool_with");
+        self.load_slots(pool.as_mut());
+        pool
+    }
+
+    /// Writes the initial slots into `pool` (made for this case's layer, slots and options).
+    pub fn load_slots(&self, pool: &mut dyn LayerPool) {
         let sh = *self.layer.shape();
         for (i, (s, h)) in self.init.iter().enumerate() {
             let s = StateLayout::KeyMajor.convert(self.options.layout, &sh, s);
             pool.write_slot(i, &s, h).expect("write_slot");
         }
-        pool
     }
 
     pub fn named_slots(&self) -> Vec<usize> {

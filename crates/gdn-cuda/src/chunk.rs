@@ -8,7 +8,8 @@
 //! four kernels (plan, prep, state, out) and the token-serial kernel gets the short sequences (the long ones'
 //! slots set to -1 in a copy of the slot array), so one call may mix both paths.
 //!
-//! Scratch ([`ChunkScratch`]): each pool owns one; the `CudaLayer`s of a backend share one. Sized for the call's
+//! Scratch ([`ChunkScratch`]): the pools of a backend share one (their steps run in order on its stream), its
+//! `CudaLayer`s another (their steps run on engines' streams, in order by their contract). Sized for the call's
 //! rows (floats: `rows x h_v x (5 d + L + 1)`; ints: the plan). The first call with more rows than reserved
 //! allocates it, so a step captured into a graph needs [`CudaPool::reserve_chunk`] (or
 //! [`crate::CudaLayer::reserve_chunk`]) first (with the rows and sequences of the largest call), as it needs
@@ -16,7 +17,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{sys, CudaFunction, CudaSlice};
 use gdn::{DType, Error, Gate, HeadMap, PoolOptions, Result, Shape, StateLayout};
@@ -242,8 +243,8 @@ pub(crate) struct ChunkFns {
 /// A scratch buffer and plan a captured graph may still use.
 type Retired = (Option<CudaSlice<f32>>, Option<CudaSlice<i32>>);
 
-/// The chunked path's scratch and loaded kernels: a pool's own, or the one all [`crate::CudaLayer`]s of a
-/// backend share.
+/// The chunked path's scratch and loaded kernels: the one all [`CudaPool`]s of a backend share, or the one all
+/// its [`crate::CudaLayer`]s share.
 #[derive(Default)]
 pub(crate) struct ChunkScratch {
     buf: Option<CudaSlice<f32>>,
@@ -631,37 +632,52 @@ impl CudaPool {
         )
     }
 
+    /// The chunked-path scratch this backend's pools share (a lock another thread's panic poisoned is taken
+    /// over: every step leaves the scratch consistent before anything can panic).
+    fn shared_chunk(shared: &Mutex<ChunkScratch>) -> MutexGuard<'_, ChunkScratch> {
+        shared.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Allocates the chunked path's scratch for calls of up to `rows` rows and `seqs` sequences and compiles
     /// its kernels for `kind`, so that a later `step_device` (a graph capture) neither allocates nor compiles.
+    /// The scratch is one for all pools of the backend (their steps run in order on its stream): it holds the
+    /// largest call any of them reserved or ran.
     pub fn reserve_chunk(&mut self, kind: &StepKind, rows: usize, seqs: usize) -> Result<()> {
         let spec = self.chunk_spec(kind);
         if !spec.supported() {
             return Ok(());
         }
         let min_len = self.chunk_min_len();
-        self.chunk.fns(&self.cuda, &spec)?;
-        self.chunk.reserve(&self.cuda, &spec, rows, seqs, min_len)
+        let mut scratch = Self::shared_chunk(&self.cuda.pool_chunk);
+        scratch.fns(&self.cuda, &spec)?;
+        scratch.reserve(&self.cuda, &spec, rows, seqs, min_len)
     }
 
-    /// Frees the chunked path's scratch (the next long window allocates it again).
+    /// Frees the chunked-path scratch of this backend's pools (the next long window allocates it again). No
+    /// graph that captured a chunked step of any of them may be replayed after this.
     pub fn release_chunk(&mut self) {
-        self.chunk.release();
+        Self::shared_chunk(&self.cuda.pool_chunk).release();
     }
 
-    /// Bytes of chunked-path scratch held now.
+    /// Bytes of chunked-path scratch this backend's pools hold now (shared by all of them).
     pub fn chunk_bytes(&self) -> usize {
-        self.chunk.bytes()
+        Self::shared_chunk(&self.cuda.pool_chunk).bytes()
     }
 
     /// The launch hook: runs the call's long windows in chunks and returns the operands the token-serial kernel
     /// runs with (the long windows' slots skipped), or `None` when no sequence is left for it.
-    pub(crate) fn chunk_dispatch(
+    /// The shared scratch's lock goes to `held` when the call runs chunked: the slot array it returns lives in
+    /// the scratch, so the lock must be held until the token-serial kernel that reads it is enqueued.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn chunk_dispatch<'a>(
         &mut self,
         kind: &StepKind,
         n_seqs: usize,
         rows: usize,
         plane_stride: Option<usize>,
         ops: Operands,
+        shared: &'a Mutex<ChunkScratch>,
+        held: &mut Option<MutexGuard<'a, ChunkScratch>>,
     ) -> Result<Option<Operands>> {
         let min_len = self.chunk_min_len();
         let (lo, hi) = ops.known.map_or((1, rows), |k| (k.lo, k.hi));
@@ -672,9 +688,19 @@ impl CudaPool {
         if !spec.supported() {
             return Ok(Some(ops));
         }
-        self.chunk.fns(&self.cuda, &spec)?;
-        self.chunk
-            .reserve(&self.cuda, &spec, rows, n_seqs, min_len)?;
+        let mut scratch = Self::shared_chunk(shared);
+        scratch.fns(&self.cuda, &spec)?;
+        // a graph captured now keeps the scratch's addresses: a later growth (by any pool) retires them instead
+        // of freeing them
+        let mut capture = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the backend's stream is live; the out-pointer is a live local.
+        unsafe { sys::cuStreamIsCapturing(self.cuda.stream.cu_stream(), &mut capture) }
+            .result()
+            .map_err(drv)?;
+        if capture != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            scratch.pinned = true;
+        }
+        scratch.reserve(&self.cuda, &spec, rows, n_seqs, min_len)?;
         let cuda = self.cuda.clone();
         let call = ChunkCall {
             n_seqs,
@@ -708,7 +734,8 @@ impl CudaPool {
         };
         // SAFETY: the pool's own state, history, weights and fault word, on its own stream; the rows, the
         // per-sequence arrays (start / len / commit_at, n_seqs each) and the output checked by the callers.
-        let slot = unsafe { self.chunk.run(&cuda, &spec, min_len, &call)? };
+        let slot = unsafe { scratch.run(&cuda, &spec, min_len, &call)? };
+        *held = Some(scratch);
         Ok(slot.map(|slot| Operands { slot, ..ops }))
     }
 }

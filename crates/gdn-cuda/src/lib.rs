@@ -123,6 +123,9 @@ pub struct Cuda {
     /// The chunked path's scratch and kernels for every [`CudaLayer`] of this backend (their long-window steps
     /// are ordered, so they share it; see [`CudaLayer::reserve_chunk`]).
     pub(crate) ext_chunk: Arc<std::sync::Mutex<chunk::ChunkScratch>>,
+    /// The same for every [`CudaPool`] of this backend (all on its one stream, so their steps are ordered; see
+    /// [`CudaPool::reserve_chunk`]). Apart from the layers', whose steps run on engines' streams.
+    pub(crate) pool_chunk: Arc<std::sync::Mutex<chunk::ChunkScratch>>,
     /// Windows in [`spec::window_range`] run in the window kernel ([`Cuda::set_window_kernel`]; off by default).
     pub(crate) window: bool,
 }
@@ -193,6 +196,7 @@ impl Cuda {
             chunk_min_len: None,
             chunk_products: chunk::ChunkProducts::default(),
             ext_chunk: Default::default(),
+            pool_chunk: Default::default(),
             window: false,
         })
     }

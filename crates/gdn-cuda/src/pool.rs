@@ -321,8 +321,6 @@ pub struct CudaPool {
     /// Per slot, the length of the window it holds (0: none) and the buffer holding it.
     held: Vec<usize>,
     held_buf: Vec<u8>,
-    /// The chunked path's scratch and kernels (`crate::chunk`).
-    pub(crate) chunk: crate::chunk::ChunkScratch,
 }
 
 pub(crate) fn ptr<T, S: DevicePtr<T>>(s: &S, cuda: &Cuda) -> sys::CUdeviceptr {
@@ -392,7 +390,6 @@ impl CudaPool {
             pend: None,
             held: vec![0; slots],
             held_buf: vec![0; slots],
-            chunk: Default::default(),
         };
         pool.cuda.stream.synchronize().map_err(drv)?;
         Ok(pool)
@@ -638,9 +635,14 @@ impl CudaPool {
         if n_seqs == 0 {
             return Ok(());
         }
-        // long windows take the chunked path; the token-serial kernel runs the rest (or nothing)
+        // long windows take the chunked path; the token-serial kernel runs the rest (or nothing). The chunked
+        // path's scratch is shared by the backend's pools, and it holds the slot array the token-serial kernel
+        // reads: its lock is held until that kernel is enqueued (on the one stream), so no other pool's chunked
+        // step comes between.
+        let shared = self.cuda.pool_chunk.clone();
+        let mut held = None;
         let ops = if ops.accept.is_none() {
-            match self.chunk_dispatch(kind, n_seqs, rows, plane_stride, ops)? {
+            match self.chunk_dispatch(kind, n_seqs, rows, plane_stride, ops, &shared, &mut held)? {
                 Some(o) => o,
                 None => return Ok(()),
             }

@@ -3,10 +3,12 @@
 //! message without a GPU, driver or libnvrtc; the compile test needs only libnvrtc.
 
 use gdn::{Commit, DType, Gate, HeadMap, PoolOptions, RowsData, Shape, StateLayout, TensorData};
-use gdn_conformance::varlen::{check_var, check_var_within, oracle_var, run_var, VarCase, VarSpec};
+use gdn_conformance::varlen::{
+    check_var, check_var_within, oracle_var, run_var, run_var_on, VarCase, VarSpec,
+};
 use gdn_cuda::chunk::{ChunkProducts, ChunkSpec};
 use gdn_cuda::spec::Io;
-use gdn_cuda::Cuda;
+use gdn_cuda::{Cuda, CudaPool};
 
 mod common;
 
@@ -517,4 +519,84 @@ fn small_mixed_call_for_the_sanitizer() {
     s.options.state = DType::Bf16;
     let (ey, es, _) = check_var(&cuda, &s.build());
     eprintln!("small mixed: y {ey:.2e} S {es:.2e}");
+}
+
+/// The pools of one backend share one chunked-path scratch: two pools of different shapes, stepping long windows
+/// in turn (the second's calls larger, so the scratch grows between the first's calls), give every step the bits
+/// each pool gives on a backend of its own; the bytes held are the same through either pool, and a release by
+/// one frees them for both.
+#[test]
+fn pools_of_one_backend_share_the_chunk_scratch() {
+    let Some(cuda) = cuda_or_skip("pools_of_one_backend_share_the_chunk_scratch", None) else {
+        return;
+    };
+    let cases = |round: usize| {
+        let a = spec(
+            Shape::new(32, 2, 4).unwrap(),
+            &[(200 + 50 * round, Commit::All), (3, Commit::All)],
+            60 + round as u64,
+        )
+        .build();
+        let mut b = spec(
+            Shape::new(64, 1, 2).unwrap(),
+            &[(700 + 400 * round, Commit::First(650)), (90, Commit::All)],
+            70 + round as u64,
+        );
+        b.options = pools()[3];
+        (a, b.build())
+    };
+    // a CudaPool holding the case's slots, as VarCase::pool makes them
+    let pool_of = |cuda: &Cuda, case: &VarCase| -> CudaPool {
+        let mut pool = cuda
+            .create_cuda_pool(&case.layer, case.init.len(), case.options)
+            .expect("create_cuda_pool");
+        case.load_slots(&mut pool);
+        pool
+    };
+    let (a0, b0) = cases(0);
+    let (mut pa, mut pb) = (pool_of(&cuda, &a0), pool_of(&cuda, &b0));
+    let own_a = cuda_or_skip("own backend a", None).unwrap();
+    let own_b = cuda_or_skip("own backend b", None).unwrap();
+    let (mut qa, mut qb) = (pool_of(&own_a, &a0), pool_of(&own_b, &b0));
+    let mut grew = false;
+    for round in 0..3 {
+        let (a, b) = cases(round);
+        let before = pa.chunk_bytes();
+        let (sa, sb) = (run_var_on(&mut pa, &a), run_var_on(&mut pb, &b));
+        grew |= pa.chunk_bytes() > before;
+        let (ra, rb) = (run_var_on(&mut qa, &a), run_var_on(&mut qb, &b));
+        for (shared, own, what) in [(&sa, &ra, "a"), (&sb, &rb, "b")] {
+            assert!(
+                bits(&shared.out.to_f32()) == bits(&own.out.to_f32()),
+                "round {round}: pool {what}'s y differs with the shared scratch"
+            );
+            for (s, o) in shared.slots.iter().zip(&own.slots) {
+                assert!(
+                    bits(&s.0) == bits(&o.0) && bits(&s.1) == bits(&o.1),
+                    "round {round}: pool {what}'s committed slots differ with the shared scratch"
+                );
+            }
+        }
+    }
+    assert!(
+        grew,
+        "the scratch never grew between the first pool's calls"
+    );
+    let held = pa.chunk_bytes();
+    assert!(
+        held > 0 && pb.chunk_bytes() == held,
+        "one scratch, seen from both pools"
+    );
+    pb.release_chunk();
+    assert_eq!(pa.chunk_bytes(), 0, "released for both");
+    // and allocated again by the next long window (both pools of `a` have stepped the same calls)
+    let (a, _) = cases(0);
+    let again = run_var_on(&mut pa, &a);
+    let own = run_var_on(&mut qa, &a);
+    assert!(pa.chunk_bytes() > 0, "allocated again");
+    assert!(
+        bits(&again.out.to_f32()) == bits(&own.out.to_f32()),
+        "y differs after the release"
+    );
+    eprintln!("shared scratch: {held} bytes after three rounds");
 }
