@@ -333,21 +333,6 @@ __device__ __forceinline__ void prod_step(float* c, const unsigned* ah, const un
 #endif
 }
 
-// prod_step with B already split (bh, bl: the fragment's b0 and b1)
-__device__ __forceinline__ void prod_step_split(float* c, const unsigned* ah, const unsigned* al, unsigned bh0,
-                                                unsigned bh1, unsigned bl0, unsigned bl1) {
-#if GDN_TF32X1
-    (void)al;
-    (void)bl0;
-    (void)bl1;
-    mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bh0, bh1);
-#else
-    mma_tf32(c, al[0], al[1], al[2], al[3], bh0, bh1);
-    mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bl0, bl1);
-    mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bh0, bh1);
-#endif
-}
-
 // ---------------------------------------------------------------------------------------------------------
 // Everything of one chunk that does not depend on the state. Shared memory (floats): q (then b v, once Q is out),
 // k [L][DP4], the decays D[t][s] and A^T [L][LP4] each, gates, write strengths, gamma [L] each; v takes q's place
@@ -529,12 +514,7 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
     if (tid < n) G[(rbase + tid) * HV + h] = gs[tid];
     __syncthreads();
 
-    // 5. Q = gamma q, K = k to the scratch; the right-hand side (b gamma) k in place; the rows past n zeroed, so that
-    //    the products of step 6 read no stale values. Then, side by side: b v in q's place (a thread a channel), and
-    //    T = (I + A)^-1 in the decays' place (free since step 4's barrier) by the last warps, a thread a column j:
-    //    the unit vector e_j solved by forward substitution in blocks of 8 rows (x_t = e_j[t] - sum_{s<t} A[t][s]
-    //    x_s, one sum a row in order of s: the rows before the block from A^T, 8 at a time, then the block's own),
-    //    from the warp's first column on (the rows before it are zeros, and so are the sums they would add).
+    // 5. Q = gamma q, K = k to the scratch; the right-hand side (b gamma) k in place; then b v in q's place
     for (int idx = tid; idx < n * D; idx += NT_PREP) {
         const int t = idx / D, i = idx % D;
         const size_t o = ((rbase + t) * HV + h) * D + i;
@@ -543,27 +523,23 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
         K[o] = kt;
         ks[t * DP4 + i] = (bs[t] * gam[t]) * kt;
     }
-    for (int idx = tid; idx < (L - n) * D; idx += NT_PREP) {
-        const int t = n + idx / D, i = idx % D;
-        ks[t * DP4 + i] = 0.0f;
-        qs[t * DP4 + i] = 0.0f;
-    }
     __syncthreads();
-    constexpr int TW = (L + 31) / 32, VW = NT_PREP / 32 - TW;  // warps of the T solve (the last), of the v conv
-    if (warp < VW) {
-        for (int e = tid; e < D; e += 32 * VW) conv_channel(qkv, qrs, hin, conv_w, h, 2 * D + e, t0, n, rbase, qs + e, bs);
-    } else {
-        const int j = tid - 32 * VW, w0 = (warp - VW) * 32;
-        float* const x = as + j;
-#pragma unroll 8
-        for (int t = 0; t < L; ++t) x[t * LP4] = t == j ? 1.0f : 0.0f;
-        for (int tb = w0; tb < n; tb += 8) {
+    for (int e = tid; e < D; e += NT_PREP) conv_channel(qkv, qrs, hin, conv_w, h, 2 * D + e, t0, n, rbase, qs + e, bs);
+    __syncthreads();
+
+    // 6. forward substitution, a thread a column of [W | U], in blocks of 8 rows, the solution replacing the
+    //    right-hand side in shared memory: x_t = rhs_t - sum_{s<t} A[t][s] x_s, one sum a row in order of s (the
+    //    rows before the block from A^T, 8 rows at a time, then the block's own)
+    for (int col = tid; col < 2 * D; col += NT_PREP) {
+        float* x = (col < D ? ks : qs) + col % D;
+        float* dst = (col < D ? W : U) + col % D;
+        for (int tb = 0; tb < n; tb += 8) {
             float acc[8], xr[8];
 #pragma unroll
             for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
 #pragma unroll 4
-            for (int s = w0; s < tb; ++s) {
-                const float xs = x[s * LP4];
+            for (int s = 0; s < tb; ++s) {
+                const float xs = x[s * DP4];
                 const float4 a0 = *reinterpret_cast<const float4*>(at + s * LP4 + tb);
                 const float4 a1 = *reinterpret_cast<const float4*>(at + s * LP4 + tb + 4);
                 acc[0] = fmaf(a0.x, xs, acc[0]);
@@ -581,72 +557,10 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
                 if (t >= n) break;
                 float a = acc[i];
 #pragma unroll
-                for (int jj = 0; jj < i; ++jj) a = fmaf(at[(tb + jj) * LP4 + t], xr[jj], a);
-                xr[i] = x[t * LP4] - a;
-                x[t * LP4] = xr[i];
-            }
-        }
-    }
-    __syncthreads();
-
-    // 6. [W | U] = T [(b gamma) K | b V] on tensor cores: a warp CPW column tiles of 8 (W's D / 8, then U's), in
-    //    groups of G, every row tile; row tile rt takes the k steps up to its diagonal (T is zero above it, so each
-    //    row's sum covers the same k steps whatever the chunk's length), B split once a k step for the row tiles.
-    {
-        constexpr int RT = L / 16, NCT = D / 4, CPW = (NCT + NT_PREP / 32 - 1) / (NT_PREP / 32);
-        constexpr int G = CPW < 2 ? CPW : 2;
-#pragma unroll 1
-        for (int c0 = 0; c0 < CPW; c0 += G) {
-            float acc[RT][G][4];
-#pragma unroll
-            for (int r = 0; r < RT; ++r)
-#pragma unroll
-                for (int c = 0; c < G; ++c)
-#pragma unroll
-                    for (int x = 0; x < 4; ++x) acc[r][c][x] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < RT; ++kk) {
-                const int k0 = kk * 16;
-                unsigned bh[G][4], bl[G][4];
-#pragma unroll
-                for (int c = 0; c < G; ++c) {
-                    const int ct = warp * CPW + c0 + c;
-                    if (c0 + c >= CPW || ct >= NCT) continue;
-                    const float* bp = (ct < D / 8 ? ks + ct * 8 : qs + (ct - D / 8) * 8) + (k0 + 4 * q4) * DP4 + g8;
-#pragma unroll
-                    for (int x = 0; x < 4; ++x) split2_fast(bp[x * DP4], bh[c][x], bl[c][x]);
-                }
-#pragma unroll
-                for (int rt = kk; rt < RT; ++rt) {
-                    const float4 lo = *reinterpret_cast<const float4*>(as + (rt * 16 + g8) * LP4 + k0 + 4 * q4);
-                    const float4 hi = *reinterpret_cast<const float4*>(as + (rt * 16 + g8 + 8) * LP4 + k0 + 4 * q4);
-                    const float a0[4] = {lo.x, hi.x, lo.y, hi.y}, a1[4] = {lo.z, hi.z, lo.w, hi.w};
-                    unsigned h0[4], l0[4], h1[4], l1[4];
-                    split4(a0, h0, l0);
-                    split4(a1, h1, l1);
-#pragma unroll
-                    for (int c = 0; c < G; ++c) {
-                        const int ct = warp * CPW + c0 + c;
-                        if (c0 + c >= CPW || ct >= NCT) continue;
-                        prod_step_split(acc[rt][c], h0, l0, bh[c][0], bh[c][1], bl[c][0], bl[c][1]);
-                        prod_step_split(acc[rt][c], h1, l1, bh[c][2], bh[c][3], bl[c][2], bl[c][3]);
-                    }
-                }
-            }
-#pragma unroll
-            for (int c = 0; c < G; ++c) {
-                const int ct = warp * CPW + c0 + c;
-                if (c0 + c >= CPW || ct >= NCT) continue;
-                float* const dst = (ct < D / 8 ? W + ct * 8 : U + (ct - D / 8) * 8) + 2 * q4;
-#pragma unroll
-                for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const int t = rt * 16 + g8 + 8 * half;
-                        if (t < n)
-                            *reinterpret_cast<float2*>(dst + ((rbase + t) * HV + h) * D) =
-                                make_float2(acc[rt][c][2 * half], acc[rt][c][2 * half + 1]);
-                    }
+                for (int j = 0; j < i; ++j) a = fmaf(at[(tb + j) * LP4 + t], xr[j], a);
+                xr[i] = x[t * DP4] - a;
+                x[t * DP4] = xr[i];
+                dst[((rbase + t) * HV + h) * D] = xr[i];
             }
         }
     }
