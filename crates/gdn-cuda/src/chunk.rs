@@ -307,6 +307,19 @@ unsafe fn launch(
     r.result().map_err(drv)
 }
 
+/// Whether `stream` is capturing a graph.
+///
+/// # Safety
+/// `stream` is a live stream (or the null stream) of the current context.
+pub(crate) unsafe fn capturing(stream: sys::CUstream) -> Result<bool> {
+    let mut capture = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: the caller's contract for `stream`; the out-pointer is a live local.
+    unsafe { sys::cuStreamIsCapturing(stream, &mut capture) }
+        .result()
+        .map_err(drv)?;
+    Ok(capture != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
 /// One call's memory as the chunked kernels take it: the pool's (`ext` None: packed rows, the private history at
 /// `hist`) or an engine's (`ext`: strides and its conv state).
 pub(crate) struct ChunkCall {
@@ -692,12 +705,8 @@ impl CudaPool {
         scratch.fns(&self.cuda, &spec)?;
         // a graph captured now keeps the scratch's addresses: a later growth (by any pool) retires them instead
         // of freeing them
-        let mut capture = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: the backend's stream is live; the out-pointer is a live local.
-        unsafe { sys::cuStreamIsCapturing(self.cuda.stream.cu_stream(), &mut capture) }
-            .result()
-            .map_err(drv)?;
-        if capture != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+        // SAFETY: the backend's stream is live.
+        if unsafe { capturing(self.cuda.stream.cu_stream()) }? {
             scratch.pinned = true;
         }
         scratch.reserve(&self.cuda, &spec, rows, n_seqs, min_len)?;

@@ -1044,13 +1044,8 @@ impl CudaLayer {
             return Ok(Some(step.slot));
         }
         let mut scratch = self.ext_chunk()?;
-        let mut capture = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: `stream` is live (the caller's contract); the out-pointer is a live local.
-        unsafe { sys::cuStreamIsCapturing(stream, &mut capture) }
-            .result()
-            .map_err(drv)?;
-        let capturing = capture != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        if capturing {
+        // SAFETY: `stream` is live (the caller's contract).
+        if unsafe { crate::chunk::capturing(stream) }? {
             // neither compile nor allocate in a capture: only what was reserved chunks
             if !scratch.holds(&spec, step.rows, step.seqs, min_len) {
                 return Ok(Some(step.slot));
