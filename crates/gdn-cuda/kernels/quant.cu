@@ -45,21 +45,34 @@ __device__ __forceinline__ float from_masked_hi(u32 bits) {
     return fmaf(__uint_as_float(0x4B000000u | bits), 65536.0f, -549755813888.0f);
 }
 
+// The planes path's masked field from a half word with the exponent of 2^23 above it (e = h + 2^30 + ...: no carry,
+// h < 2^16): e & (mask | E) is (h & mask) | E, one AND with a single immediate a field. (w & mask) | E needs two
+// constants, and ptxas re-materialised one into a register for every field (an IMAD.MOV a weight); an OR in
+// place of the add was folded back into that form.
+__device__ __forceinline__ u32 biased_lo(u32 word) { return (word & 0xFFFFu) + 0x4B000000u; }
+__device__ __forceinline__ u32 biased_hi(u32 word) { return (word >> 16) + 0x4B000000u; }
+__device__ __forceinline__ float from_biased(u32 wb, u32 mask) {
+    return __uint_as_float(wb & (mask | 0x4B000000u)) - 8388608.0f;
+}
+__device__ __forceinline__ float from_biased_hi(u32 wb, u32 mask) {
+    return fmaf(__uint_as_float(wb & (mask | 0x4B000000u)), 65536.0f, -549755813888.0f);
+}
+
 // One group's 16 fields from its words in registers (w0 for 2-bit, eight to a u16: the group's u32; w0..w3 for
 // 8-bit, four to a u32 or two to a u16) into v: planes path (masked in place) or shift path (shifted down).
 template <int PACK, bool SHIFT>
 __device__ __forceinline__ void unpack(u32 w0, u32 w1, u32 w2, u32 w3, float v[16]) {
     if (PACK == 0) {
         u32 word = w0;
-        u32 hi = word >> 16;
+        u32 lo = biased_lo(word), hi = biased_hi(word);
 #pragma unroll
         for (int e = 0; e < 8; e++) {
             if (SHIFT) {
                 v[e] = from_masked((word >> (2 * e)) & 3u);
                 v[8 + e] = from_masked((word >> (16 + 2 * e)) & 3u);
             } else {
-                v[e] = from_masked(word & (3u << (2 * e)));
-                v[8 + e] = from_masked(hi & (3u << (2 * e)));
+                v[e] = from_biased(lo, 3u << (2 * e));
+                v[8 + e] = from_biased(hi, 3u << (2 * e));
             }
         }
     } else {
@@ -71,15 +84,15 @@ __device__ __forceinline__ void unpack(u32 w0, u32 w1, u32 w2, u32 w3, float v[1
 #pragma unroll
                 for (int e = 0; e < 4; e++) v[4 * k + e] = from_masked((word >> (8 * e)) & 255u);
             } else {
-                u32 hi = word >> 16;
-                v[4 * k + 0] = from_masked(word & 0xFFu);
-                v[4 * k + 1] = from_masked(word & 0xFF00u);
+                u32 lo = biased_lo(word), hi = biased_hi(word);
+                v[4 * k + 0] = from_biased(lo, 0xFFu);
+                v[4 * k + 1] = from_biased(lo, 0xFF00u);
                 if (PACK == 1) {
-                    v[4 * k + 2] = from_masked_hi(hi & 0xFFu);
-                    v[4 * k + 3] = from_masked_hi(hi & 0xFF00u);
+                    v[4 * k + 2] = from_biased_hi(hi, 0xFFu);
+                    v[4 * k + 3] = from_biased_hi(hi, 0xFF00u);
                 } else {
-                    v[4 * k + 2] = from_masked(hi & 0xFFu);
-                    v[4 * k + 3] = from_masked(hi & 0xFF00u);
+                    v[4 * k + 2] = from_biased(hi, 0xFFu);
+                    v[4 * k + 3] = from_biased(hi, 0xFF00u);
                 }
             }
         }
@@ -274,7 +287,9 @@ __device__ __forceinline__ void product_one(const u32* __restrict__ words, const
         if (g < groups) {
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                const size_t at = (size_t)min(o0 + r, hidden - 1) * groups + g;
+                // rows past hidden read the weights' zero padding (their sums are not stored); 32-bit indices
+                // (the host checks the padded weights' words fit)
+                const unsigned at = (unsigned)((o0 + r) * groups + g);
                 if (PACK == 0) {
                     wb[d][r][0] = ld_w1(words + at);
                 } else {

@@ -206,9 +206,11 @@ pub struct CudaOutProj {
     k: [Kernels; 2],
     tune: QuantTune,
     shape: (Packing, usize, usize),
+    /// Fields, scales and zero terms (as bits), each padded with 7 rows of zeros; `bytes` counts them unpadded.
     words: CudaSlice<u32>,
-    scale: CudaSlice<f32>,
-    zs: CudaSlice<f32>,
+    scale: CudaSlice<u32>,
+    zs: CudaSlice<u32>,
+    bytes: usize,
     /// The shift path's group sums, `reserve`d rows x n / 16.
     gsum: CudaSlice<f32>,
     /// Host path: the activations (plane or y, then group sums) and the output.
@@ -260,6 +262,13 @@ impl Cuda {
         tune: QuantTune,
     ) -> Result<CudaOutProj> {
         let s = &self.stream;
+        // 7 rows of zeros past the last: the one-token kernel's last row set (at most 8 rows) reads them
+        let padded = |v: &[u32]| {
+            let mut p = v.to_vec();
+            p.resize(v.len() + 7 * (v.len() / shape.1.max(1)), 0);
+            s.clone_htod(&p).map_err(drv)
+        };
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
         Ok(CudaOutProj {
             k: [
                 kernels(self, TILES[0], &tune)?,
@@ -267,9 +276,10 @@ impl Cuda {
             ],
             tune,
             shape,
-            words: s.clone_htod(words).map_err(drv)?,
-            scale: s.clone_htod(scale).map_err(drv)?,
-            zs: s.clone_htod(zs).map_err(drv)?,
+            bytes: 4 * (words.len() + scale.len() + zs.len()),
+            words: padded(words)?,
+            scale: padded(&bits(scale))?,
+            zs: padded(&bits(zs))?,
             gsum: s.alloc_zeros::<f32>(16).map_err(drv)?,
             x: s.alloc_zeros::<f32>(16).map_err(drv)?,
             out: s.alloc_zeros::<f32>(16).map_err(drv)?,
@@ -303,7 +313,7 @@ impl Cuda {
 impl CudaOutProj {
     /// Bytes of the fields, scales and zero terms on the device.
     pub fn bytes(&self) -> usize {
-        4 * (self.words.len() + self.scale.len() + self.zs.len())
+        self.bytes
     }
 
     /// Makes the shift path's group-sum scratch hold `rows` rows (the device entries allocate nothing).
@@ -333,9 +343,20 @@ impl CudaOutProj {
             addr(&self.zs, s),
         );
         let k = &self.k[tile(tokens)];
-        // one token whose activations fit the shared memory: the streaming kernel
+        // one token whose activations fit the shared memory and whose padded weights' u32 indices fit 32 bits:
+        // the streaming kernel
+        let indexable = (hidden + 7)
+            .checked_mul(n / 16 * 4)
+            .is_some_and(|w| w <= i32::MAX as usize);
         let one = match &k.one {
-            Some(f) if tokens == 1 && self.tune.one_kernel && one_shared(n) <= 48 << 10 => Some(f),
+            Some(f)
+                if tokens == 1
+                    && self.tune.one_kernel
+                    && indexable
+                    && one_shared(n) <= 48 << 10 =>
+            {
+                Some(f)
+            }
             _ => None,
         };
         let (f, cfg) = match one {
