@@ -206,11 +206,10 @@ pub struct CudaOutProj {
     k: [Kernels; 2],
     tune: QuantTune,
     shape: (Packing, usize, usize),
-    /// Fields, scales and zero terms (as bits), each padded with 7 rows of zeros; `bytes` counts them unpadded.
+    /// Fields, scales and zero terms (as bits), each padded with 7 rows of zeros.
     words: CudaSlice<u32>,
     scale: CudaSlice<u32>,
     zs: CudaSlice<u32>,
-    bytes: usize,
     /// The shift path's group sums, `reserve`d rows x n / 16.
     gsum: CudaSlice<f32>,
     /// Host path: the activations (plane or y, then group sums) and the output.
@@ -276,7 +275,6 @@ impl Cuda {
             ],
             tune,
             shape,
-            bytes: 4 * (words.len() + scale.len() + zs.len()),
             words: padded(words)?,
             scale: padded(&bits(scale))?,
             zs: padded(&bits(zs))?,
@@ -311,9 +309,10 @@ impl Cuda {
 }
 
 impl CudaOutProj {
-    /// Bytes of the fields, scales and zero terms on the device.
+    /// Bytes of the fields, scales and zero terms (without the padding rows).
     pub fn bytes(&self) -> usize {
-        self.bytes
+        let hidden = self.shape.1;
+        4 * (self.words.len() + self.scale.len() + self.zs.len()) / (hidden + 7) * hidden
     }
 
     /// Makes the shift path's group-sum scratch hold `rows` rows (the device entries allocate nothing).
