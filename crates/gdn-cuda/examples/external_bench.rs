@@ -2,7 +2,8 @@
 //! time per call (a CUDA graph of 20 steps replayed 10 times, events, median of 7, as the pool's
 //! `time_varlen`) and the host cost of one `step_raw` call (50 calls issued without waiting), decode, verify and
 //! prefill lengths (the chunked path from 64 tokens), then decode batches given by cu_seqlens with each length hint
-//! (`external_bench hints`: those alone). Device runs only.
+//! (`external_bench hints`: those alone; `external_bench decode`: the decode and verify lengths alone). Device
+//! runs only.
 //!
 //! `external_bench spec [B,B,..] [W,W,..]` (default 64,256 and 4,8): the speculative step on engine memory, as
 //! `spec_bench` times it on a pool. The one-pass step (`CudaLayer::step_spec_raw`: accept a random prefix of each
@@ -543,6 +544,8 @@ fn main() -> gdn::Result<()> {
     }
     // `external_bench hints`: only the decode batches given by cu_seqlens, with each hint
     let hints_only = args.iter().any(|a| a == "hints");
+    // `external_bench decode`: only the decode and verify-length cases (no prefill lengths, no hint table)
+    let decode_only = args.iter().any(|a| a == "decode");
     println!("| state | io, conv | B | T | pool µs | external µs | external host µs a call |");
     println!("|---|---|---|---|---|---|---|");
     for (st, io, conv, vllm, what) in engine_cases() {
@@ -560,12 +563,18 @@ fn main() -> gdn::Result<()> {
             if hints_only {
                 break;
             }
+            if decode_only && t > 8 {
+                continue;
+            }
             let r = case(&cuda, &s, st, io, conv, vllm, (b, t), Hint::Uniform)?;
             println!(
                 "| {what} | {b} | {t} | {:.2} | {:.2} | {:.2} |",
                 r.pool_us, r.ext_us, r.host_us
             );
         }
+    }
+    if decode_only {
+        return Ok(());
     }
     // decode batches as vLLM passes them (cu_seqlens): the chunked path's fixed cost when nothing tells the
     // call that no window is long

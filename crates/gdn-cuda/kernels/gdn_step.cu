@@ -68,7 +68,9 @@
 // readers before it is the last, resets the counter to 0 (so the next call, or a graph replay, starts from 0)
 // and alone writes the new q / k history, at its commit token. The fence before the count orders the block's
 // reads before it (release), the fence after the last count orders its writes after everyone's reads
-// (acquire). Verify sequences neither count nor write. Sequences: seq_start and seq_len (start / len), or
+// (acquire). A decode call of one wave with one block a head and h_v / h_k <= 8 (GDN_RCL below) uses a cluster
+// barrier instead.
+// Verify sequences neither count nor write. Sequences: seq_start and seq_len (start / len), or
 // seq_start = cu_seqlens [S + 1] and seq_len = null; seq_commit null: every sequence commits its whole window.
 //
 // SPECULATIVE (GDN_SPEC 1). A sequence whose commit point is 0 is *held*: besides its verify outputs it keeps,
@@ -202,6 +204,20 @@ typedef Elt<GDN_STATE_DT> ES;
 // blocks that read one key head's q / k history in one sequence
 #define READERS ((HV / HK) * NCB)
 #endif
+// GDN_RCL (the host sets it to h_v / h_k for external commit steps at T 1 in a call of one wave, with one block a
+// head, h_v / h_k <= 8; Spec::readers_cluster says where it measured slower): the
+// READERS blocks of a key head's history in a sequence form a thread-block cluster (block x = key head x
+// RCL + member), so the cluster barrier orders every reader's history reads (arrive, release, at token 0 once the
+// conv has consumed them) before member 0 writes the new q / k history (wait, acquire, at the commit token),
+// instead of the last-reader count: no global atomics and no fence on the token's critical path (the count
+// cost about 1 us a call at B 1 T 1, measured with it removed). 1: the block is the history's only reader.
+#ifndef GDN_RCL
+#define GDN_RCL 0
+#endif
+#if GDN_RCL
+static_assert(GDN_EXT && GDN_COMMIT && !GDN_SPEC && GDN_NCB == 1 && GDN_RCL == HV / HK && GDN_RCL <= 8,
+              "the readers' cluster is for external commit steps with one block a head");
+#endif
 
 // With GDN_STAGE (the host sets it for calls that fill the device), a bf16 state at T 1 with one block a head
 // (STAGE) is not held in registers: the block copies its head's
@@ -234,6 +250,18 @@ __device__ __forceinline__ float* pend_new(const unsigned long long* p) {
     unsigned long long v;
     asm volatile("ld.shared.u64 %0, [%1];" : "=l"(v) : "r"((unsigned)__cvta_generic_to_shared(p)));
     return reinterpret_cast<float*>(v);
+}
+#endif
+
+#if GDN_RCL > 1
+// Thread 0's fence after a block barrier orders every thread's earlier reads before its own arrival (as the
+// count's fence did); the others arrive relaxed, so only warp 0 waits on the fence.
+__device__ __forceinline__ void cluster_arrive_release(int tid) {
+    if (tid == 0) asm volatile("fence.acq_rel.cluster;" ::: "memory");
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 #endif
 
@@ -310,6 +338,8 @@ __device__ __forceinline__ void staged8(const unsigned char* sst, int rg, int j,
 extern "C" __global__ void __launch_bounds__(NT, GDN_MINB)
 #if GDN_NCB > 1
 __cluster_dims__(GDN_NCB, 1, 1)
+#elif GDN_RCL > 1
+__cluster_dims__(GDN_RCL, 1, 1)
 #endif
 gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __restrict__ qkv,
          const EA::T* __restrict__ alpha, const EB::T* __restrict__ beta, const EZ::T* __restrict__ z,
@@ -369,7 +399,13 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
+#if GDN_RCL && !GDN_GROUPED
+    // clusters of a key head's readers: member m of cluster g is value head g + m h_k (g = h % h_k)
+    const int h = (blockIdx.x % GDN_RCL) * HK + blockIdx.x / GDN_RCL;
+#else
+    // (grouped heads: a key head's readers are consecutive value heads already)
     const int h = blockIdx.x / NCB;
+#endif
     const int rank = blockIdx.x % NCB;
     const int sq_i = blockIdx.y;
 #if GDN_GROUPED
@@ -835,7 +871,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     };
 #endif
 
-#if GDN_EXT && GDN_COMMIT
+#if GDN_EXT && GDN_COMMIT && !GDN_RCL
     // the last-reader count of this sequence's q / k history (see EXTERNAL above): thread 0 counts the block
     // at token 0 once the conv has consumed every thread's history (after the token's first barrier) and
     // publishes the verdict before its output-norm barrier, so the atomic's round trip overlaps the sweeps
@@ -937,7 +973,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         __syncthreads();
 #if GDN_EXT && GDN_SPEC
         if (t == 0 && tid == 0) count_block();
-#elif GDN_EXT && GDN_COMMIT
+#elif GDN_EXT && GDN_COMMIT && GDN_RCL > 1
+        if (t == 0 && commit_at > 0) cluster_arrive_release(tid);  // every thread has consumed its history
+#elif GDN_EXT && GDN_COMMIT && !GDN_RCL
         if (t == 0 && tid == 0 && commit_at > 0) {
             __threadfence();  // release: the block's history reads (ordered by the barrier) before the count
             before = atomicAdd(ctr, 1u);
@@ -1097,7 +1135,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         if (lane == 0) part_o[t & 1][warp] = osq;
 #if GDN_EXT && GDN_SPEC
         if (t == 0 && tid == 0) verdict();
-#elif GDN_EXT && GDN_COMMIT
+#elif GDN_EXT && GDN_COMMIT && !GDN_RCL
         if (t == 0 && tid == 0 && commit_at > 0) {
             const bool last = before == READERS - 1;
             if (last) {
@@ -1157,13 +1195,20 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #if GDN_COMMIT
         // the history after this token, once every block of the cluster has read its own (before the loop)
         if (t + 1 == commit_at) {
+#if GDN_RCL > 1
+            cluster_wait_acquire();  // every reader of the q / k history has arrived (token 0)
+#endif
 #pragma unroll
             for (int m = 0; m < NCH; ++m) {
                 const int e = tid + m * NT;
 #if GDN_EXT
                 // q / k: the last reader only (last_s was published before token 0's output-norm barrier,
-                // which every commit follows); v: the owner of the column
+                // which every commit follows), or the readers' cluster's member 0; v: the owner of the column
+#if GDN_RCL
+                const bool mine = e < 2 * D ? blockIdx.x % GDN_RCL == 0 : chan[m] >= 0;
+#else
                 const bool mine = e < 2 * D ? last_s != 0 : chan[m] >= 0;
+#endif
                 if (mine) {
                     EC::T* p = conv_b + (size_t)chan[m] * ext.conv_cs;
                     p[0] = EC::st(hst[m][0]);

@@ -103,6 +103,8 @@ pub struct Spec {
     pub ahead: u32,
     /// Prefetch the block's own state into L2 before waiting for the previous kernel (`GDN_PREWAIT`).
     pub prewait: bool,
+    /// Every block of the call is resident at once (set by [`Spec::with_tune`]; see [`Spec::readers_cluster`]).
+    pub one_wave: bool,
     /// The window kernel (`kernels/gdn_window.cu`): the sequences in `wrange`, eight tokens at a time in the
     /// chunked form.
     pub window: bool,
@@ -327,6 +329,7 @@ impl Spec {
             speculative: false,
             ahead: 0,
             prewait: false,
+            one_wave: false,
             window: false,
             route: false,
             wrange: (0, 0),
@@ -402,6 +405,7 @@ impl Spec {
         Spec {
             ahead: t.ahead_blocks(blocks, resident),
             prewait: t.prewait,
+            one_wave: blocks <= resident,
             ..self
         }
     }
@@ -499,8 +503,29 @@ impl Spec {
                 "#define GDN_EXT 1\n#define GDN_CONV_DT {}\n",
                 dt_code(conv)
             ));
+            if let Some(r) = self.readers_cluster() {
+                h.push_str(&format!("#define GDN_RCL {r}\n"));
+            }
         }
         h
+    }
+
+    /// A decode step (T 1) on memory the caller owns that commits, with one block a head, in a call of one wave:
+    /// the blocks that read one key head's q / k history form a cluster of h_v / h_k (a barrier orders their reads
+    /// before the write; the kernel's GDN_RCL), where that is at most 8 (the portable cluster size). Otherwise a
+    /// last-reader count in global memory does. Measured on the H200 (NOTES.md): B 1 T 1 5.68 -> 4.97 us (f32),
+    /// 5.32 -> 4.80 (bf16); it lost at T 8 (B 1 18.8 -> 20.9, B 256 1179 -> 1417) and at B 256 T 1 f32 (482 -> 499).
+    pub fn readers_cluster(&self) -> Option<usize> {
+        let r = self.shape.h_v / self.shape.h_k;
+        (self.ext.is_some()
+            && self.commit
+            && !self.speculative
+            && !self.window
+            && self.t == 1
+            && self.one_wave
+            && self.plan.ncb == 1
+            && r <= 8)
+            .then_some(r)
     }
 
     fn pool_header(&self) -> String {

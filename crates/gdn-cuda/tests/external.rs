@@ -653,6 +653,12 @@ fn cases() -> Vec<Case> {
             conv_kind: ConvKind::VllmT,
             ..decode(base("decode B 3, f32 key-major, vLLM conv"), 3)
         },
+        // one wave of T 1 blocks: a key head's readers form a cluster (tiled above, grouped here)
+        Case {
+            head_map: HeadMap::Grouped,
+            io: DType::Bf16,
+            ..decode(base("decode B 4, f32 key-major, grouped heads, bf16 io"), 4)
+        },
         // d 256: two blocks a head (a cluster), so 2 x h_v / h_k readers of a key head's history
         Case {
             shape: Shape::new(256, 2, 4).unwrap(),
@@ -830,7 +836,8 @@ fn bf16_conv_state_with_bf16_inputs_equals_the_f32_conv_state() {
 
 /// One decode step captured into a CUDA graph on the caller's stream and replayed equals as many pool steps:
 /// the last-reader counters come back to zero after every replay (6 sequences, 3 replays, a bf16 value-major
-/// state; and 64 sequences, 10 replays, where many blocks of one key head run at once).
+/// state; and 64 sequences, 10 replays, where many blocks of one key head run at once), and a call of one wave
+/// (2 sequences) orders its history through the readers' cluster.
 #[test]
 fn graph_replays_of_the_external_step_equal_repeated_steps() {
     let Some(cuda) = cuda_or_skip("graph_replays_of_the_external_step_equal_repeated_steps") else {
@@ -846,6 +853,8 @@ fn graph_replays_of_the_external_step_equal_repeated_steps() {
         ..decode(base("graph, B 6"), 6)
     };
     graph_case(&cuda, &s, &c, 3, true);
+    // one wave: the readers' cluster instead of the counters
+    graph_case(&cuda, &s, &decode(base("graph, B 2"), 2), 3, true);
     let c = Case {
         conv_kind: ConvKind::Hf4,
         ..decode(base("graph, B 64"), 64)

@@ -209,6 +209,12 @@ fn every_external_specialisation_compiles() {
                             .with_ext(conv);
                         specs.push(s);
                         specs.push(s.with_stage(false));
+                        if t == Some(1) && commit {
+                            // one wave (B 1): the readers' cluster instead of the counters
+                            let one = s.with_stage(false).with_tune(None, 48, 132);
+                            assert_eq!(one.readers_cluster(), Some(3));
+                            specs.push(one);
+                        }
                     }
                 }
                 specs.push(
@@ -232,6 +238,11 @@ fn every_external_specialisation_compiles() {
             c.gate = gate;
             c.head_map = head_map;
             specs.push(Spec::new((9, 0), &c, None, true, false, plan).with_ext(DType::Bf16));
+            specs.push(
+                Spec::new((9, 0), &c, Some(1), true, false, plan)
+                    .with_ext(DType::Bf16)
+                    .with_tune(None, 48, 132),
+            );
         }
     }
     for (d, h_k, h_v) in [(32, 2, 4), (256, 4, 8)] {
