@@ -265,6 +265,14 @@ __device__ __forceinline__ void cluster_wait_acquire() {
 }
 #endif
 
+// threadIdx.x read anew (a volatile read is not hoisted out of the token loop), so that shared-memory addresses
+// derived from it are recomputed where they are used instead of held in registers across the loop
+__device__ __forceinline__ int fresh_tid() {
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return t;
+}
+
 #if GDN_NCB > 1
 __device__ __forceinline__ void cluster_sync_all() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
@@ -535,6 +543,11 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         if (report) atomicOr(fault, 1u);
         return;
     }
+#if GDN_EXT && GDN_SPEC
+    // the state's loads follow the held word's check, a round trip after the slot's: its rows start towards L2
+    // now (a hint; the slot is valid)
+    prefetch_state(state + SLOT_OFF(slot), h, rank, tid);
+#endif
 #if GDN_T > 0
     constexpr int T = GDN_T;
     // uniform over the cluster: its blocks share the sequence
@@ -983,9 +996,14 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #endif
 
         // 2. L2 norms: each q / k channel's thread scales its value, in the spec's two roundings
+#if GDN_EXT && GDN_SPEC
+        const int tid_n = fresh_tid();  // (the engine-memory speculative kernel's registers: fewer spills)
+#else
+        const int tid_n = tid;
+#endif
 #pragma unroll
         for (int m = 0; m < NCH; ++m) {
-            const int e = tid + m * NT;
+            const int e = tid_n + m * NT;
             if (e < 2 * D) {
                 const int base = e < D ? 0 : D / 16;
                 float tot = 0.0f;
