@@ -2,9 +2,11 @@
 //! random prefix of each slot's held window of W tokens, verify the next W) beside the two-pass flow's two
 //! kernels (a k-token commit of the held rows, then the verify), each timed as `time_varlen` times a step (a
 //! CUDA graph of 20 steps replayed 10 times, events, median of 7). Same-run ratios; device runs only.
-//! `spec_bench [B,B,..] [W,W,..]` (default 1,64,256 and 4,8). `spec_bench B W profile`: no timing, for a profiler: f32
-//! state, the four kernels once each in this order: the one-pass kernel holding a first window (nothing accepted),
-//! the one-pass kernel accepting a random prefix of it, the two-pass flow's k-token commit, its verify.
+//! `spec_bench [B,B,..] [W,W,..]` (default 1,64,256 and 4,8). `spec_bench B W profile [bf16]`: no timing, for a
+//! profiler: f32 state and io (bf16: a bf16 value-major state and bf16 io), the four kernels once each in this
+//! order: the one-pass kernel holding a first window (nothing accepted), the one-pass kernel accepting a random
+//! prefix of it, the two-pass flow's k-token commit, its verify. With W 1 the commit is a decode step (T 1, every
+//! sequence committing its token), the kernel a pool's decode call runs.
 
 use gdn::synth::Synth;
 use gdn::{
@@ -22,7 +24,11 @@ fn main() -> gdn::Result<()> {
     let batches = list(args.next(), &[1, 64, 256]);
     let windows = list(args.next(), &[4, 8]);
     if args.next().as_deref() == Some("profile") {
-        return profile(batches[0], windows[0]);
+        return profile(
+            batches[0],
+            windows[0],
+            args.next().as_deref() == Some("bf16"),
+        );
     }
     let cuda = Cuda::new()?;
     let mut rng = Synth::new(15);
@@ -113,12 +119,20 @@ fn main() -> gdn::Result<()> {
 }
 
 /// The launches `spec_bench B W profile` makes (see the module's comment), one of each kernel, outside graphs.
-fn profile(b: usize, w: usize) -> gdn::Result<()> {
+fn profile(b: usize, w: usize, bf16: bool) -> gdn::Result<()> {
     let cuda = Cuda::new()?;
     let mut rng = Synth::new(15);
     let layer = rng.layer(Config::new(Shape::SEED))?;
     let sh = *layer.shape();
-    let opts = PoolOptions::default();
+    let (opts, io) = if bf16 {
+        let st = PoolOptions {
+            state: DType::Bf16,
+            layout: StateLayout::ValueMajor,
+        };
+        (st, DType::Bf16)
+    } else {
+        (PoolOptions::default(), DType::F32)
+    };
     let mut one = cuda.create_cuda_pool(&layer, b, opts)?;
     let mut two = cuda.create_cuda_pool(&layer, b, opts)?;
     for slot in 0..b {
@@ -127,7 +141,7 @@ fn profile(b: usize, w: usize) -> gdn::Result<()> {
         two.write_slot(slot, &s, &h)?;
     }
     let data = rng.batch(&layer, b * w, 1);
-    let rows = RowsData::from_f32(&data.qkv, &data.alpha, &data.beta, &data.z, [DType::F32; 4]);
+    let rows = RowsData::from_f32(&data.qkv, &data.alpha, &data.beta, &data.z, [io; 4]);
     let verify = held_windows(b, w);
     let step = Step {
         rows: rows.view(),
