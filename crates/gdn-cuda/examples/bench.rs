@@ -1,6 +1,6 @@
 //! The CUDA backend's benchmark at the seed shape (device runs): copy ceiling, the step at B x T for f32 and
 //! bf16 states, both layouts, f32 and bf16 activations, a mixed batch, host cost, and the ptxas report of what
-//! it ran. Usage: `bench [quick] [table] [sweep] [mixed]`; writes a markdown table to $OUT/bench-cuda.md when
+//! it ran. Usage: `bench [quick] [table] [sweep] [mixed]` (or `bench decode`, `bench windows` alone); writes a markdown table to $OUT/bench-cuda.md when
 //! OUT is set. `GDN_CUDA_PLAN=ncb,rg,minb` forces a split, `GDN_CUDA_PDL=0` turns off programmatic dependent
 //! launch (read here and passed in through the API; the library reads no environment).
 
@@ -33,11 +33,12 @@ struct Case {
 }
 
 fn time(cuda: &Cuda, c: Case, lens: &[usize], plan: Option<Plan>) -> gdn::Result<(f64, f64)> {
-    time_rot(cuda, c, lens, plan, None, 1)
+    time_rot(cuda, c, lens, plan, None, 1, Commit::All)
 }
 
 /// `time` with memory hints `tune` (None: the planner's) over `sets` sets of slots taken in turn (1: the same
-/// slots every call, their states stay in L2 where they fit; more: each call's states come from memory).
+/// slots every call, their states stay in L2 where they fit; more: each call's states come from memory), every
+/// sequence committing as `commit` says.
 fn time_rot(
     cuda: &Cuda,
     c: Case,
@@ -45,6 +46,7 @@ fn time_rot(
     plan: Option<Plan>,
     tune: Option<Tune>,
     sets: usize,
+    commit: Commit,
 ) -> gdn::Result<(f64, f64)> {
     let mut cu = cuda.clone();
     if plan.is_some() {
@@ -74,7 +76,7 @@ fn time_rot(
                 slot: i as i32,
                 start: at,
                 len,
-                commit: Commit::All,
+                commit,
             };
             at += len;
             s
@@ -256,6 +258,9 @@ fn main() -> gdn::Result<()> {
             );
         }
     }
+    if arg("windows") {
+        return window_forms(&cuda);
+    }
     if arg("decode") {
         // the variant table alone (no ptxas report: its compiles take device time)
         return decode_variants(&cuda, copy, &mut rows);
@@ -336,6 +341,7 @@ fn decode_variants(cuda: &Cuda, copy: f64, rows: &mut Vec<Row>) -> gdn::Result<(
         Some(Tune {
             ahead_half_waves,
             prewait,
+            phased: true,
         })
     };
     // (name, plan override, hints override: None the planner's)
@@ -441,8 +447,8 @@ fn decode_variants(cuda: &Cuda, copy: f64, rows: &mut Vec<Row>) -> gdn::Result<(
                     continue;
                 }
                 let lens = vec![t; b];
-                let cached = time_rot(cuda, c, &lens, *plan, *tune, 1);
-                let rotated = time_rot(cuda, c, &lens, *plan, *tune, sets);
+                let cached = time_rot(cuda, c, &lens, *plan, *tune, 1, Commit::All);
+                let rotated = time_rot(cuda, c, &lens, *plan, *tune, sets, Commit::All);
                 match (cached, rotated) {
                     (Ok((us, host_us)), Ok((rus, _))) => {
                         let bytes = 2.0 * state_bytes as f64;
@@ -483,4 +489,55 @@ fn skip(name: &str, b: usize, t: usize) -> bool {
         || (name.starts_with("ahead") && b == 1)
         || (t > 1 && !matches!(name, "old" | "default"))
         || (b == 32 && !matches!(name, "old" | "default"))
+}
+
+/// `bench windows`: windows of 2, 4 and 8 tokens at B 1, 32 and 256, committing all or verifying, through the
+/// token-serial kernel's token loop ("token": the planner's memory hints, three barriers a token), its three
+/// phases ("phased": the planner's choice) and the window kernel ("window"), in cache; f32 key-major with f32 io
+/// and bf16 value-major with bf16 io.
+fn window_forms(cuda: &Cuda) -> gdn::Result<()> {
+    let base = Case {
+        gate: Gate::Sigmoid,
+        state: DType::F32,
+        layout: StateLayout::KeyMajor,
+        io: DType::F32,
+    };
+    let bf = Case {
+        state: DType::Bf16,
+        layout: StateLayout::ValueMajor,
+        io: DType::Bf16,
+        ..base
+    };
+    println!("\n| state | commit | B | T | token us | phased us | window us | token / phased |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for c in [base, bf] {
+        for commit in [Commit::All, Commit::Verify] {
+            for b in [1usize, 32, 256] {
+                for t in [2usize, 4, 8] {
+                    let lens = vec![t; b];
+                    // the planner's hints for T >= 2: the own state prefetched before the wait in a call of one wave
+                    let token = Tune {
+                        ahead_half_waves: 0,
+                        prewait: b * 48 <= 2 * cuda.multiprocessors(),
+                        phased: false,
+                    };
+                    let us = |cu: &Cuda, tune| {
+                        time_rot(cu, c, &lens, None, tune, 1, commit).map_or(f64::NAN, |r| r.0)
+                    };
+                    let tok = us(cuda, Some(token));
+                    let ph = us(cuda, None);
+                    let mut wcu = cuda.clone();
+                    wcu.set_window_kernel(true);
+                    let win = us(&wcu, None);
+                    println!(
+                        "| {} {} | {commit:?} | {b} | {t} | {tok:.2} | {ph:.2} | {win:.2} | {:.3} |",
+                        c.state.name(),
+                        c.layout.name(),
+                        tok / ph
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
 }

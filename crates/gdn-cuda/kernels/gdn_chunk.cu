@@ -910,12 +910,8 @@ extern "C" __global__ void __launch_bounds__(NT_OUT) gdn_chunk_out(
 #endif
             const float yv = ((rs * o[j]) * gamma[j]) * act;
             const size_t yi = r * O_RS + h * D + j;
-            out[yi] = EO::st(yv);
+            store_y<EO, GDN_PLANES != 0>(out, plane, yi, j, yv);
 #if GDN_PLANES
-            const int jj = j & 15;
-            out[plane + yi] = EO::st(yv * __int_as_float((127 - 2 * (jj & 7)) << 23));
-            out[2 * plane + yi] = EO::st(yv * __int_as_float((127 - 8 * (jj & 3)) << 23));
-            out[3 * plane + yi] = EO::st((jj & 1) ? yv * 0.00390625f : yv);
             ys[warp][j] = yv;
 #endif
         }

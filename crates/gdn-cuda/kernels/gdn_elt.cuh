@@ -137,3 +137,16 @@ struct GdnExt {
 #define O_RS N_OUT
 #define SLOT_OFF(s) ((size_t)(s) * D * HV * D)
 #endif
+
+// y of output element yi (column jc of its head) and, with PLANES, its three prepared planes (SPEC.md's scales:
+// 4^-(jc mod 8), 256^-(jc mod 4), 1 or 1/256 by parity), each computed in f32 and rounded once to E's type
+template <typename E, bool PLANES>
+__device__ __forceinline__ void store_y(typename E::T* out, long long plane, size_t yi, int jc, float yv) {
+    out[yi] = E::st(yv);
+    if (PLANES) {
+        const int jj = jc & 15;
+        out[plane + yi] = E::st(yv * __int_as_float((127 - 2 * (jj & 7)) << 23));
+        out[2 * plane + yi] = E::st(yv * __int_as_float((127 - 8 * (jj & 3)) << 23));
+        out[3 * plane + yi] = E::st((jj & 1) ? yv * 0.00390625f : yv);
+    }
+}

@@ -230,6 +230,20 @@ static_assert(GDN_EXT && GDN_COMMIT && !GDN_SPEC && GDN_NCB == 1 && GDN_RCL == H
 #define GDN_STAGE 0
 #endif
 #define STAGE (GDN_STAGE && !GDN_SPEC && GDN_STATE_DT == 1 && GDN_T == 1 && GDN_NCB == 1 && D <= 128 && RPT % 8 == 0)
+// With GDN_PHASED (the host sets it for a constant window of 2 tokens or more), the window runs in
+// three phases with block barriers only between them, instead of three barriers a token: A, every token's conv,
+// SiLU, gates and L2 norms (a thread's channels carry their history in registers from token to token, all rows'
+// loads in flight at once); B, each column's recurrence over all tokens (its sums are butterflies inside the warp,
+// so no barrier: the warps run through it unhindered); C, every token's output norm and gate, y, planes and group
+// sums, spread over all threads. Every value is computed by the same operations in the same order as in the token
+// loop (the q / k / v of all tokens wait in shared memory), so no bit depends on the form.
+#ifndef GDN_PHASED
+#define GDN_PHASED 0
+#endif
+#define PHASED (GDN_PHASED && GDN_T >= 2)
+#if PHASED && GDN_RCL
+#error "the readers' cluster is for T 1"
+#endif
 #define SPITCH (2 * D + 16)  // bytes of one staged row (16-byte aligned; the skew spreads a warp's loads)
 // Which keys a thread holds. Key-major: row group g holds the keys g * RPT .. + RPT (a warp's load of one
 // register row reads CPW consecutive columns of RG rows). Value-major (a column's keys contiguous): the keys
@@ -676,17 +690,24 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         const char* gbase = reinterpret_cast<const char*>(state + SLOT_OFF(slot));
         const unsigned sbase = (unsigned)__cvta_generic_to_shared(sst);
         constexpr int PER_ROW = 2 * D / 16;
-#pragma unroll
-        for (int c = tid; c < D * PER_ROW; c += NT) {
-            const int row = c / PER_ROW, part = c % PER_ROW;
+        // a pass of the block copies ROWS_STEP whole rows, so every copy is the first one plus a constant: the
+        // addresses once, not a 64-bit computation a copy (ncu: those made 1.8 instructions a state element)
+        constexpr int ROWS_STEP = NT / PER_ROW;
+        static_assert(NT % PER_ROW == 0 && (D * PER_ROW) % NT == 0, "the staging copies whole rows a pass");
+        const int row0 = tid / PER_ROW, part = tid % PER_ROW;
 #if GDN_VMAJOR
-            const char* src = gbase + (size_t)(h * D + row) * D * 2 + part * 16;
+        const char* src = gbase + (size_t)(h * D + row0) * D * 2 + part * 16;
+        constexpr size_t GSTEP = (size_t)ROWS_STEP * D * 2;
 #else
-            const char* src = gbase + ((size_t)row * HV + h) * D * 2 + part * 16;
+        const char* src = gbase + ((size_t)row0 * HV + h) * D * 2 + part * 16;
+        constexpr size_t GSTEP = (size_t)ROWS_STEP * HV * D * 2;
 #endif
-            asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(sbase + row * SPITCH + part * 16), "l"(src)
+        const unsigned dst = sbase + row0 * SPITCH + part * 16;
+#pragma unroll
+        for (int i = 0; i < D * PER_ROW / NT; ++i)
+            asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(dst + i * ROWS_STEP * SPITCH),
+                         "l"(src + i * GSTEP)
                          : "memory");
-        }
         asm volatile("cp.async.commit_group;" ::: "memory");
     }
 #endif
@@ -700,7 +721,9 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #pragma unroll
     for (int m = 0; m < NCH; ++m) in[m] = chan[m] >= 0 && rows_in ? qkv_b[chan[m]] : (EQ::T)0;
     const size_t row0 = (size_t)start;
+#if !PHASED
     EZ::T zz = rg == 0 && rows_in ? z[row0 * Z_RS + h * D + j] : (EZ::T)0;
+#endif
     EA::T a_in = 0;
     EB::T b_in = 0;
     if (tid == NT - 1 && rows_in) a_in = alpha[row0 * A_RS + h];
@@ -768,6 +791,83 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     for (int r = 0; r < RPT; ++r) st[r] = ES::ld(st_base[SOFF(r)]);
 #endif
 #endif  // !STAGE
+#if !STAGE
+    // the register rows back to the slot, in the state's type (the commit, or a held window's accepted state)
+    auto store_state = [&]() {
+#if VEC_STATE && GDN_STATE_DT == 0
+#pragma unroll
+        for (int r = 0; r < RPT; r += 4)
+            *reinterpret_cast<float4*>(st_base + SOFF(r)) = make_float4(st[r], st[r + 1], st[r + 2], st[r + 3]);
+#elif VEC_STATE
+#pragma unroll
+        for (int r = 0; r < RPT; r += 8) {
+            unsigned u[4];
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                u[c] = (unsigned)ES::st(st[r + 2 * c]) | ((unsigned)ES::st(st[r + 2 * c + 1]) << 16);
+            *reinterpret_cast<uint4*>(st_base + SOFF(r)) = make_uint4(u[0], u[1], u[2], u[3]);
+        }
+#else
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) st_base[SOFF(r)] = ES::st(st[r]);
+#endif
+    };
+    // step 3's column sum S^T k (two partial sums, rows 4q.. and 4q+2.., halve the dependent chain; combined in a
+    // fixed order, then over the column's RG lanes)
+    auto kv_sum = [&](const float* kt) -> float {
+        float kv0 = 0.0f, kv1 = 0.0f;
+#pragma unroll
+        for (int r = 0; r < RPT; r += 4) {
+            const float4 k4 = *reinterpret_cast<const float4*>(kt + r);
+            kv0 = fmaf(st[r + 0], k4.x, kv0);
+            kv0 = fmaf(st[r + 1], k4.y, kv0);
+            kv1 = fmaf(st[r + 2], k4.z, kv1);
+            kv1 = fmaf(st[r + 3], k4.w, kv1);
+        }
+        return row_sum(kv0 + kv1);
+    };
+    // step 3's update st = g st + k delta of the register rows and the readout o = S^T q / sqrt(d) of the column
+    auto update_readout = [&](const float* kt, const float* qt, float gt, float delta) -> float {
+        float o0 = 0.0f, o1 = 0.0f;
+#pragma unroll
+        for (int r = 0; r < RPT; r += 4) {
+            const float4 k4 = *reinterpret_cast<const float4*>(kt + r);
+            const float4 q4 = *reinterpret_cast<const float4*>(qt + r);
+            st[r + 0] = fmaf(gt, st[r + 0], k4.x * delta);
+            o0 = fmaf(st[r + 0], q4.x, o0);
+            st[r + 1] = fmaf(gt, st[r + 1], k4.y * delta);
+            o0 = fmaf(st[r + 1], q4.y, o0);
+            st[r + 2] = fmaf(gt, st[r + 2], k4.z * delta);
+            o1 = fmaf(st[r + 2], q4.z, o1);
+            st[r + 3] = fmaf(gt, st[r + 3], k4.w * delta);
+            o1 = fmaf(st[r + 3], q4.w, o1);
+            if ((r & 7) == 4) __syncwarp();  // keeps ptxas from loading all of q and k ahead (registers)
+        }
+        return row_sum(o0 + o1) * inv_sqrt_d;
+    };
+#endif
+    // step 1 of conv channel m: the conv of its history and the input x, SiLU; the history shifted by x
+    auto conv_silu = [&](int m, float x) -> float {
+        const float4 w = __ldg(reinterpret_cast<const float4*>(conv_w) + chan[m]);
+        float s = 0.0f;
+        s = fmaf(hst[m][0], w.x, s);
+        s = fmaf(hst[m][1], w.y, s);
+        s = fmaf(hst[m][2], w.z, s);
+        s = fmaf(x, w.w, s);
+        hst[m][0] = hst[m][1];
+        hst[m][1] = hst[m][2];
+        hst[m][2] = x;
+        return s / (1.0f + expf(-s));
+    };
+    // the sum of squares of the 16 q / k channels of list entries e & ~15 .. (the lanes of one half warp)
+    auto sumsq16 = [&](float cv, int e) -> float {
+        float sq = e < 2 * D ? cv * cv : 0.0f;
+        sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+        sq += __shfl_xor_sync(0xffffffffu, sq, 4);
+        sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+        sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+        return sq;
+    };
 #if GDN_AHEAD
     if (ahead_slot >= 0 && ahead_slot < n_slots)
         prefetch_state(state + SLOT_OFF(ahead_slot), (int)ahead_x / NCB, (int)ahead_x % NCB, tid);
@@ -863,23 +963,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         if (held) {
             // the window runs held: the accepted state is the committed one now (a committing window
             // writes it at its commit instead)
-#if VEC_STATE && GDN_STATE_DT == 0
-#pragma unroll
-            for (int r = 0; r < RPT; r += 4)
-                *reinterpret_cast<float4*>(st_base + SOFF(r)) = make_float4(st[r], st[r + 1], st[r + 2], st[r + 3]);
-#elif VEC_STATE
-#pragma unroll
-            for (int r = 0; r < RPT; r += 8) {
-                unsigned uu[4];
-#pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    uu[c] = (unsigned)ES::st(st[r + 2 * c]) | ((unsigned)ES::st(st[r + 2 * c + 1]) << 16);
-                *reinterpret_cast<uint4*>(st_base + SOFF(r)) = make_uint4(uu[0], uu[1], uu[2], uu[3]);
-            }
-#else
-#pragma unroll
-            for (int r = 0; r < RPT; ++r) st_base[SOFF(r)] = ES::st(st[r]);
-#endif
+            store_state();
         }
     };
 #endif
@@ -891,6 +975,21 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     __shared__ unsigned last_s;
     unsigned* const ctr = ext.ctr + (size_t)sq_i * HK + g;
     unsigned before = 0;
+    // thread 0, once every thread has consumed its history (a barrier before): the block counts itself
+    auto count_reader = [&]() {
+        __threadfence();  // release: the block's history reads (ordered by the barrier) before the count
+        before = atomicAdd(ctr, 1u);
+    };
+    // thread 0, later (the atomic's round trip overlaps the work between, a barrier after): whether the block is
+    // the key head's last reader
+    auto publish_last_reader = [&]() {
+        const bool last = before == READERS - 1;
+        if (last) {
+            atomicExch(ctr, 0u);
+            __threadfence();  // acquire: every reader counted, so every read is done, before the writes
+        }
+        last_s = last;
+    };
 #endif
 #if GDN_EXT && GDN_SPEC
     // the held word after this step, written by the sequence's last block (see EXTERNAL SPECULATIVE)
@@ -937,6 +1036,225 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     };
 #endif
 
+#if PHASED
+    // (PHASED above) per token: q and k (the conv outputs, normalized in place), this block's v, gate and write
+    // strength, the sums of squares of q and k per 16 channels, the output's per-warp sums of squares and readouts
+    __shared__ __align__(16) float qn_w[T][RG * KPAD];
+    __shared__ __align__(16) float kn_w[T][RG * KPAD];
+    __shared__ float vs_w[T][COLS];
+    __shared__ float gb_w[T][2];
+    __shared__ float pqk_w[T][2 * D / 16];
+    __shared__ float po_w[T][NW];
+    __shared__ float o_w[T][COLS];
+#if GDN_COMMIT
+    __shared__ float hc_w[3][NE];  // the history after the commit token (each thread its own entries)
+#endif
+#if GDN_NCB > 1
+    __shared__ float blk_ow[T];
+#endif
+#if GDN_PLANES
+    __shared__ float ys_w[T][COLS];
+#endif
+    // A. every token's conv and gates (all rows' loads in flight before the first is used), then the L2 norms
+    {
+        EQ::T in_t[T][NCH];
+        EA::T a_t[T];
+        EB::T b_t[T];
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+#pragma unroll
+            for (int m = 0; m < NCH; ++m)
+                in_t[t][m] = t == 0 ? in[m] : chan[m] >= 0 ? qkv_b[(size_t)t * QKV_RS + chan[m]] : (EQ::T)0;
+            a_t[t] = t == 0 ? a_in : tid == NT - 1 ? alpha[(row0 + t) * A_RS + h] : (EA::T)0;
+            b_t[t] = t == 0 ? b_in : tid == NT - 2 ? beta[(row0 + t) * B_RS + h] : (EB::T)0;
+        }
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+#pragma unroll
+            for (int m = 0; m < NCH; ++m) {
+                const int e = tid + m * NT;
+                float cv = 0.0f;
+                if (chan[m] >= 0) {
+                    const float x = EQ::ld(in_t[t][m]);
+#if GDN_SPEC
+                    if (held && t < MAXH && (e >= 2 * D || qkw)) PNEW[PR_OFF + t * C_ALL + chan[m]] = x;
+#endif
+                    cv = conv_silu(m, x);
+                    if (e < D) qn_w[t][kidx(e)] = cv;
+                    else if (e < 2 * D) kn_w[t][kidx(e - D)] = cv;
+                    else vs_w[t][e - 2 * D] = cv;
+#if GDN_COMMIT
+                    if (t + 1 == commit_at) {
+                        hc_w[0][e] = hst[m][0];
+                        hc_w[1][e] = hst[m][1];
+                        hc_w[2][e] = hst[m][2];
+                    }
+#endif
+                }
+                const float sq = sumsq16(cv, e);
+                if (e < 2 * D && (e & 15) == 0) pqk_w[t][e >> 4] = sq;
+            }
+            if (tid == NT - 1) {
+                const float gt = softplus_decay(EA::ld(a_t[t]) + DTH, AH);
+                gb_w[t][0] = gt;
+#if GDN_SPEC
+                if (held && t < MAXH && rank == 0) PNEW[PG_OFF + h * MAXH + t] = gt;
+#endif
+            } else if (tid == NT - 2) {
+                gb_w[t][1] = sigmoid_f(EB::ld(b_t[t]));
+            }
+        }
+    }
+    __syncthreads();
+#if GDN_EXT && GDN_SPEC
+    if (tid == 0) count_block();
+    const int tid_n = fresh_tid();  // (as in the token loop: fewer spills)
+#elif GDN_EXT && GDN_COMMIT
+    if (tid == 0 && commit_at > 0) count_reader();
+    const int tid_n = tid;
+#else
+    const int tid_n = tid;
+#endif
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+#pragma unroll
+        for (int m = 0; m < NCH; ++m) {
+            const int e = tid_n + m * NT;
+            if (e < 2 * D) {
+                const int base = e < D ? 0 : D / 16;
+                float tot = 0.0f;
+#pragma unroll
+                for (int c = 0; c < D / 16; ++c) tot += pqk_w[t][base + c];
+                const float r = rsqrtf(tot / (float)D + eps / (float)D);
+                float* p = e < D ? &qn_w[t][kidx(e)] : &kn_w[t][kidx(e - D)];
+                const float x = (r * *p) * inv_sqrt_d;
+                *p = x;
+#if GDN_SPEC
+                if (e >= D && held && t < MAXH && qkw) PNEW[PK_OFF + (g * MAXH + t) * D + (e - D)] = x;
+#endif
+            }
+        }
+    }
+#if GDN_SPEC
+    asm volatile("cp.async.wait_all;" ::: "memory");  // the accepted prefix (the barrier makes it visible)
+#endif
+    __syncthreads();
+#if GDN_SPEC
+    apply_accepted();
+#endif
+
+    // B. each column's recurrence over the window (the token loop's step 3; no barrier)
+    for (int t = 0; t < T; ++t) {
+        const float* kt = kn_w[t] + rg * KPAD;
+        const float kv = kv_sum(kt);
+        __syncwarp();  // (as in the token loop)
+        const float gt = gb_w[t][0], bt = gb_w[t][1];
+        const float delta = (vs_w[t][col] - gt * kv) * bt;
+#if GDN_SPEC
+        if (held && t < MAXH && rg == 0) PNEW[PD_OFF + (h * MAXH + t) * D + j] = delta;
+#endif
+        const float o = update_readout(kt, qn_w[t] + rg * KPAD, gt, delta);
+#if GDN_COMMIT
+        if (t + 1 == commit_at) store_state();
+#endif
+        float osq = rg == 0 ? o * o : 0.0f;
+#pragma unroll
+        for (int off = RG; off < 32; off <<= 1) osq += __shfl_xor_sync(0xffffffffu, osq, off);
+        if (lane == 0) po_w[t][warp] = osq;
+        if (rg == 0) o_w[t][col] = o;
+    }
+
+    // C. the output norm, gate, y and planes of every (token, column), over all threads
+    constexpr int ITEMS = T * COLS;
+    constexpr int PER_T = (ITEMS + NT - 1) / NT;
+    EZ::T z_i[PER_T];
+#pragma unroll
+    for (int k = 0; k < PER_T; ++k) {
+        const int i = tid + k * NT;
+        z_i[k] = i < ITEMS ? z[(row0 + i / COLS) * Z_RS + h * D + rank * COLS + i % COLS] : (EZ::T)0;
+    }
+#if GDN_EXT && GDN_SPEC
+    if (tid == 0) verdict();
+#elif GDN_EXT && GDN_COMMIT
+    if (tid == 0 && commit_at > 0) publish_last_reader();
+#endif
+    __syncthreads();
+#if GDN_EXT && GDN_SPEC
+    write_acc_qk();
+#endif
+#if GDN_NCB > 1
+    if (tid < T) blk_ow[tid] = Tree<NW>::sum(po_w[tid]);
+    cluster_sync_all();
+#endif
+#pragma unroll
+    for (int k = 0; k < PER_T; ++k) {
+        const int i = tid + k * NT;
+        if (i < ITEMS) {
+            const int t = i / COLS, c = i % COLS;
+#if GDN_NCB > 1
+            float rem[NCB];
+#pragma unroll
+            for (int cc = 0; cc < NCB; ++cc) rem[cc] = cc == rank ? blk_ow[t] : ld_cluster(&blk_ow[t], (unsigned)cc);
+            const float tot = Tree<NCB>::sum(rem);
+#else
+            const float tot = Tree<NW>::sum(po_w[t]);
+#endif
+            const float rs = rsqrtf(tot / (float)D + eps);
+            const float zt = EZ::ld(z_i[k]);
+#if GDN_SILU
+            const float act = zt * sigmoid_f(zt);
+#else
+            const float act = sigmoid_f(zt);
+#endif
+            const int jc = rank * COLS + c;
+            const float yv = ((rs * o_w[t][c]) * gamma[jc]) * act;
+            const size_t yi = (row0 + t) * O_RS + h * D + jc;
+            store_y<EO, GDN_PLANES != 0>(out, plane, yi, jc, yv);
+#if GDN_PLANES
+            ys_w[t][c] = yv;
+#endif
+        }
+    }
+#if GDN_PLANES
+    __syncthreads();
+    for (int i = tid; i < T * (COLS / 16); i += NT) {
+        const int t = i / (COLS / 16), q = i % (COLS / 16);
+        float s_even = 0.0f, s_odd = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 16; e += 2) {
+            s_even += ys_w[t][16 * q + e];
+            s_odd += ys_w[t][16 * q + e + 1];
+        }
+        out[4 * plane + (row0 + t) * (N_OUT / 16) + (h * D + rank * COLS) / 16 + q] = EO::st(s_even + s_odd);
+    }
+#endif
+#if GDN_COMMIT
+    // the history after the commit token, once every block of the cluster has read its own (before phase A)
+    if (commit_at > 0) {
+#pragma unroll
+        for (int m = 0; m < NCH; ++m) {
+            const int e = tid + m * NT;
+#if GDN_EXT
+            const bool mine = e < 2 * D ? last_s != 0 : chan[m] >= 0;
+            if (mine) {
+                EC::T* p = conv_b + (size_t)chan[m] * ext.conv_cs;
+                p[0] = EC::st(hc_w[0][e]);
+                p[ext.conv_ls] = EC::st(hc_w[1][e]);
+                p[2 * ext.conv_ls] = EC::st(hc_w[2][e]);
+            }
+#else
+            const bool mine = e < 2 * D ? (e / QK_PER_RANK) == rank : chan[m] >= 0;
+            if (mine) {
+                const int o = hist_off(e, rank);
+                hist_head[o] = hc_w[0][e];
+                hist_head[o + 1] = hc_w[1][e];
+                hist_head[o + 2] = hc_w[2][e];
+            }
+#endif
+        }
+    }
+#endif
+#else  // PHASED
     for (int t = 0; t < T; ++t) {
         const size_t row = row0 + t;
         const bool more = t + 1 < T;
@@ -947,29 +1265,16 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
             const int e = tid + m * NT;
             float cv = 0.0f;
             if (chan[m] >= 0) {
-                const float4 w = __ldg(reinterpret_cast<const float4*>(conv_w) + chan[m]);
-                float s = 0.0f;
-                s = fmaf(hst[m][0], w.x, s);
-                s = fmaf(hst[m][1], w.y, s);
-                s = fmaf(hst[m][2], w.z, s);
                 const float x = EQ::ld(in[m]);
 #if GDN_SPEC
                 if (held && t < MAXH && (e >= 2 * D || qkw)) PNEW[PR_OFF + t * C_ALL + chan[m]] = x;
 #endif
-                s = fmaf(x, w.w, s);
-                cv = s / (1.0f + expf(-s));
-                hst[m][0] = hst[m][1];
-                hst[m][1] = hst[m][2];
-                hst[m][2] = x;
+                cv = conv_silu(m, x);
                 in[m] = more ? qkv_b[(size_t)(t + 1) * QKV_RS + chan[m]] : (EQ::T)0;
                 if (e >= 2 * D) vs[e - 2 * D] = cv;
             }
             cvs[m] = cv;
-            float sq = e < 2 * D ? cv * cv : 0.0f;
-            sq += __shfl_xor_sync(0xffffffffu, sq, 8);
-            sq += __shfl_xor_sync(0xffffffffu, sq, 4);
-            sq += __shfl_xor_sync(0xffffffffu, sq, 2);
-            sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+            const float sq = sumsq16(cv, e);
             if (e < 2 * D && (e & 15) == 0) part_qk[e >> 4] = sq;
         }
         // gate and write strength, and the next token's alpha / beta
@@ -989,10 +1294,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #elif GDN_EXT && GDN_COMMIT && GDN_RCL > 1
         if (t == 0 && commit_at > 0) cluster_arrive_release(tid);  // every thread has consumed its history
 #elif GDN_EXT && GDN_COMMIT && !GDN_RCL
-        if (t == 0 && tid == 0 && commit_at > 0) {
-            __threadfence();  // release: the block's history reads (ordered by the barrier) before the count
-            before = atomicAdd(ctr, 1u);
-        }
+        if (t == 0 && tid == 0 && commit_at > 0) count_reader();
 #endif
 
         // 2. L2 norms: each q / k channel's thread scales its value, in the spec's two roundings
@@ -1030,9 +1332,8 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         if (t == 0) apply_accepted();
 #endif
         // 3. kv_j, the delta rule and the readout: column sums over the RG lanes of the column
-        // two partial sums (rows 4q.. and 4q+2..) halve the dependent chain; combined in a fixed order
-        float kv0 = 0.0f, kv1 = 0.0f;
 #if STAGE
+        float kv0 = 0.0f, kv1 = 0.0f;
 #pragma unroll
         for (int r = 0; r < RPT; r += 8) {
             float f[8];
@@ -1046,18 +1347,10 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
                 kv1 = fmaf(f[q + 3], k4.w, kv1);
             }
         }
+        const float kv = row_sum(kv0 + kv1);
 #else
-#pragma unroll
-        for (int r = 0; r < RPT; r += 4) {
-            const float4 k4 = *reinterpret_cast<const float4*>(&kn[rg * KPAD + r]);
-            kv0 = fmaf(st[r + 0], k4.x, kv0);
-            kv0 = fmaf(st[r + 1], k4.y, kv0);
-            kv1 = fmaf(st[r + 2], k4.z, kv1);
-            kv1 = fmaf(st[r + 3], k4.w, kv1);
-        }
+        const float kv = kv_sum(&kn[rg * KPAD]);
 #endif
-        float kv = kv0 + kv1;
-        kv = row_sum(kv);
         // read k again below rather than keep RPT values of it live across the butterfly (registers)
         __syncwarp();
         const float gt = gb[0], bt = gb[1];
@@ -1065,8 +1358,8 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #if GDN_SPEC
         if (held && t < MAXH && rg == 0) PNEW[PD_OFF + (h * MAXH + t) * D + j] = delta;
 #endif
-        float o0 = 0.0f, o1 = 0.0f;
 #if STAGE
+        float o0 = 0.0f, o1 = 0.0f;
         // the same operations in the same order as the register path below; the committed value is rounded
         // and stored right here (T 1: the commit, if any, is after this token)
 #if GDN_COMMIT
@@ -1106,41 +1399,10 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         float o = o0 + o1;
         o = row_sum(o) * inv_sqrt_d;
 #else
-#pragma unroll
-        for (int r = 0; r < RPT; r += 4) {
-            const float4 k4 = *reinterpret_cast<const float4*>(&kn[rg * KPAD + r]);
-            const float4 q4 = *reinterpret_cast<const float4*>(&qn[rg * KPAD + r]);
-            st[r + 0] = fmaf(gt, st[r + 0], k4.x * delta);
-            o0 = fmaf(st[r + 0], q4.x, o0);
-            st[r + 1] = fmaf(gt, st[r + 1], k4.y * delta);
-            o0 = fmaf(st[r + 1], q4.y, o0);
-            st[r + 2] = fmaf(gt, st[r + 2], k4.z * delta);
-            o1 = fmaf(st[r + 2], q4.z, o1);
-            st[r + 3] = fmaf(gt, st[r + 3], k4.w * delta);
-            o1 = fmaf(st[r + 3], q4.w, o1);
-            if ((r & 7) == 4) __syncwarp();  // keeps ptxas from loading all of q and k ahead (registers)
-        }
-        float o = o0 + o1;
-        o = row_sum(o) * inv_sqrt_d;
+        const float o = update_readout(&kn[rg * KPAD], &qn[rg * KPAD], gt, delta);
 #if GDN_COMMIT
         if (t + 1 == commit_at) {
-#if VEC_STATE && GDN_STATE_DT == 0
-#pragma unroll
-            for (int r = 0; r < RPT; r += 4)
-                *reinterpret_cast<float4*>(st_base + SOFF(r)) = make_float4(st[r], st[r + 1], st[r + 2], st[r + 3]);
-#elif VEC_STATE
-#pragma unroll
-            for (int r = 0; r < RPT; r += 8) {
-                unsigned u[4];
-#pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    u[c] = (unsigned)ES::st(st[r + 2 * c]) | ((unsigned)ES::st(st[r + 2 * c + 1]) << 16);
-                *reinterpret_cast<uint4*>(st_base + SOFF(r)) = make_uint4(u[0], u[1], u[2], u[3]);
-            }
-#else
-#pragma unroll
-            for (int r = 0; r < RPT; ++r) st_base[SOFF(r)] = ES::st(st[r]);
-#endif
+            store_state();
         }
 #endif
 #endif  // STAGE
@@ -1154,14 +1416,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #if GDN_EXT && GDN_SPEC
         if (t == 0 && tid == 0) verdict();
 #elif GDN_EXT && GDN_COMMIT && !GDN_RCL
-        if (t == 0 && tid == 0 && commit_at > 0) {
-            const bool last = before == READERS - 1;
-            if (last) {
-                atomicExch(ctr, 0u);
-                __threadfence();  // acquire: every reader counted, so every read is done, before the writes
-            }
-            last_s = last;
-        }
+        if (t == 0 && tid == 0 && commit_at > 0) publish_last_reader();
 #endif
         __syncthreads();
 #if GDN_EXT && GDN_SPEC
@@ -1189,12 +1444,8 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         const float yv = ((rs * o) * gam) * act;
         const size_t yi = row * O_RS + h * D + j;
         if (rg == 0) {
-            out[yi] = EO::st(yv);
+            store_y<EO, GDN_PLANES != 0>(out, plane, yi, j, yv);
 #if GDN_PLANES
-            const int jj = j & 15;
-            out[plane + yi] = EO::st(yv * __int_as_float((127 - 2 * (jj & 7)) << 23));
-            out[2 * plane + yi] = EO::st(yv * __int_as_float((127 - 8 * (jj & 3)) << 23));
-            out[3 * plane + yi] = EO::st((jj & 1) ? yv * 0.00390625f : yv);
             ys[col] = yv;
 #endif
         }
@@ -1246,6 +1497,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         }
 #endif
     }
+#endif  // PHASED
 #if GDN_SPEC
     if (T == 0) {
         asm volatile("cp.async.wait_all;" ::: "memory");

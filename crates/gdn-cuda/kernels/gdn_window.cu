@@ -497,12 +497,8 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #endif
                     const float yv = ((rs * os[t][jc]) * gam) * act;
                     const size_t yi = (row0 + t) * N_OUT + h * D + jc;
-                    out[yi] = EO::st(yv);
+                    store_y<EO, GDN_PLANES != 0>(out, plane, yi, jc, yv);
 #if GDN_PLANES
-                    const int jj = jc & 15;
-                    out[plane + yi] = EO::st(yv * __int_as_float((127 - 2 * (jj & 7)) << 23));
-                    out[2 * plane + yi] = EO::st(yv * __int_as_float((127 - 8 * (jj & 3)) << 23));
-                    out[3 * plane + yi] = EO::st((jj & 1) ? yv * 0.00390625f : yv);
                     ys[t][jc] = yv;
 #endif
                 }

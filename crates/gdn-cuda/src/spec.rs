@@ -103,6 +103,8 @@ pub struct Spec {
     pub ahead: u32,
     /// Prefetch the block's own state into L2 before waiting for the previous kernel (`GDN_PREWAIT`).
     pub prewait: bool,
+    /// A constant window of 2 tokens or more runs in three phases (`GDN_PHASED`; see [`Spec::phased_loop`]).
+    pub phased: bool,
     /// Every block of the call is resident at once (set by [`Spec::with_tune`]; see [`Spec::readers_cluster`]).
     pub one_wave: bool,
     /// The window kernel (`kernels/gdn_window.cu`): the sequences in `wrange`, eight tokens at a time in the
@@ -133,21 +135,24 @@ pub fn window_range(state: DType) -> (usize, usize) {
     }
 }
 
-/// Memory hints of a launch (no bits depend on them): how far ahead each block prefetches another block's
-/// state into L2, in half waves (0: none; a wave is every block the device holds at once), and whether a block
-/// prefetches its own state before waiting for the previous kernel. The planner's are [`Spec::planned_tune`];
-/// [`crate::Cuda::set_tune_override`] fixes others (benchmark sweeps).
+/// Memory hints and loop forms of a launch (no bits depend on them): how far ahead each block prefetches another
+/// block's state into L2, in half waves (0: none; a wave is every block the device holds at once), whether a block
+/// prefetches its own state before waiting for the previous kernel, and whether a constant window of 2 tokens or
+/// more runs in three phases instead of token by token ([`Spec::phased_loop`]). The planner's are
+/// [`Spec::planned_tune`]; [`crate::Cuda::set_tune_override`] fixes others (benchmark sweeps).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Tune {
     pub ahead_half_waves: u32,
     pub prewait: bool,
+    pub phased: bool,
 }
 
 impl Tune {
-    /// No hints (the kernel before them).
+    /// No hints, the token loop (the kernel before them).
     pub const NONE: Tune = Tune {
         ahead_half_waves: 0,
         prewait: false,
+        phased: false,
     };
 
     /// The distance in blocks for a call of `blocks` blocks on a device holding `resident` at once: none for a
@@ -329,6 +334,7 @@ impl Spec {
             speculative: false,
             ahead: 0,
             prewait: false,
+            phased: false,
             one_wave: false,
             window: false,
             route: false,
@@ -354,11 +360,13 @@ impl Spec {
             stage: false,
             ahead: 0,
             prewait: false,
+            phased: false,
             ..self
         };
         let t = tune.unwrap_or(Tune {
             ahead_half_waves: u32::from(s.window_split()),
             prewait: false,
+            phased: false,
         });
         Spec {
             ahead: t.ahead_blocks(blocks, WINDOW_BLOCKS_PER_SM.saturating_mul(sms)),
@@ -372,6 +380,15 @@ impl Spec {
     /// 751; slower at T 8 and with a bf16 state at T 6).
     pub fn window_split(&self) -> bool {
         self.window && self.pool.state == DType::F32 && (4..=6).contains(&self.t)
+    }
+
+    /// Whether the token-serial kernel runs its window in three phases (`GDN_PHASED`): every token's conv and norms,
+    /// then each column's recurrence with no block barrier, then every token's output norm, instead of three block
+    /// barriers a token. Asked for by the tune, for a constant window of 2 tokens or more (not the window kernel; the
+    /// speculative kernel's phased form is compiled by the kernel source but not planned until it is checked on a
+    /// device). The same operations in the same order, so no bits change.
+    pub fn phased_loop(&self) -> bool {
+        self.phased && self.t >= 2 && !self.window && !self.speculative
     }
 
     /// The token-serial kernel leaving the window kernel's sequences to it.
@@ -394,6 +411,7 @@ impl Spec {
         Tune {
             ahead_half_waves: ahead as u32,
             prewait: one_wave,
+            phased: true,
         }
     }
 
@@ -405,6 +423,7 @@ impl Spec {
         Spec {
             ahead: t.ahead_blocks(blocks, resident),
             prewait: t.prewait,
+            phased: t.phased,
             one_wave: blocks <= resident,
             ..self
         }
@@ -485,6 +504,9 @@ impl Spec {
         }
         if self.prewait {
             h.push_str("#define GDN_PREWAIT 1\n");
+        }
+        if self.phased_loop() {
+            h.push_str("#define GDN_PHASED 1\n");
         }
         if self.route {
             h.push_str("#define GDN_ROUTE 1\n");

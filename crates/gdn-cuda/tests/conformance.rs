@@ -437,7 +437,8 @@ fn pool_sizes_that_overflow_are_errors() {
 /// The native speculative step against the two-pass flow on the same pool kind, bitwise (y with planes, every
 /// slot's state and history), beyond the suite's cases: both state dtypes and layouts, 16-bit activations, a
 /// tiled head map with the sigmoid gate, a head split over a cluster (d 256: the accepted history's
-/// cross-block barrier), windows up to the 16 a slot holds, mixed held / committing / skipped sequences,
+/// cross-block barrier), windows up to the 16 a slot holds, mixed held / committing / skipped sequences (every
+/// third step all of one length: the kernel of a constant length, in three phases),
 /// `commit_held` (the kernel's window-less sequence), forks and resets of slots holding windows.
 #[test]
 fn speculative_steps_are_bitwise_the_two_pass_flow_in_every_pool_kind() {
@@ -547,8 +548,12 @@ fn speculative_steps_are_bitwise_the_two_pass_flow_in_every_pool_kind() {
             let mut seqs = Vec::new();
             let mut accept = Vec::new();
             let mut at = 0;
+            // every third step one window length for all (a kernel of that constant length: the phased form)
+            let uniform = (step_i % 3 == 2).then(|| 2 + below(7));
             for slot in 0..slots {
-                let len = if below(6) == 0 {
+                let len = if let Some(u) = uniform {
+                    u
+                } else if below(6) == 0 {
                     9 + below(8)
                 } else {
                     1 + below(8)
@@ -719,11 +724,12 @@ fn quant_device_entries_and_tiles_agree_bitwise() {
     }
 }
 
-/// The memory hints (L2 prefetch ahead, the own state before the wait) and the head split over a cluster change
-/// no bits: a call of 24 sequences (more blocks than the device holds at once, so the prefetch ahead runs) under
-/// no hints and one block a head, under both hints, under the planner's, and split over clusters of 2 and 4
-/// blocks, gives the same outputs, states and histories (f32 and bf16 states, both layouts, T 1, where a bf16
-/// state is staged, and T 3), 1 sequence in 5 verify-only.
+/// The memory hints (L2 prefetch ahead, the own state before the wait), the loop form (token by token, or in
+/// three phases) and the head split over a cluster change no bits: a call of 24 sequences (more blocks than the
+/// device holds at once, so the prefetch ahead runs) under no hints, one block a head and the token loop, under
+/// both hints and the phases, under the planner's, and split over clusters of 2 and 4 blocks, gives the same
+/// outputs, states and histories (f32 and bf16 states, both layouts, T 1, where a bf16 state is staged, and T 3
+/// with the planes), 1 sequence in 5 verify-only and at T 3 one in 5 committing after 2 tokens.
 #[test]
 fn memory_hints_and_head_splits_change_no_bits() {
     let Some(cuda) = cuda_or_skip("memory_hints_and_head_splits_change_no_bits") else {
@@ -733,6 +739,7 @@ fn memory_hints_and_head_splits_change_no_bits() {
     let ahead_prewait = gdn_cuda::Tune {
         ahead_half_waves: 1,
         prewait: true,
+        phased: true,
     };
     // (plan override, hints override): None is the planner's
     let variants = [
@@ -760,10 +767,10 @@ fn memory_hints_and_head_splits_change_no_bits() {
                     slot: (b - 1 - i) as i32,
                     start: i * t,
                     len: t,
-                    commit: if i % 5 == 4 {
-                        Commit::Verify
-                    } else {
-                        Commit::All
+                    commit: match i % 5 {
+                        4 => Commit::Verify,
+                        2 if t > 1 => Commit::First(t - 1),
+                        _ => Commit::All,
                     },
                 })
                 .collect();
@@ -773,7 +780,7 @@ fn memory_hints_and_head_splits_change_no_bits() {
                 cu.set_plan_override(plan);
                 cu.set_tune_override(tune);
                 let mut p = pool(&cu, &s, opts);
-                let y = run(&mut p, &s.rows, &seqs, false, io);
+                let y = run(&mut p, &s.rows, &seqs, t > 1, io);
                 let st = slot_bits(&mut p);
                 match &first {
                     None => first = Some((y, st)),

@@ -471,6 +471,7 @@ fn every_memory_hint_compiles() {
         Some(spec::Tune {
             ahead_half_waves: 1,
             prewait: true,
+            phased: false,
         }),
     ];
     let mut specs = Vec::new();
