@@ -1,7 +1,7 @@
 //! The CUDA backend's benchmark at the seed shape (device runs): copy ceiling, the step at B x T for f32 and
 //! bf16 states, both layouts, f32 and bf16 activations, a mixed batch, host cost, and the ptxas report of what
-//! it ran. Usage: `bench [quick] [table] [sweep] [mixed]` (or `bench decode`, `bench windows` alone); writes a markdown table to $OUT/bench-cuda.md when
-//! OUT is set. `GDN_CUDA_PLAN=ncb,rg,minb` forces a split, `GDN_CUDA_PDL=0` turns off programmatic dependent
+//! it ran. Usage: `bench [quick] [table] [sweep] [mixed]` (or `bench decode`, `bench windows` alone); writes a
+//! markdown table to $OUT/bench-cuda.md when OUT is set. `GDN_CUDA_PLAN=ncb,rg,minb` forces a split, `GDN_CUDA_PDL=0` turns off programmatic dependent
 //! launch (read here and passed in through the API; the library reads no environment).
 
 use std::fmt::Write as _;

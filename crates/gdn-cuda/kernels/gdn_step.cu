@@ -240,7 +240,15 @@ static_assert(GDN_EXT && GDN_COMMIT && !GDN_SPEC && GDN_NCB == 1 && GDN_RCL == H
 #ifndef GDN_PHASED
 #define GDN_PHASED 0
 #endif
-#define PHASED (GDN_PHASED && GDN_T >= 2)
+// The phases' per-token arrays are static shared memory, which has to stay within 48 KiB with the speculative
+// kernel's (where it would not, the token loop runs): bytes, as laid out below
+#define PHASED_SMEM (4 * (GDN_T * (2 * RG * KPAD + 2 * COLS + 2 + 2 * D / 16 + NW + 1 + GDN_PLANES * COLS) + 3 * NE))
+#if GDN_SPEC
+#define SPEC_SMEM (4 * (MAXH * RG * KPAD + MAXH * COLS + MAXH + 3 * NE) + 8 * NW)
+#else
+#define SPEC_SMEM 0
+#endif
+#define PHASED (GDN_PHASED && GDN_T >= 2 && PHASED_SMEM + SPEC_SMEM + 1024 <= 48 * 1024)
 #if PHASED && GDN_RCL
 #error "the readers' cluster is for T 1"
 #endif

@@ -384,11 +384,11 @@ impl Spec {
 
     /// Whether the token-serial kernel runs its window in three phases (`GDN_PHASED`): every token's conv and norms,
     /// then each column's recurrence with no block barrier, then every token's output norm, instead of three block
-    /// barriers a token. Asked for by the tune, for a constant window of 2 tokens or more (not the window kernel; the
-    /// speculative kernel's phased form is compiled by the kernel source but not planned until it is checked on a
-    /// device). The same operations in the same order, so no bits change.
+    /// barriers a token. Asked for by the tune, for a constant window of 2 tokens or more, the speculative kernel's
+    /// too (not the window kernel's); the kernel keeps the token loop where the phases' shared memory would not fit
+    /// (`PHASED_SMEM`). The same operations in the same order, so no bits change.
     pub fn phased_loop(&self) -> bool {
-        self.phased && self.t >= 2 && !self.window && !self.speculative
+        self.phased && self.t >= 2 && !self.window
     }
 
     /// The token-serial kernel leaving the window kernel's sequences to it.
