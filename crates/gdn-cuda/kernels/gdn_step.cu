@@ -964,15 +964,39 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
             }
         }
 #if GDN_STATE_DT == 1
-        // the k-token commit stores the state rounded once, and the next window loads that
-#pragma unroll
-        for (int r = 0; r < RPT; ++r) st[r] = ES::ld(ES::st(st[r]));
-#endif
+        // the k-token commit stores the state rounded once, and the next window loads that. A window that runs held
+        // stores those bits now (the accepted state is the committed one; a committing window writes it at its
+        // commit instead): each value is rounded once, for both (rounding the rounded value again cost ~7 integer
+        // instructions a state element)
         if (held) {
-            // the window runs held: the accepted state is the committed one now (a committing window
-            // writes it at its commit instead)
-            store_state();
+#if VEC_STATE
+#pragma unroll
+            for (int r = 0; r < RPT; r += 8) {
+                unsigned short b[8];
+#pragma unroll
+                for (int q = 0; q < 8; ++q) b[q] = ES::st(st[r + q]);
+                unsigned u[4];
+#pragma unroll
+                for (int c = 0; c < 4; ++c) u[c] = (unsigned)b[2 * c] | ((unsigned)b[2 * c + 1] << 16);
+                *reinterpret_cast<uint4*>(st_base + SOFF(r)) = make_uint4(u[0], u[1], u[2], u[3]);
+#pragma unroll
+                for (int q = 0; q < 8; ++q) st[r + q] = ES::ld(b[q]);
+            }
+#else
+#pragma unroll
+            for (int r = 0; r < RPT; ++r) {
+                const unsigned short b = ES::st(st[r]);
+                st_base[SOFF(r)] = b;
+                st[r] = ES::ld(b);
+            }
+#endif
+        } else {
+#pragma unroll
+            for (int r = 0; r < RPT; ++r) st[r] = ES::ld(ES::st(st[r]));
         }
+#else
+        if (held) store_state();  // (as above)
+#endif
     };
 #endif
 
