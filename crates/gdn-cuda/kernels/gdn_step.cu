@@ -1068,6 +1068,36 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     };
 #endif
 
+#if GDN_COMMIT
+    // the committed history (h0, h1, h2) of conv channel m (list entry tid + m NT), by the one block that writes it
+    auto write_history = [&](int m, float h0, float h1, float h2) {
+        const int e = tid + m * NT;
+#if GDN_EXT
+        // q / k: the last reader only (last_s was published before token 0's output-norm barrier, which every
+        // commit follows), or the readers' cluster's member 0; v: the owner of the column
+#if GDN_RCL
+        const bool mine = e < 2 * D ? blockIdx.x % GDN_RCL == 0 : chan[m] >= 0;
+#else
+        const bool mine = e < 2 * D ? last_s != 0 : chan[m] >= 0;
+#endif
+        if (mine) {
+            EC::T* p = conv_b + (size_t)chan[m] * ext.conv_cs;
+            p[0] = EC::st(h0);
+            p[ext.conv_ls] = EC::st(h1);
+            p[2 * ext.conv_ls] = EC::st(h2);
+        }
+#else
+        // q / k: the rank that owns them in the head's private copy; v: the owner of the column
+        const bool mine = e < 2 * D ? (e / QK_PER_RANK) == rank : chan[m] >= 0;
+        if (mine) {
+            const int o = hist_off(e, rank);
+            hist_head[o] = h0;
+            hist_head[o + 1] = h1;
+            hist_head[o + 2] = h2;
+        }
+#endif
+    };
+#endif
 #if PHASED
     // (PHASED above) per token: q and k (the conv outputs, normalized in place), this block's v, gate and write
     // strength, the sums of squares of q and k per 16 channels, the output's per-warp sums of squares and readouts
@@ -1266,23 +1296,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #pragma unroll
         for (int m = 0; m < NCH; ++m) {
             const int e = tid + m * NT;
-#if GDN_EXT
-            const bool mine = e < 2 * D ? last_s != 0 : chan[m] >= 0;
-            if (mine) {
-                EC::T* p = conv_b + (size_t)chan[m] * ext.conv_cs;
-                p[0] = EC::st(hc_w[0][e]);
-                p[ext.conv_ls] = EC::st(hc_w[1][e]);
-                p[2 * ext.conv_ls] = EC::st(hc_w[2][e]);
-            }
-#else
-            const bool mine = e < 2 * D ? (e / QK_PER_RANK) == rank : chan[m] >= 0;
-            if (mine) {
-                const int o = hist_off(e, rank);
-                hist_head[o] = hc_w[0][e];
-                hist_head[o + 1] = hc_w[1][e];
-                hist_head[o + 2] = hc_w[2][e];
-            }
-#endif
+            write_history(m, hc_w[0][e], hc_w[1][e], hc_w[2][e]);
         }
     }
 #endif
@@ -1500,32 +1514,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
             cluster_wait_acquire();  // every reader of the q / k history has arrived (token 0)
 #endif
 #pragma unroll
-            for (int m = 0; m < NCH; ++m) {
-                const int e = tid + m * NT;
-#if GDN_EXT
-                // q / k: the last reader only (last_s was published before token 0's output-norm barrier,
-                // which every commit follows), or the readers' cluster's member 0; v: the owner of the column
-#if GDN_RCL
-                const bool mine = e < 2 * D ? blockIdx.x % GDN_RCL == 0 : chan[m] >= 0;
-#else
-                const bool mine = e < 2 * D ? last_s != 0 : chan[m] >= 0;
-#endif
-                if (mine) {
-                    EC::T* p = conv_b + (size_t)chan[m] * ext.conv_cs;
-                    p[0] = EC::st(hst[m][0]);
-                    p[ext.conv_ls] = EC::st(hst[m][1]);
-                    p[2 * ext.conv_ls] = EC::st(hst[m][2]);
-                }
-#else
-                const bool mine = e < 2 * D ? (e / QK_PER_RANK) == rank : chan[m] >= 0;
-                if (mine) {
-                    const int o = hist_off(e, rank);
-                    hist_head[o] = hst[m][0];
-                    hist_head[o + 1] = hst[m][1];
-                    hist_head[o + 2] = hst[m][2];
-                }
-#endif
-            }
+            for (int m = 0; m < NCH; ++m) write_history(m, hst[m][0], hst[m][1], hst[m][2]);
         }
 #endif
     }
