@@ -117,14 +117,7 @@ fn main() -> gdn::Result<()> {
     let arg = |a: &str| std::env::args().any(|x| x == a);
     let mut cuda = Cuda::new()?;
     if let Ok(v) = std::env::var("GDN_CUDA_PLAN") {
-        let n: Vec<usize> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
-        if n.len() == 3 {
-            cuda.set_plan_override(Some(Plan {
-                ncb: n[0],
-                rg: n[1],
-                minb: n[2],
-            }));
-        }
+        cuda.set_plan_override(Some(v.parse()?));
     }
     if std::env::var("GDN_CUDA_PDL").is_ok_and(|v| v == "0") {
         cuda.set_pdl(false);
@@ -362,6 +355,16 @@ fn decode_variants(cuda: &Cuda, copy: f64, rows: &mut Vec<Row>) -> gdn::Result<(
             }),
             None,
         ),
+        // a cluster of 4 blocks of 128 threads, 32 rows a thread, 6 blocks an SM (85 registers)
+        (
+            "split4",
+            Some(Plan {
+                ncb: 4,
+                rg: 4,
+                minb: 6,
+            }),
+            None,
+        ),
     ];
     let pick: Option<Vec<String>> = std::env::var("GDN_CUDA_VARIANTS")
         .ok()
@@ -494,12 +497,12 @@ fn decode_variants(cuda: &Cuda, copy: f64, rows: &mut Vec<Row>) -> gdn::Result<(
 const SIZES: [(usize, usize); 4] = [(1, 1), (32, 1), (256, 1), (1, 8)];
 
 /// Whether `decode` leaves variant `name` out at B `b`, T `t`: what prefetches before the wait only at B 1, what
-/// works across waves only above it, at T 8 and B 32 only the old kernel, the default and the 8-block split.
+/// works across waves only above it, at T 8 and B 32 only the old kernel, the default and the cluster splits.
 fn skip(name: &str, b: usize, t: usize) -> bool {
     (name == "prewait" && b > 1)
         || (name.starts_with("ahead") && b == 1)
-        || (t > 1 && !matches!(name, "old" | "default" | "split8"))
-        || (b == 32 && !matches!(name, "old" | "default" | "split8"))
+        || (t > 1 && !matches!(name, "old" | "default" | "split8" | "split4"))
+        || (b == 32 && !matches!(name, "old" | "default" | "split8" | "split4"))
 }
 
 /// `bench windows`: windows of 2, 4 and 8 tokens at B 1, 32 and 256, committing all or verifying, through the

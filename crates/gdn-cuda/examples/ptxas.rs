@@ -1,10 +1,18 @@
 //! Prints the plan and ptxas's resource report of the main seed-shape specialisations (no GPU needed).
+//! `ptxas ncb,rg,minb ..`: the report of those splits alone, at T 1, 4 and 8, plain and speculative, in each pool.
 use gdn::{Config, DType, PoolOptions, Shape, StateLayout};
 use gdn_cuda::spec::{compiled, resource_line, Io, Plan, Spec, CLUSTER_SIZES};
 
 fn main() {
     let cfg = Config::new(Shape::SEED);
     let t0 = std::time::Instant::now();
+    let plans: Vec<Plan> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    if !plans.is_empty() {
+        return splits(&cfg, &plans);
+    }
     // the decode kernels as the planner runs them: B 1 (own state prefetched before the wait) and B 256 (a bf16
     // state staged, value-major with the prefetch half a wave ahead)
     for state in [DType::F32, DType::Bf16] {
@@ -147,6 +155,41 @@ fn main() {
                     resource_line(&c.log)
                 ),
                 Err(e) => println!("plan {p:?} T {t:?}: {e}"),
+            }
+        }
+    }
+}
+
+/// ptxas's report of the given splits in every pool kind, plain and speculative, at T 1, 4 and 8.
+fn splits(cfg: &Config, plans: &[Plan]) {
+    for p in plans {
+        for (state, layout) in [
+            (DType::F32, StateLayout::KeyMajor),
+            (DType::Bf16, StateLayout::KeyMajor),
+            (DType::Bf16, StateLayout::ValueMajor),
+        ] {
+            for t in [1, 4, 8] {
+                let s = Spec::new((9, 0), cfg, Some(t), true, false, *p)
+                    .with_pool(PoolOptions { state, layout });
+                let kinds = if t == 1 {
+                    vec![("plain", s)]
+                } else {
+                    vec![("plain", s), ("speculative", s.with_speculative())]
+                };
+                for (what, s) in kinds {
+                    match compiled(&s) {
+                        Ok(c) => println!(
+                            "plan {}/{}/{} {what} state {} {} T {t}: {}",
+                            p.ncb,
+                            p.rg,
+                            p.minb,
+                            state.name(),
+                            layout.name(),
+                            resource_line(&c.log)
+                        ),
+                        Err(e) => println!("plan {p:?} {what} T {t}: {e}"),
+                    }
+                }
             }
         }
     }

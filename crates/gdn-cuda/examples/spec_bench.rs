@@ -6,7 +6,7 @@
 //! profiler: f32 state and io (bf16: a bf16 value-major state and bf16 io), the four kernels once each in this
 //! order: the one-pass kernel holding a first window (nothing accepted), the one-pass kernel accepting a random
 //! prefix of it, the two-pass flow's k-token commit, its verify. With W 1 the commit is a decode step (T 1, every
-//! sequence committing its token), the kernel a pool's decode call runs.
+//! sequence committing its token), the kernel a pool's decode call runs. `GDN_CUDA_PLAN=ncb,rg,minb` forces a split.
 
 use gdn::synth::Synth;
 use gdn::{
@@ -30,7 +30,11 @@ fn main() -> gdn::Result<()> {
             args.next().as_deref() == Some("bf16"),
         );
     }
-    let cuda = Cuda::new()?;
+    let mut cuda = Cuda::new()?;
+    // a forced split (`ncb,rg,minb`), as `bench` takes it
+    if let Ok(v) = std::env::var("GDN_CUDA_PLAN") {
+        cuda.set_plan_override(Some(v.parse()?));
+    }
     let mut rng = Synth::new(15);
     let layer = rng.layer(Config::new(Shape::SEED))?;
     let sh = *layer.shape();
@@ -120,7 +124,11 @@ fn main() -> gdn::Result<()> {
 
 /// The launches `spec_bench B W profile` makes (see the module's comment), one of each kernel, outside graphs.
 fn profile(b: usize, w: usize, bf16: bool) -> gdn::Result<()> {
-    let cuda = Cuda::new()?;
+    let mut cuda = Cuda::new()?;
+    // a forced split (`ncb,rg,minb`), as `bench` takes it
+    if let Ok(v) = std::env::var("GDN_CUDA_PLAN") {
+        cuda.set_plan_override(Some(v.parse()?));
+    }
     let mut rng = Synth::new(15);
     let layer = rng.layer(Config::new(Shape::SEED))?;
     let sh = *layer.shape();

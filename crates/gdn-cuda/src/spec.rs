@@ -177,6 +177,21 @@ pub struct Plan {
     pub minb: usize,
 }
 
+/// `ncb,rg,minb` (benchmarks' plan overrides); a split the kernel cannot take is refused.
+impl std::str::FromStr for Plan {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Plan> {
+        let n: Vec<usize> = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+        match n[..] {
+            [ncb, rg, minb] => Ok(Plan { ncb, rg, minb }),
+            _ => Err(Error::Param {
+                name: "plan",
+                why: format!("a plan is ncb,rg,minb, not {s:?}"),
+            }),
+        }
+    }
+}
+
 impl Plan {
     pub fn cols(&self, d: usize) -> usize {
         d / self.ncb

@@ -1,0 +1,35 @@
+#!/bin/bash
+# Splits of a head (the token-serial kernel's `Plan`) side by side in one device call: `bench decode` (every variant,
+# in cache and rotated), `bench windows` under the planner's split and under each split in PLANS, and the speculative
+# step (`spec_bench`) under the same splits, alternated REPS times so the call-to-call spread shows.
+# Prepared on a build machine: `cargo build --release -p gdn-cuda --examples`; strip target/release/examples/{bench,
+# spec_bench} and xz them into $B (default .devbin/plans). device run from the repo root, carry [".devbin/plans"]:
+#   PLANS="8,8,8" bash tools/device/h200_plans.sh
+set -u
+. tools/device/setup.sh
+B=.devbin/plans
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee -a "$S"
+for f in $B/*.xz; do xz -dkf "$f"; chmod +x "${f%.xz}"; done
+PLANS=${PLANS:-8,8,8}
+stamp "bench decode"
+timeout 200 $B/bench decode >"$OUT/decode.txt" 2>&1; echo "decode rc $?" | tee -a "$S"
+if [ -n "${WINDOWS:-1}" ] && [ "${WINDOWS:-1}" != 0 ]; then
+  for p in default $PLANS; do
+    stamp "bench windows $p"
+    if [ $p = default ]; then e=; else e="GDN_CUDA_PLAN=$p"; fi
+    env $e timeout 150 $B/bench windows >"$OUT/windows_${p//,/-}.txt" 2>&1; echo "windows $p rc $?" | tee -a "$S"
+  done
+fi
+for r in $(seq 1 ${REPS:-2}); do
+  for p in default $PLANS; do
+    stamp "spec_bench $p rep $r"
+    if [ $p = default ]; then e=; else e="GDN_CUDA_PLAN=$p"; fi
+    env $e timeout 100 $B/spec_bench ${SPEC_B:-64,256} ${SPEC_W:-4,8} >"$OUT/spec_${p//,/-}_$r.txt" 2>&1
+    echo "spec $p rep $r rc $?" | tee -a "$S"
+  done
+done
+stamp done
+echo "===== decode"; grep -E '^\||empty kernel' "$OUT/decode.txt"
+for f in "$OUT"/windows_*.txt; do echo "===== $(basename $f)"; grep -E '^\|' "$f"; done
+for f in "$OUT"/spec_*.txt; do echo "===== $(basename $f)"; tail -6 "$f"; done
+echo "===== summary"; cat "$S"
