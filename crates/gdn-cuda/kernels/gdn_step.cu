@@ -565,9 +565,10 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
         if (report) atomicOr(fault, 1u);
         return;
     }
-#if GDN_EXT && GDN_SPEC
-    // the state's loads follow the held word's check, a round trip after the slot's: its rows start towards L2
-    // now (a hint; the slot is valid)
+#if GDN_SPEC && (GDN_EXT || (GDN_T > 0 && (GDN_STATE_DT == 1 || GDN_T >= 8)))
+    // the state's loads follow the accepted prefix's copies (and on engine memory the held word's check, a round
+    // trip after the slot's): its rows start towards L2 now (a hint; the slot is valid). On the pool it paid for a
+    // bf16 state (W 4 and 8, 2-3%) and an f32 state at W 8 (2%), and cost an f32 state 4-6% at W 4 (H100)
     prefetch_state(state + SLOT_OFF(slot), h, rank, tid);
 #endif
 #if GDN_T > 0
