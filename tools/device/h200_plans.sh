@@ -3,17 +3,21 @@
 # in cache and rotated), `bench windows` under the planner's split and under each split in PLANS, and the speculative
 # step (`spec_bench`) under the same splits, alternated REPS times so the call-to-call spread shows.
 # Prepared on a build machine: `cargo build --release -p gdn-cuda --examples`; strip target/release/examples/{bench,
-# spec_bench} and xz them into $B (default .devbin/plans). device run from the repo root, carry [".devbin/plans"]:
+# spec_bench} and xz them into .devbin/plans. device run from the repo root, carry [".devbin/plans"]:
 #   PLANS="8,8,8" bash tools/device/h200_plans.sh
+# DECODE=0 / WINDOWS=0 leave those parts out; PLANS= (empty) times the planner's split alone, e.g. the speculative
+# step's call-to-call spread: DECODE=0 WINDOWS=0 PLANS= REPS=3 bash tools/device/h200_plans.sh
 set -u
 . tools/device/setup.sh
 B=.devbin/plans
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee -a "$S"
 for f in $B/*.xz; do xz -dkf "$f"; chmod +x "${f%.xz}"; done
-PLANS=${PLANS:-8,8,8}
-stamp "bench decode"
-timeout 200 $B/bench decode >"$OUT/decode.txt" 2>&1; echo "decode rc $?" | tee -a "$S"
-if [ -n "${WINDOWS:-1}" ] && [ "${WINDOWS:-1}" != 0 ]; then
+PLANS=${PLANS-8,8,8}  # empty: the planner's split alone
+if [ "${DECODE:-1}" != 0 ]; then
+  stamp "bench decode"
+  timeout 200 $B/bench decode >"$OUT/decode.txt" 2>&1; echo "decode rc $?" | tee -a "$S"
+fi
+if [ "${WINDOWS:-1}" != 0 ]; then
   for p in default $PLANS; do
     stamp "bench windows $p"
     if [ $p = default ]; then e=; else e="GDN_CUDA_PLAN=$p"; fi
@@ -29,7 +33,7 @@ for r in $(seq 1 ${REPS:-2}); do
   done
 done
 stamp done
-echo "===== decode"; grep -E '^\||empty kernel' "$OUT/decode.txt"
-for f in "$OUT"/windows_*.txt; do echo "===== $(basename $f)"; grep -E '^\|' "$f"; done
-for f in "$OUT"/spec_*.txt; do echo "===== $(basename $f)"; tail -6 "$f"; done
+[ -f "$OUT/decode.txt" ] && { echo "===== decode"; grep -E '^\||empty kernel' "$OUT/decode.txt"; }
+for f in "$OUT"/windows_*.txt; do [ -f "$f" ] && { echo "===== $(basename $f)"; grep -E '^\|' "$f"; }; done
+for f in "$OUT"/spec_*.txt; do echo "===== $(basename $f)"; grep -E '^\| (f32|bf16)' "$f"; done
 echo "===== summary"; cat "$S"
