@@ -181,9 +181,9 @@ pub struct Plan {
 impl std::str::FromStr for Plan {
     type Err = Error;
     fn from_str(s: &str) -> Result<Plan> {
-        let n: Vec<usize> = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+        let n: Vec<Option<usize>> = s.split(',').map(|x| x.trim().parse().ok()).collect();
         match n[..] {
-            [ncb, rg, minb] => Ok(Plan { ncb, rg, minb }),
+            [Some(ncb), Some(rg), Some(minb)] => Ok(Plan { ncb, rg, minb }),
             _ => Err(Error::Param {
                 name: "plan",
                 why: format!("a plan is ncb,rg,minb, not {s:?}"),
@@ -317,6 +317,22 @@ mod plan_tests {
                 Plan::choose(128, 48, b, 132).unwrap(),
                 Plan::choose(128, 48, 256, 132).unwrap()
             );
+        }
+    }
+
+    /// A forced split is three numbers; anything else is an error, not a default.
+    #[test]
+    fn a_plan_parses_from_three_numbers() {
+        assert_eq!(
+            " 8, 8,8".parse::<Plan>().unwrap(),
+            Plan {
+                ncb: 8,
+                rg: 8,
+                minb: 8
+            }
+        );
+        for bad in ["", "8,8", "8,8,8,8", "a,b,c", "8,,8", "8,x,8,8"] {
+            assert!(bad.parse::<Plan>().is_err(), "{bad:?}");
         }
     }
 }
