@@ -30,11 +30,7 @@ fn main() -> gdn::Result<()> {
             args.next().as_deref() == Some("bf16"),
         );
     }
-    let mut cuda = Cuda::new()?;
-    // a forced split (`ncb,rg,minb`), as `bench` takes it
-    if let Ok(v) = std::env::var("GDN_CUDA_PLAN") {
-        cuda.set_plan_override(Some(v.parse()?));
-    }
+    let cuda = backend()?;
     let mut rng = Synth::new(15);
     let layer = rng.layer(Config::new(Shape::SEED))?;
     let sh = *layer.shape();
@@ -124,11 +120,7 @@ fn main() -> gdn::Result<()> {
 
 /// The launches `spec_bench B W profile` makes (see the module's comment), one of each kernel, outside graphs.
 fn profile(b: usize, w: usize, bf16: bool) -> gdn::Result<()> {
-    let mut cuda = Cuda::new()?;
-    // a forced split (`ncb,rg,minb`), as `bench` takes it
-    if let Ok(v) = std::env::var("GDN_CUDA_PLAN") {
-        cuda.set_plan_override(Some(v.parse()?));
-    }
+    let cuda = backend()?;
     let mut rng = Synth::new(15);
     let layer = rng.layer(Config::new(Shape::SEED))?;
     let sh = *layer.shape();
@@ -194,4 +186,13 @@ fn held_windows(b: usize, w: usize) -> Vec<Seq> {
             commit: Commit::Verify,
         })
         .collect()
+}
+
+/// The CUDA backend, with the split `GDN_CUDA_PLAN=ncb,rg,minb` forces (as `bench` takes it).
+fn backend() -> gdn::Result<Cuda> {
+    let mut cuda = Cuda::new()?;
+    if let Ok(v) = std::env::var("GDN_CUDA_PLAN") {
+        cuda.set_plan_override(Some(v.parse()?));
+    }
+    Ok(cuda)
 }

@@ -177,7 +177,8 @@ pub struct Plan {
     pub minb: usize,
 }
 
-/// `ncb,rg,minb` (benchmarks' plan overrides); a split the kernel cannot take is refused.
+/// `ncb,rg,minb` (benchmarks' plan overrides): three numbers, else an error. A split the kernel cannot take
+/// ([`Plan::valid_for`]) is not used: pools keep the planner's.
 impl std::str::FromStr for Plan {
     type Err = Error;
     fn from_str(s: &str) -> Result<Plan> {
