@@ -1,5 +1,7 @@
 //! Prints the plan and ptxas's resource report of the main seed-shape specialisations (no GPU needed).
 //! `ptxas ncb,rg,minb ..`: the report of those splits alone, at T 1, 4 and 8, plain and speculative, in each pool.
+//! `ptxas spec [DIR]`: the speculative kernels `spec_bench` and `external_bench spec` run (B 64 / 256, W 4 / 8);
+//! with DIR, their cubins written there (for nvdisasm).
 use gdn::{Config, DType, PoolOptions, Shape, StateLayout};
 use gdn_cuda::spec::{compiled, resource_line, Io, Plan, Spec, CLUSTER_SIZES};
 
@@ -12,6 +14,9 @@ fn main() {
         .collect();
     if !plans.is_empty() {
         return splits(&cfg, &plans);
+    }
+    if std::env::args().nth(1).as_deref() == Some("spec") {
+        return speculative(&cfg, std::env::args().nth(2));
     }
     // the decode kernels as the planner runs them: B 1 (own state prefetched before the wait) and B 256 (a bf16
     // state staged, value-major with the prefetch half a wave ahead)
@@ -188,6 +193,55 @@ fn splits(cfg: &Config, plans: &[Plan]) {
                             resource_line(&c.log)
                         ),
                         Err(e) => println!("plan {p:?} {what} T {t}: {e}"),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// ptxas's report of the speculative kernels the benches time: the pool's (key-major, f32 / bf16 state and io)
+/// and engine memory's (f32 key-major with f32 io and conv; bf16 value-major with bf16 io and conv), hints planned
+/// as at B 64 and 256.
+fn speculative(cfg: &Config, dir: Option<String>) {
+    let p = Plan::choose(128, 48, 256, 132).expect("a split for d 128");
+    let f32km = PoolOptions::default();
+    let bf16km = PoolOptions {
+        state: DType::Bf16,
+        layout: StateLayout::KeyMajor,
+    };
+    let bf16vm = PoolOptions {
+        state: DType::Bf16,
+        layout: StateLayout::ValueMajor,
+    };
+    for (what, pool, io, ext) in [
+        ("pool f32", f32km, DType::F32, false),
+        ("pool bf16", bf16km, DType::Bf16, false),
+        ("engine f32", f32km, DType::F32, true),
+        ("engine bf16", bf16vm, DType::Bf16, true),
+    ] {
+        for b in [64usize, 256] {
+            for w in [4, 8] {
+                // the one-pass kernel and the two-pass flow's verify (the k-token commit runs at a run-time length)
+                for (flow, commits) in [("one-pass", true), ("verify", false)] {
+                    let s = Spec::new((9, 0), cfg, Some(w), commits, false, p)
+                        .with_io(Io::all(io))
+                        .with_pool(pool);
+                    let s = if ext { s.with_ext(io) } else { s };
+                    let s = s.with_tune(None, b * 48 * p.ncb, 132);
+                    let s = if commits { s.with_speculative() } else { s };
+                    let name = format!("{what} {flow} B {b} W {w}");
+                    match compiled(&s) {
+                        Ok(c) => {
+                            println!("{name}: {}", resource_line(&c.log));
+                            if let Some(d) = &dir {
+                                let f = format!("{d}/{}.cubin", name.replace(' ', "_"));
+                                if let Err(e) = std::fs::write(&f, &c.cubin) {
+                                    println!("{f}: {e}");
+                                }
+                            }
+                        }
+                        Err(e) => println!("{name}: {e}"),
                     }
                 }
             }
