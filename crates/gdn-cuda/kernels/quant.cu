@@ -394,6 +394,241 @@ ENTRY1(q1_shift_1, 1, true)
 ENTRY1(q1_shift_2, 2, true)
 #endif
 
+#if TT != 1
+// Tensor-core kernel `qm_*` (calls of MMA_FROM rows or more; the host picks): mma.sync m16n8k16 with bf16 operands
+// and f32 accumulators. A is a 16-row x 16-column group of fields, exact in bf16 (a field masked in place is an
+// integer of at most 8 significant bits times a power of two); B is the activations (plane or y) split into
+// three bf16 parts, hi + mid + lo = x to within 2^-27 |x|. A group's three products go into one fresh
+// accumulator (lo, mid, hi), which then takes the group's scale and zero term in f32 as above: acc = fma(-zs,
+// gsum, fma(scale, p, acc)), groups in increasing order. The planes path's B is the shift path's times a power
+// of two per column, so the two give the same bits. A block of QM_WARPS warps owns 16 rows a warp and a tile of
+// 16 tokens (two n-tiles); the split activations of a chunk of QM_KC groups go through shared memory (double
+// buffered), the next chunk's fields, scales and zero terms are loaded while this one is summed.
+#define QM_WARPS 8
+#define QM_TOK 16
+#define QM_KC 8
+// (a shared row of a part: a chunk's KC * 16 bf16 + 8 of padding (32-bit words: 8 KC + 4), so that the 8 tokens x 4
+// column pairs a fragment load reads fall in 32 distinct banks)
+
+__device__ __forceinline__ u32 bf16_bits(float f) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float bf16_float(u32 h) { return __uint_as_float(h << 16); }
+// two exact floats as bf16x2 (lo in the low half)
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ void mma_bf16(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The fields of columns 2q, 2q + 1 (pair 0) and 2q + 8, 2q + 9 (pair 1) of one row's group, q = lane & 3, as
+// floats: w0 (pair 0) and w1 (pair 1) are the u32 words holding them (2-bit: the group's u32, both).
+template <int PACK, bool SHIFT>
+__device__ __forceinline__ void fields4(u32 w0, u32 w1, int q, float f[4]) {
+    if (PACK == 0) {
+        // pair 0 in the low u16, pair 1 in the high one; fields 2q, 2q + 1 at bits 4q, 4q + 2
+        const u32 lo = w0 & 0xFFFFu, hi = w0 >> 16;
+        if (SHIFT) {
+            f[0] = from_masked((lo >> (4 * q)) & 3u);
+            f[1] = from_masked((lo >> (4 * q + 2)) & 3u);
+            f[2] = from_masked((hi >> (4 * q)) & 3u);
+            f[3] = from_masked((hi >> (4 * q + 2)) & 3u);
+        } else {
+            const u32 m0 = 3u << (4 * q), m1 = 12u << (4 * q);
+            f[0] = from_masked(lo & m0);
+            f[1] = from_masked(lo & m1);
+            f[2] = from_masked(hi & m0);
+            f[3] = from_masked(hi & m1);
+        }
+    } else {
+        // 8-bit: columns 2q, 2q + 1 are bytes 0, 1 (q even) or 2, 3 (q odd) of their u32
+        const int sh = 16 * (q & 1);
+        const u32 h0 = (w0 >> sh) & 0xFFFFu, h1 = (w1 >> sh) & 0xFFFFu;
+        if (SHIFT) {
+            f[0] = from_masked(h0 & 255u);
+            f[1] = from_masked(h0 >> 8);
+            f[2] = from_masked(h1 & 255u);
+            f[3] = from_masked(h1 >> 8);
+        } else {
+            // in place: the upper half of a four-to-a-u32 word is worth 2^16 more (exact: at most 8 significant bits)
+            const float up = (PACK == 1 && (q & 1)) ? 65536.0f : 1.0f;
+            f[0] = from_masked(h0 & 0xFFu) * up;
+            f[1] = from_masked(h0 & 0xFF00u) * up;
+            f[2] = from_masked(h1 & 0xFFu) * up;
+            f[3] = from_masked(h1 & 0xFF00u) * up;
+        }
+    }
+}
+
+template <int PACK, bool SHIFT>
+__device__ __forceinline__ void product_mma(const u32* __restrict__ words, const float* __restrict__ scale,
+                                            const float* __restrict__ zs, const float* __restrict__ x,
+                                            const float* __restrict__ gsum, float* __restrict__ out, int hidden,
+                                            int n, int tokens) {
+    // groups a chunk: 8-bit fields take twice the registers a group (two words a row), so half as many
+    constexpr int KC = PACK == 0 ? QM_KC : QM_KC / 2;
+    constexpr int ROW = 8 * KC + 4;
+    const int groups = n / 16;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g8 = lane >> 2, q = lane & 3;
+    const int t0 = blockIdx.y * QM_TOK;
+    const int m0 = (blockIdx.x * QM_WARPS + warp) * 16;
+    // this lane's two rows (rows past hidden read the last row; their sums are not stored)
+    const int r0 = min(m0 + g8, hidden - 1), r1 = min(m0 + g8 + 8, hidden - 1);
+    // split activations [buffer][part][token][ROW words], group sums [buffer][token][KC]
+    __shared__ u32 bs[2][3][QM_TOK][ROW];
+    __shared__ float gss[2][QM_TOK][KC];
+    const int chunks = (groups + KC - 1) / KC;
+
+    // staging: thread i splits 4 columns (one float4) of token i / (4 KC), KC * 16 columns a chunk
+    constexpr int PER_TOK = KC * 4;  // float4s a token a chunk
+    constexpr int NT = QM_WARPS * 32;
+    float4 xv[(QM_TOK * PER_TOK + NT - 1) / NT];
+    float gv = 0.0f;
+    auto load_x = [&](int c) {
+#pragma unroll
+        for (int i = 0; i < (QM_TOK * PER_TOK + NT - 1) / NT; i++) {
+            const int e = threadIdx.x + i * NT;
+            const int tok = e / PER_TOK, col4 = e % PER_TOK;
+            const int g = c * KC + col4 / 4;
+            xv[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (e < QM_TOK * PER_TOK && t0 + tok < tokens && g < groups)
+                xv[i] = __ldg(reinterpret_cast<const float4*>(x + (size_t)(t0 + tok) * n + 16 * c * KC) + col4);
+        }
+        if (threadIdx.x < QM_TOK * KC) {
+            const int tok = threadIdx.x / KC, g = c * KC + threadIdx.x % KC;
+            gv = (t0 + tok < tokens && g < groups) ? __ldg(gsum + (size_t)(t0 + tok) * groups + g) : 0.0f;
+        }
+    };
+    auto store_x = [&](int b) {
+#pragma unroll
+        for (int i = 0; i < (QM_TOK * PER_TOK + NT - 1) / NT; i++) {
+            const int e = threadIdx.x + i * NT;
+            if (e < QM_TOK * PER_TOK) {
+                const int tok = e / PER_TOK, col4 = e % PER_TOK;
+                const float v[4] = {xv[i].x, xv[i].y, xv[i].z, xv[i].w};
+                u32 h[3][4];
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    const u32 a = bf16_bits(v[k]);
+                    const float r = v[k] - bf16_float(a);
+                    const u32 m = bf16_bits(r);
+                    h[0][k] = a;
+                    h[1][k] = m;
+                    h[2][k] = bf16_bits(r - bf16_float(m));
+                }
+#pragma unroll
+                for (int p = 0; p < 3; p++)
+                    *reinterpret_cast<uint2*>(&bs[b][p][tok][2 * col4]) =
+                        make_uint2(h[p][0] | (h[p][1] << 16), h[p][2] | (h[p][3] << 16));
+            }
+        }
+        if (threadIdx.x < QM_TOK * KC) gss[b][threadIdx.x / KC][threadIdx.x % KC] = gv;
+    };
+
+    // a chunk's words (pair 0 and pair 1 of each row), scales and zero terms, in registers; group j's slot is
+    // refilled with the next chunk's group j as soon as it is read
+    u32 wv[KC][2][2];
+    float sv[KC][2], zv[KC][2];
+    auto load_w = [&](int c, int j) {
+        {
+            const int g = min(c * KC + j, groups - 1);
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const size_t at = (size_t)(r ? r1 : r0) * groups + g;
+                if (PACK == 0) {
+                    wv[j][r][0] = wv[j][r][1] = __ldg(words + at);
+                } else {
+                    // columns 2q, 2q + 1 in u32 q / 2 of the group, 2q + 8, 2q + 9 in u32 2 + q / 2
+                    wv[j][r][0] = __ldg(words + 4 * at + (q >> 1));
+                    wv[j][r][1] = __ldg(words + 4 * at + 2 + (q >> 1));
+                }
+                sv[j][r] = __ldg(scale + at);
+                zv[j][r] = __ldg(zs + at);
+            }
+        }
+    };
+
+    float acc[2][4];
+#pragma unroll
+    for (int t = 0; t < 2; t++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[t][i] = 0.0f;
+
+    load_x(0);
+#pragma unroll
+    for (int j = 0; j < KC; j++) load_w(0, j);
+    store_x(0);
+    __syncthreads();
+    for (int c = 0; c < chunks; c++) {
+        const int b = c & 1;
+        if (c + 1 < chunks) load_x(c + 1);
+#pragma unroll
+        for (int j = 0; j < KC; j++) {
+            // A: rows g8 (a0, a2) and g8 + 8 (a1, a3), columns 2q, 2q + 1 (a0, a1) and 2q + 8, 2q + 9 (a2, a3)
+            float f0[4], f1[4];
+            fields4<PACK, SHIFT>(wv[j][0][0], wv[j][0][1], q, f0);
+            fields4<PACK, SHIFT>(wv[j][1][0], wv[j][1][1], q, f1);
+            const u32 a0 = pack_bf16(f0[0], f0[1]), a2 = pack_bf16(f0[2], f0[3]);
+            const u32 a1 = pack_bf16(f1[0], f1[1]), a3 = pack_bf16(f1[2], f1[3]);
+            const float sc[2] = {sv[j][0], sv[j][1]}, zc[2] = {zv[j][0], zv[j][1]};
+            if (c + 1 < chunks) load_w(c + 1, j);
+            if (c * KC + j < groups) {
+#pragma unroll
+                for (int t = 0; t < 2; t++) {
+                    // B: token 8 t + g8, columns 2q, 2q + 1 (b0) and 2q + 8, 2q + 9 (b1) of group j
+                    float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                    for (int part = 2; part >= 0; part--) {
+                        const u32* row = &bs[b][part][8 * t + g8][8 * j + q];
+                        mma_bf16(p, a0, a1, a2, a3, row[0], row[4]);
+                    }
+                    // accumulators: rows g8 (0, 1) and g8 + 8 (2, 3), tokens 8 t + 2q (0, 2) and + 1 (1, 3)
+                    const float gs0 = gss[b][8 * t + 2 * q][j], gs1 = gss[b][8 * t + 2 * q + 1][j];
+                    acc[t][0] = fmaf(-zc[0], gs0, fmaf(sc[0], p[0], acc[t][0]));
+                    acc[t][1] = fmaf(-zc[0], gs1, fmaf(sc[0], p[1], acc[t][1]));
+                    acc[t][2] = fmaf(-zc[1], gs0, fmaf(sc[1], p[2], acc[t][2]));
+                    acc[t][3] = fmaf(-zc[1], gs1, fmaf(sc[1], p[3], acc[t][3]));
+                }
+            }
+        }
+        if (c + 1 < chunks) store_x(b ^ 1);
+        __syncthreads();
+    }
+#pragma unroll
+    for (int t = 0; t < 2; t++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int tok = t0 + 8 * t + 2 * q + (i & 1), row = m0 + g8 + 8 * (i >> 1);
+            if (tok < tokens && row < hidden) out[(size_t)tok * hidden + row] = acc[t][i];
+        }
+}
+
+#define ENTRYM(name, PACK, SHIFT)                                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * QM_WARPS, 2)                                            \
+        name(const u32* __restrict__ words, const float* __restrict__ scale, const float* __restrict__ zs,   \
+             const float* __restrict__ x, const float* __restrict__ gsum, float* __restrict__ out, int hidden, \
+             int n, int tokens) {                                                                             \
+        product_mma<PACK, SHIFT>(words, scale, zs, x, gsum, out, hidden, n, tokens);                          \
+    }
+
+ENTRYM(qm_planes_0, 0, false)
+ENTRYM(qm_planes_1, 1, false)
+ENTRYM(qm_planes_2, 2, false)
+ENTRYM(qm_shift_0, 0, true)
+ENTRYM(qm_shift_1, 1, true)
+ENTRYM(qm_shift_2, 2, true)
+#endif
+
 // The shift path's own pass: group sums of y [rows][n] as the step writes them (even columns' sum plus odd
 // columns', each in increasing order), one thread a group.
 extern "C" __global__ void group_sums(const float* __restrict__ y, float* __restrict__ gsum, int count) {

@@ -45,6 +45,9 @@ pub struct QuantTune {
     pub stream_hint: bool,
     /// One-token calls on the `q1_*` kernel (else on the tiled kernel's TT 1 module, as calls of 2 or 3 rows).
     pub one_kernel: bool,
+    /// Calls of this many rows or more on the tensor-core kernel `qm_*` (`usize::MAX`: never). Unlike the fields
+    /// above this changes bits: `qm_*` sums a group's 16 products on tensor cores, in an order of its own.
+    pub mma_from: usize,
 }
 
 impl QuantTune {
@@ -58,6 +61,7 @@ impl QuantTune {
         blocks_per_sm: 2,
         stream_hint: true,
         one_kernel: true,
+        mma_from: usize::MAX,
     };
 }
 
@@ -97,6 +101,8 @@ struct Kernels {
     shift: [CudaFunction; 3],
     /// The TT 1 module's one-token kernels (planes, shift).
     one: Option<([CudaFunction; 3], [CudaFunction; 3])>,
+    /// The other module's tensor-core kernels (planes, shift).
+    mma: Option<([CudaFunction; 3], [CudaFunction; 3])>,
     group_sums: CudaFunction,
     bf16: CudaFunction,
     empty: CudaFunction,
@@ -119,6 +125,14 @@ fn kernels(cuda: &Cuda, tt: usize, tune: &QuantTune) -> Result<Kernels> {
             ))
         } else {
             None
+        },
+        mma: if tt == 1 {
+            None
+        } else {
+            Some((
+                [f("qm_planes_0")?, f("qm_planes_1")?, f("qm_planes_2")?],
+                [f("qm_shift_0")?, f("qm_shift_1")?, f("qm_shift_2")?],
+            ))
         },
         group_sums: f("group_sums")?,
         bf16: f("bf16_product")?,
@@ -172,6 +186,27 @@ fn grid(hidden: usize, tokens: usize) -> Result<LaunchConfig> {
     Ok(LaunchConfig {
         grid_dim: (int(x, "hidden")? as u32, y as u32, 1),
         block_dim: ((32 * WARPS) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// Rows and tokens a `qm_*` block takes (the kernel's 16 QM_WARPS and QM_TOK), its threads.
+const QM_ROWS: usize = 128;
+const QM_TOK: usize = 16;
+const QM_THREADS: u32 = 256;
+
+/// The tensor-core kernel's grid over `tokens` rows and `hidden` outputs.
+fn mma_grid(hidden: usize, tokens: usize) -> Result<LaunchConfig> {
+    let y = tokens.div_ceil(QM_TOK);
+    if y > 65535 {
+        return Err(Error::Param {
+            name: "rows",
+            why: format!("{tokens} rows: at most {} a call", 65535 * QM_TOK),
+        });
+    }
+    Ok(LaunchConfig {
+        grid_dim: (int(hidden.div_ceil(QM_ROWS), "hidden")? as u32, y as u32, 1),
+        block_dim: (QM_THREADS, 1, 1),
         shared_mem_bytes: 0,
     })
 }
@@ -358,8 +393,20 @@ impl CudaOutProj {
             }
             _ => None,
         };
-        let (f, cfg) = match one {
-            Some((planes1, shift1)) => (
+        let mma = match &self.k[1].mma {
+            Some(f) if tokens >= self.tune.mma_from && one.is_none() => Some(f),
+            _ => None,
+        };
+        let (f, cfg) = match (one, mma) {
+            (_, Some((planes, shift_k))) => (
+                if shift {
+                    &shift_k[pack_index(p)]
+                } else {
+                    &planes[pack_index(p)]
+                },
+                mma_grid(hidden, tokens)?,
+            ),
+            (Some((planes1, shift1)), None) => (
                 if shift {
                     &shift1[pack_index(p)]
                 } else {
@@ -367,7 +414,7 @@ impl CudaOutProj {
                 },
                 one_grid(p, hidden, n, self.cuda.multiprocessors(), &self.tune)?,
             ),
-            None => (
+            (None, None) => (
                 if shift {
                     &k.shift[pack_index(p)]
                 } else {
@@ -839,7 +886,8 @@ mod tests {
     /// groups), 600 (19 chunks) and 800 (activations past the shared memory: the tiled kernel at one token too),
     /// every packing, both paths, 1 and 9 rows, under the default one-token shape and another (other rows, depths
     /// that do and do not divide the chunks): within 1e-5 of the dequantized product in f64, planes == shift
-    /// bitwise, a row alone == the same row inside the 9-row call, and both shapes the same bits.
+    /// bitwise, rows 5..9 alone == the same rows inside the 9-row call (both on the tensor-core kernel), and both
+    /// shapes the same bits.
     #[test]
     fn odd_widths_padding_and_looping_warps() {
         let cuda = match Cuda::new() {
@@ -855,6 +903,7 @@ mod tests {
             blocks_per_sm: 2,
             stream_hint: false,
             one_kernel: true,
+            mma_from: 4,
         };
         let mut rng = gdn::synth::Synth::new(17);
         for h_v in [3usize, 130, 600, 800] {
@@ -904,9 +953,14 @@ mod tests {
                             Some(f) => assert_eq!(*f, bits(&a), "{what}: launch shapes differ"),
                         }
                         if rows > 1 {
-                            let mut one = vec![f32::NAN; hidden];
-                            prod.product_shift(&y[8 * n..9 * n], 1, &mut one).unwrap();
-                            assert_eq!(bits(&one), bits(&b[8 * hidden..]), "{what}: row 8 alone");
+                            // rows 5..9 as a call of their own (the tensor-core kernel, as the 9 rows)
+                            let mut four = vec![f32::NAN; 4 * hidden];
+                            prod.product_shift(&y[5 * n..9 * n], 4, &mut four).unwrap();
+                            assert_eq!(
+                                bits(&four),
+                                bits(&b[5 * hidden..]),
+                                "{what}: rows 5..9 alone"
+                            );
                         }
                     }
                 }
@@ -981,6 +1035,7 @@ mod tests {
             blocks_per_sm: 1,
             stream_hint: true,
             one_kernel: true,
+            mma_from: 4,
         };
         let with = |f: &dyn Fn(&mut QuantTune)| {
             let mut t = one;
@@ -1084,6 +1139,94 @@ mod tests {
         }
         println!("| packing | rows | shape | planes us | / floor (4.2 TB/s) |");
         println!("|---|---|---|---|---|");
+        for l in table {
+            println!("{l}");
+        }
+    }
+
+    /// The tensor-core kernel against the CUDA-core kernels at the seed's out_proj (n 6144 -> 5120), on the device
+    /// (`--ignored --nocapture`): for every packing and row count, both outputs' relative L2 difference (within
+    /// 1e-5) and their times per call (CUDA graphs, weights rotated over 256 MiB of copies), as a table. For
+    /// choosing [`QuantTune::DEFAULT`]'s `mma_from`.
+    #[test]
+    #[ignore]
+    fn quant_mma_sweep() {
+        let cuda = match Cuda::new() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("quant_mma_sweep skipped: {e}");
+                return;
+            }
+        };
+        let (hidden, n) = (5120, 6144);
+        let groups = n / 16;
+        let mut rng = gdn::synth::Synth::new(5);
+        let w = rng.uniform(hidden * n, -0.02, 0.02);
+        let cores = QuantTune {
+            mma_from: usize::MAX,
+            ..QuantTune::DEFAULT
+        };
+        let tensor = QuantTune {
+            mma_from: 1,
+            one_kernel: false,
+            ..QuantTune::DEFAULT
+        };
+        let s = cuda.stream.clone();
+        let mut table = Vec::new();
+        for p in Packing::ALL {
+            let q = QuantWeights::quantize(&w, hidden, n, p).unwrap();
+            let copies = (256usize << 20).div_ceil(q.bytes()).max(1);
+            let words = device_words(&q);
+            let load = |t: QuantTune| -> Vec<CudaOutProj> {
+                (0..copies)
+                    .map(|_| {
+                        cuda.load_words(q.shape(), &words, q.scales(), q.zero_terms(), t)
+                            .unwrap()
+                    })
+                    .collect()
+            };
+            let (qc, qt) = (load(cores), load(tensor));
+            for rows in [1usize, 4, 8, 16, 64, 256, 512] {
+                let xd = s.clone_htod(&rng.uniform(rows * n, -1.0, 1.0)).unwrap();
+                let gd = s
+                    .clone_htod(&rng.uniform(rows * groups, -1.0, 1.0))
+                    .unwrap();
+                let mut od = s.alloc_zeros::<f32>(rows * hidden).unwrap();
+                let (x, g) = (addr(&xd, &s), addr(&gd, &s));
+                let o = addr_mut(&mut od, &s);
+                let mut outs = Vec::new();
+                let mut times = Vec::new();
+                for qs in [&qc, &qt] {
+                    qs[0].launch(false, x, g, o, rows).unwrap();
+                    outs.push(s.clone_dtoh(&od).unwrap());
+                    let per = (2 * copies).clamp(8, 64);
+                    let t = time_graph(&cuda, per, &mut |i| {
+                        qs[i % copies].launch(false, x, g, o, rows)
+                    })
+                    .unwrap();
+                    times.push(t);
+                }
+                let wide: Vec<f64> = outs[0].iter().map(|&v| v as f64).collect();
+                let diff = gdn::relative_error(&outs[1], &wide);
+                let floor = q.bytes() as f64 / 4.2e12;
+                let line = format!(
+                    "| {} | {rows} | {:.2} | {:.2} | {:.2} | {:.2} | {diff:.1e} |",
+                    p.name(),
+                    times[0] * 1e6,
+                    times[1] * 1e6,
+                    times[0] / times[1],
+                    times[1] / floor
+                );
+                eprintln!("{line}");
+                table.push(line);
+                assert!(
+                    diff < 1e-5,
+                    "{p:?} rows {rows}: tensor against CUDA cores {diff:.2e}"
+                );
+            }
+        }
+        println!("| packing | rows | CUDA cores us | tensor cores us | speed-up | tensor / floor (4.2 TB/s) | relative difference |");
+        println!("|---|---|---|---|---|---|---|");
         for l in table {
             println!("{l}");
         }

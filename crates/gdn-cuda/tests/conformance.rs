@@ -646,8 +646,9 @@ fn speculative_steps_are_bitwise_the_two_pass_flow_in_every_pool_kind() {
 }
 
 /// The quantized out_proj's device entries give the host path's bits, and a row's bits do not depend on the
-/// rest of the call (a decode call's one-token tile against the eight-token tile of a larger call): every
-/// packing, both paths, at n 6144 over 9 rows (a tile and a remainder).
+/// rest of the call among calls on the same kernel (calls of `QuantTune::mma_from` rows or more run on tensor
+/// cores: rows 0..4, 4..8 and 5..9 as calls of their own against the 9-row call): every packing, both paths, at
+/// n 6144 over 9 rows (a token tile and a remainder).
 #[test]
 fn quant_device_entries_and_tiles_agree_bitwise() {
     use gdn::quant::{OutProj, Packing, QuantWeights};
@@ -672,6 +673,12 @@ fn quant_device_entries_and_tiles_agree_bitwise() {
     let gs = gdn::quant::group_sums(&y);
     buf[4 * p..4 * p + gs.len()].copy_from_slice(&gs);
     let s = cuda.stream();
+    let part = gdn_cuda::quant::QuantTune::DEFAULT.mma_from;
+    // the part calls (4 rows) and the whole call (9) run on the same kernel
+    assert!(
+        part <= 4 || part > 9,
+        "mma_from {part} splits the test's calls"
+    );
     for pk in Packing::ALL {
         let q = QuantWeights::quantize(&w, hidden, n, pk).unwrap();
         let mut prod = cuda.load_out_proj(&q).unwrap();
@@ -679,27 +686,31 @@ fn quant_device_entries_and_tiles_agree_bitwise() {
         prod.product_planes(&buf, &lay, &mut all).unwrap();
         let mut all_shift = vec![0.0f32; rows * hidden];
         prod.product_shift(&y, rows, &mut all_shift).unwrap();
-        for r in [0, 4, 8] {
-            let one_lay = gdn::OutputLayout::for_rows(&sh, 1, Some(n)).unwrap();
-            let mut one = vec![0.0f32; one_lay.len()];
-            one[..n].copy_from_slice(&y[r * n..(r + 1) * n]);
-            for k in 1..4 {
-                one[k * n..(k + 1) * n].copy_from_slice(&buf[k * p + r * n..k * p + (r + 1) * n]);
+        let k = 4;
+        for r in [0, 4, 5] {
+            let part_lay = gdn::OutputLayout::for_rows(&sh, k, Some(k * n)).unwrap();
+            let mut sub = vec![0.0f32; part_lay.len()];
+            for j in 0..4 {
+                sub[j * k * n..(j + 1) * k * n]
+                    .copy_from_slice(&buf[j * p + r * n..j * p + (r + k) * n]);
             }
-            one[4 * n..4 * n + n / 16].copy_from_slice(&gs[r * (n / 16)..(r + 1) * (n / 16)]);
-            let mut o = vec![0.0f32; hidden];
-            prod.product_planes(&one, &one_lay, &mut o).unwrap();
+            let g = n / 16;
+            sub[4 * k * n..4 * k * n + k * g].copy_from_slice(&gs[r * g..(r + k) * g]);
+            let mut o = vec![0.0f32; k * hidden];
+            prod.product_planes(&sub, &part_lay, &mut o).unwrap();
             assert_eq!(
                 bits(&o),
-                bits(&all[r * hidden..(r + 1) * hidden]),
-                "{pk:?} row {r}: alone against inside the call"
+                bits(&all[r * hidden..(r + k) * hidden]),
+                "{pk:?} rows {r}..{}: alone against inside the call",
+                r + k
             );
-            prod.product_shift(&y[r * n..(r + 1) * n], 1, &mut o)
+            prod.product_shift(&y[r * n..(r + k) * n], k, &mut o)
                 .unwrap();
             assert_eq!(
                 bits(&o),
-                bits(&all_shift[r * hidden..(r + 1) * hidden]),
-                "{pk:?} row {r}: shift path alone against inside the call"
+                bits(&all_shift[r * hidden..(r + k) * hidden]),
+                "{pk:?} rows {r}..{}: shift path alone against inside the call",
+                r + k
             );
         }
         // the device entries on device buffers

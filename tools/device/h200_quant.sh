@@ -1,0 +1,30 @@
+#!/bin/bash
+# The quantized out_proj's closing run in one call: the crate's product tests (odd widths, both kernels), the
+# conformance suite's out_proj tests, compute-sanitizer memcheck on the odd widths, the tensor-core kernel against
+# the CUDA-core kernels at the seed's out_proj (`quant_mma_sweep`), then `gdn bench --backend cuda --out-proj 5120`.
+# Prepared on a build machine: `cargo test --release -p gdn-cuda --no-run` and `cargo build --release -p gdn-cli`,
+# the unit-test binary as gdn_cuda, tests/conformance.rs's as conformance and target/release/gdn as gdn, stripped
+# and xz-compressed into .devbin/quant. device run from the repo root, carry [".devbin/quant"]:
+#   bash tools/device/h200_quant.sh   (BENCH=0 skips the CLI's tail table)
+set -u
+. tools/device/setup.sh
+Q=.devbin/quant
+for f in $Q/*.xz; do xz -dkf "$f"; chmod +x "${f%.xz}"; done
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee -a "$S"
+stamp "unit tests (quant)"
+timeout 200 $Q/gdn_cuda quant:: 2>&1 | tail -5 | tee -a "$S"
+stamp "conformance out_proj"
+timeout 200 $Q/conformance out_proj quant_device 2>&1 | grep -E "test |result" | tee -a "$S"
+stamp "memcheck odd widths"
+timeout 200 compute-sanitizer --tool memcheck $Q/gdn_cuda odd_widths 2>&1 | grep -E "ERROR SUMMARY|test result" | tee -a "$S"
+stamp "quant_mma_sweep"
+timeout 240 $Q/gdn_cuda quant_mma_sweep --ignored --nocapture >"$OUT/mma_sweep.txt" 2>&1
+echo "rc $?" | tee -a "$S"
+if [ "${BENCH:-1}" = 1 ]; then
+  stamp "gdn bench out-proj"
+  timeout 200 $Q/gdn bench --backend cuda --out-proj 5120 >"$OUT/bench_out_proj.txt" 2>&1
+  echo "rc $?" | tee -a "$S"
+fi
+stamp done
+cat "$S"
+grep -E '^\|' "$OUT/mma_sweep.txt"
