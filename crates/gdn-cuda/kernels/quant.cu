@@ -402,11 +402,18 @@ ENTRY1(q1_shift_2, 2, true)
 // accumulator (lo, mid, hi), which then takes the group's scale and zero term in f32 as above: acc = fma(-zs,
 // gsum, fma(scale, p, acc)), groups in increasing order. The planes path's B is the shift path's times a power
 // of two per column, so the two give the same bits. A block of QM_WARPS warps owns 16 rows a warp and a tile of
-// 16 tokens (two n-tiles); the split activations of a chunk of QM_KC groups go through shared memory (double
+// 8 QM_NT tokens (QM_NT n-tiles); the split activations of a chunk of QM_KC groups go through shared memory (double
 // buffered), the next chunk's fields, scales and zero terms are loaded while this one is summed.
+#ifndef QM_WARPS
 #define QM_WARPS 8
-#define QM_TOK 16
-#define QM_KC 8
+#endif
+#ifndef QM_NT
+#define QM_NT 2
+#endif
+#define QM_TOK (8 * QM_NT)
+// blocks an SM ptxas is asked for: 128 registers a thread, but 170 for blocks of 2 warps and about 255 for 4 n-tiles
+#define QM_BLOCKS (QM_NT >= 4 ? 8 / QM_WARPS : QM_WARPS == 2 ? 6 : 16 / QM_WARPS)
+#define QM_KC 6
 // (a shared row of a part: a chunk's KC * 16 bf16 + 8 of padding (32-bit words: 8 KC + 4), so that the 8 tokens x 4
 // column pairs a fragment load reads fall in 32 distinct banks)
 
@@ -493,7 +500,8 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
     constexpr int PER_TOK = KC * 4;  // float4s a token a chunk
     constexpr int NT = QM_WARPS * 32;
     float4 xv[(QM_TOK * PER_TOK + NT - 1) / NT];
-    float gv = 0.0f;
+    constexpr int GV = (QM_TOK * KC + NT - 1) / NT;
+    float gv[GV];
     auto load_x = [&](int c) {
 #pragma unroll
         for (int i = 0; i < (QM_TOK * PER_TOK + NT - 1) / NT; i++) {
@@ -504,9 +512,13 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
             if (e < QM_TOK * PER_TOK && t0 + tok < tokens && g < groups)
                 xv[i] = __ldg(reinterpret_cast<const float4*>(x + (size_t)(t0 + tok) * n + 16 * c * KC) + col4);
         }
-        if (threadIdx.x < QM_TOK * KC) {
-            const int tok = threadIdx.x / KC, g = c * KC + threadIdx.x % KC;
-            gv = (t0 + tok < tokens && g < groups) ? __ldg(gsum + (size_t)(t0 + tok) * groups + g) : 0.0f;
+#pragma unroll
+        for (int i = 0; i < GV; i++) {
+            const int e = threadIdx.x + i * NT;
+            const int tok = e / KC, g = c * KC + e % KC;
+            gv[i] = (e < QM_TOK * KC && t0 + tok < tokens && g < groups)
+                        ? __ldg(gsum + (size_t)(t0 + tok) * groups + g)
+                        : 0.0f;
         }
     };
     auto store_x = [&](int b) {
@@ -532,7 +544,11 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
                         make_uint2(h[p][0] | (h[p][1] << 16), h[p][2] | (h[p][3] << 16));
             }
         }
-        if (threadIdx.x < QM_TOK * KC) gss[b][threadIdx.x / KC][threadIdx.x % KC] = gv;
+#pragma unroll
+        for (int i = 0; i < GV; i++) {
+            const int e = threadIdx.x + i * NT;
+            if (e < QM_TOK * KC) gss[b][e / KC][e % KC] = gv[i];
+        }
     };
 
     // a chunk's words (pair 0 and pair 1 of each row), scales and zero terms, in registers; group j's slot is
@@ -558,9 +574,9 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
         }
     };
 
-    float acc[2][4];
+    float acc[QM_NT][4];
 #pragma unroll
-    for (int t = 0; t < 2; t++)
+    for (int t = 0; t < QM_NT; t++)
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[t][i] = 0.0f;
 
@@ -584,7 +600,7 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
             if (c + 1 < chunks) load_w(c + 1, j);
             if (c * KC + j < groups) {
 #pragma unroll
-                for (int t = 0; t < 2; t++) {
+                for (int t = 0; t < QM_NT; t++) {
                     // B: token 8 t + g8, columns 2q, 2q + 1 (b0) and 2q + 8, 2q + 9 (b1) of group j
                     float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -605,7 +621,7 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
         __syncthreads();
     }
 #pragma unroll
-    for (int t = 0; t < 2; t++)
+    for (int t = 0; t < QM_NT; t++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int tok = t0 + 8 * t + 2 * q + (i & 1), row = m0 + g8 + 8 * (i >> 1);
@@ -614,7 +630,7 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
 }
 
 #define ENTRYM(name, PACK, SHIFT)                                                                             \
-    extern "C" __global__ void __launch_bounds__(32 * QM_WARPS, 2)                                            \
+    extern "C" __global__ void __launch_bounds__(32 * QM_WARPS, QM_BLOCKS)                                      \
         name(const u32* __restrict__ words, const float* __restrict__ scale, const float* __restrict__ zs,   \
              const float* __restrict__ x, const float* __restrict__ gsum, float* __restrict__ out, int hidden, \
              int n, int tokens) {                                                                             \

@@ -48,6 +48,10 @@ pub struct QuantTune {
     /// Calls of this many rows or more on the tensor-core kernel `qm_*` (`usize::MAX`: never). Unlike the fields
     /// above this changes bits: `qm_*` sums a group's 16 products on tensor cores, in an order of its own.
     pub mma_from: usize,
+    /// The tensor-core kernel's block: warps (16 rows each; 2, 4 or 8) and n-tiles (8 tokens each; 1 to 4). No
+    /// bit depends on them.
+    pub mma_warps: usize,
+    pub mma_ntiles: usize,
 }
 
 impl QuantTune {
@@ -62,6 +66,8 @@ impl QuantTune {
         stream_hint: true,
         one_kernel: true,
         mma_from: usize::MAX,
+        mma_warps: 8,
+        mma_ntiles: 2,
     };
 }
 
@@ -77,9 +83,16 @@ pub fn compiled_quant(arch: (i32, i32), tt: usize) -> Result<Arc<Compiled>> {
     compiled_quant_with(arch, tt, &QuantTune::DEFAULT)
 }
 
-/// The same under `tune` (which only the TT 1 module's `q1_*` kernels read).
+/// The same under `tune` (the TT 1 module's `q1_*` kernels read its one-token shape, the other module's `qm_*`
+/// kernels its tensor-core block).
 pub fn compiled_quant_with(arch: (i32, i32), tt: usize, tune: &QuantTune) -> Result<Arc<Compiled>> {
     let mut src = format!("#define ROWS {ROWS}\n#define TT {tt}\n");
+    if tt != 1 {
+        src += &format!(
+            "#define QM_WARPS {}\n#define QM_NT {}\n",
+            tune.mma_warps, tune.mma_ntiles
+        );
+    }
     if tt == 1 {
         for k in 0..3 {
             src += &format!(
@@ -190,23 +203,24 @@ fn grid(hidden: usize, tokens: usize) -> Result<LaunchConfig> {
     })
 }
 
-/// Rows and tokens a `qm_*` block takes (the kernel's 16 QM_WARPS and QM_TOK), its threads.
-const QM_ROWS: usize = 128;
-const QM_TOK: usize = 16;
-const QM_THREADS: u32 = 256;
-
-/// The tensor-core kernel's grid over `tokens` rows and `hidden` outputs.
-fn mma_grid(hidden: usize, tokens: usize) -> Result<LaunchConfig> {
-    let y = tokens.div_ceil(QM_TOK);
+/// The tensor-core kernel's grid over `tokens` rows and `hidden` outputs: blocks of `mma_warps` warps, 16
+/// outputs a warp, 8 `mma_ntiles` tokens a block.
+fn mma_grid(hidden: usize, tokens: usize, tune: &QuantTune) -> Result<LaunchConfig> {
+    let tok = 8 * tune.mma_ntiles;
+    let y = tokens.div_ceil(tok);
     if y > 65535 {
         return Err(Error::Param {
             name: "rows",
-            why: format!("{tokens} rows: at most {} a call", 65535 * QM_TOK),
+            why: format!("{tokens} rows: at most {} a call", 65535 * tok),
         });
     }
     Ok(LaunchConfig {
-        grid_dim: (int(hidden.div_ceil(QM_ROWS), "hidden")? as u32, y as u32, 1),
-        block_dim: (QM_THREADS, 1, 1),
+        grid_dim: (
+            int(hidden.div_ceil(16 * tune.mma_warps), "hidden")? as u32,
+            y as u32,
+            1,
+        ),
+        block_dim: ((32 * tune.mma_warps) as u32, 1, 1),
         shared_mem_bytes: 0,
     })
 }
@@ -270,11 +284,16 @@ impl Cuda {
     /// The same, the one-token kernel launched under `tune` (the same bits under any: for benchmarks, tests).
     pub fn load_out_proj_with(&self, w: &QuantWeights, tune: QuantTune) -> Result<CudaOutProj> {
         let bad = |v: &[usize; 3], hi: usize| v.iter().any(|&r| r == 0 || r > hi);
-        if bad(&tune.rows, 8) || bad(&tune.depth, 12) || !(1..=8).contains(&tune.blocks_per_sm) {
+        if bad(&tune.rows, 8)
+            || bad(&tune.depth, 12)
+            || !(1..=8).contains(&tune.blocks_per_sm)
+            || ![2, 4, 8].contains(&tune.mma_warps)
+            || !(1..=4).contains(&tune.mma_ntiles)
+        {
             return Err(Error::Param {
                 name: "tune",
                 why: format!(
-                    "{tune:?}: rows 1 to 8, depth 1 to 12, blocks a multiprocessor 1 to 8"
+                    "{tune:?}: rows 1 to 8, depth 1 to 12, blocks a multiprocessor 1 to 8, mma warps 2, 4 or 8, mma n-tiles 1 to 4"
                 ),
             });
         }
@@ -404,7 +423,7 @@ impl CudaOutProj {
                 } else {
                     &planes[pack_index(p)]
                 },
-                mma_grid(hidden, tokens)?,
+                mma_grid(hidden, tokens, &self.tune)?,
             ),
             (Some((planes1, shift1)), None) => (
                 if shift {
@@ -904,6 +923,7 @@ mod tests {
             stream_hint: false,
             one_kernel: true,
             mma_from: 4,
+            ..QuantTune::DEFAULT
         };
         let mut rng = gdn::synth::Synth::new(17);
         for h_v in [3usize, 130, 600, 800] {
@@ -1036,6 +1056,7 @@ mod tests {
             stream_hint: true,
             one_kernel: true,
             mma_from: 4,
+            ..QuantTune::DEFAULT
         };
         let with = |f: &dyn Fn(&mut QuantTune)| {
             let mut t = one;
@@ -1145,9 +1166,10 @@ mod tests {
     }
 
     /// The tensor-core kernel against the CUDA-core kernels at the seed's out_proj (n 6144 -> 5120), on the device
-    /// (`--ignored --nocapture`): for every packing and row count, both outputs' relative L2 difference (within
-    /// 1e-5) and their times per call (CUDA graphs, weights rotated over 256 MiB of copies), as a table. For
-    /// choosing [`QuantTune::DEFAULT`]'s `mma_from`.
+    /// (`--ignored --nocapture`): for every packing and row count, the tensor-core kernel under several blocks
+    /// (warps x n-tiles; the same bits under all, asserted) against the CUDA-core kernels (relative L2 difference
+    /// within 1e-5), times per call (CUDA graphs, weights rotated over 256 MiB of copies), as a table. For
+    /// choosing [`QuantTune::DEFAULT`]'s `mma_from` and block.
     #[test]
     #[ignore]
     fn quant_mma_sweep() {
@@ -1166,26 +1188,34 @@ mod tests {
             mma_from: usize::MAX,
             ..QuantTune::DEFAULT
         };
-        let tensor = QuantTune {
-            mma_from: 1,
-            one_kernel: false,
-            ..QuantTune::DEFAULT
-        };
+        let shapes = [(8, 2), (8, 1), (4, 1), (4, 2), (2, 1), (8, 4)];
+        let mut tunes = vec![cores];
+        for (mma_warps, mma_ntiles) in shapes {
+            tunes.push(QuantTune {
+                mma_from: 1,
+                one_kernel: false,
+                mma_warps,
+                mma_ntiles,
+                ..QuantTune::DEFAULT
+            });
+        }
         let s = cuda.stream.clone();
         let mut table = Vec::new();
         for p in Packing::ALL {
             let q = QuantWeights::quantize(&w, hidden, n, p).unwrap();
             let copies = (256usize << 20).div_ceil(q.bytes()).max(1);
             let words = device_words(&q);
-            let load = |t: QuantTune| -> Vec<CudaOutProj> {
-                (0..copies)
-                    .map(|_| {
-                        cuda.load_words(q.shape(), &words, q.scales(), q.zero_terms(), t)
-                            .unwrap()
-                    })
-                    .collect()
-            };
-            let (qc, qt) = (load(cores), load(tensor));
+            let sets: Vec<Vec<CudaOutProj>> = tunes
+                .iter()
+                .map(|t| {
+                    (0..copies)
+                        .map(|_| {
+                            cuda.load_words(q.shape(), &words, q.scales(), q.zero_terms(), *t)
+                                .unwrap()
+                        })
+                        .collect()
+                })
+                .collect();
             for rows in [1usize, 4, 8, 16, 64, 256, 512] {
                 let xd = s.clone_htod(&rng.uniform(rows * n, -1.0, 1.0)).unwrap();
                 let gd = s
@@ -1196,7 +1226,7 @@ mod tests {
                 let o = addr_mut(&mut od, &s);
                 let mut outs = Vec::new();
                 let mut times = Vec::new();
-                for qs in [&qc, &qt] {
+                for qs in &sets {
                     qs[0].launch(false, x, g, o, rows).unwrap();
                     outs.push(s.clone_dtoh(&od).unwrap());
                     let per = (2 * copies).clamp(8, 64);
@@ -1204,18 +1234,27 @@ mod tests {
                         qs[i % copies].launch(false, x, g, o, rows)
                     })
                     .unwrap();
-                    times.push(t);
+                    times.push(t * 1e6);
                 }
                 let wide: Vec<f64> = outs[0].iter().map(|&v| v as f64).collect();
                 let diff = gdn::relative_error(&outs[1], &wide);
-                let floor = q.bytes() as f64 / 4.2e12;
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                for (k, o) in outs.iter().enumerate().skip(2) {
+                    assert!(
+                        bits(o) == bits(&outs[1]),
+                        "{p:?} rows {rows}: block {:?} changes bits",
+                        shapes[k - 1]
+                    );
+                }
+                let best = times[1..].iter().copied().fold(f64::INFINITY, f64::min);
+                let floor = q.bytes() as f64 / 4.2e12 * 1e6;
+                let cols: Vec<String> = times.iter().map(|t| format!("{t:.2}")).collect();
                 let line = format!(
-                    "| {} | {rows} | {:.2} | {:.2} | {:.2} | {:.2} | {diff:.1e} |",
+                    "| {} | {rows} | {} | {:.2} | {:.2} | {diff:.1e} |",
                     p.name(),
-                    times[0] * 1e6,
-                    times[1] * 1e6,
-                    times[0] / times[1],
-                    times[1] / floor
+                    cols.join(" | "),
+                    times[0] / best,
+                    best / floor
                 );
                 eprintln!("{line}");
                 table.push(line);
@@ -1225,8 +1264,15 @@ mod tests {
                 );
             }
         }
-        println!("| packing | rows | CUDA cores us | tensor cores us | speed-up | tensor / floor (4.2 TB/s) | relative difference |");
-        println!("|---|---|---|---|---|---|---|");
+        let heads: Vec<String> = shapes
+            .iter()
+            .map(|(w, t)| format!("tensor {w} warps x {t} n-tiles us"))
+            .collect();
+        println!(
+            "| packing | rows | CUDA cores us | {} | speed-up (best) | best / floor (4.2 TB/s) | relative difference |",
+            heads.join(" | ")
+        );
+        println!("|{}", "---|".repeat(7 + shapes.len()));
         for l in table {
             println!("{l}");
         }

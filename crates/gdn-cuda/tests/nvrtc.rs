@@ -431,9 +431,24 @@ fn quant_kernels_compile() {
     if !nvrtc_or_skip("quant_kernels_compile") {
         return;
     }
-    for tt in gdn_cuda::quant::TILES {
-        let c = gdn_cuda::quant::compiled_quant((9, 0), tt).unwrap();
-        eprintln!("TT {tt}:");
+    use gdn_cuda::quant::{QuantTune, TILES};
+    // the default module pair, then the tensor-core kernel's other blocks (warps x n-tiles) in the TT 8 module
+    let mut cases: Vec<(usize, QuantTune)> =
+        TILES.iter().map(|&tt| (tt, QuantTune::DEFAULT)).collect();
+    for (mma_warps, mma_ntiles) in [(8, 1), (4, 1), (4, 2), (2, 1), (8, 4)] {
+        let t = QuantTune {
+            mma_warps,
+            mma_ntiles,
+            ..QuantTune::DEFAULT
+        };
+        cases.push((TILES[1], t));
+    }
+    for (tt, tune) in cases {
+        let c = gdn_cuda::quant::compiled_quant_with((9, 0), tt, &tune).unwrap();
+        eprintln!(
+            "TT {tt}, tensor-core block {} x {}:",
+            tune.mma_warps, tune.mma_ntiles
+        );
         let report: Vec<&str> = c
             .log
             .lines()
