@@ -180,20 +180,23 @@ __device__ __forceinline__ void product(const u32* __restrict__ words, const flo
         }
 }
 
-#define ENTRY(name, PACK, SHIFT)                                                                              \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                                  \
+// The six entries (planes / shift x packing) of a product body taking the token count; launch bounds last.
+#define ENTRY(name, FN, PACK, SHIFT, ...)                                                                     \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__)                                                 \
         name(const u32* __restrict__ words, const float* __restrict__ scale, const float* __restrict__ zs,   \
              const float* __restrict__ x, const float* __restrict__ gsum, float* __restrict__ out, int hidden, \
              int n, int tokens) {                                                                             \
-        product<PACK, SHIFT>(words, scale, zs, x, gsum, out, hidden, n, tokens);                              \
+        FN<PACK, SHIFT>(words, scale, zs, x, gsum, out, hidden, n, tokens);                                   \
     }
+#define ENTRIES(P, FN, ...)                                    \
+    ENTRY(P##_planes_0, FN, 0, false, __VA_ARGS__)             \
+    ENTRY(P##_planes_1, FN, 1, false, __VA_ARGS__)             \
+    ENTRY(P##_planes_2, FN, 2, false, __VA_ARGS__)             \
+    ENTRY(P##_shift_0, FN, 0, true, __VA_ARGS__)               \
+    ENTRY(P##_shift_1, FN, 1, true, __VA_ARGS__)               \
+    ENTRY(P##_shift_2, FN, 2, true, __VA_ARGS__)
 
-ENTRY(q_planes_0, 0, false)
-ENTRY(q_planes_1, 1, false)
-ENTRY(q_planes_2, 2, false)
-ENTRY(q_shift_0, 0, true)
-ENTRY(q_shift_1, 1, true)
-ENTRY(q_shift_2, 2, true)
+ENTRIES(q, product, 32 * WARPS)
 
 #if TT == 1
 #ifndef R1_0
@@ -629,20 +632,7 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
         }
 }
 
-#define ENTRYM(name, PACK, SHIFT)                                                                             \
-    extern "C" __global__ void __launch_bounds__(32 * QM_WARPS, QM_BLOCKS)                                      \
-        name(const u32* __restrict__ words, const float* __restrict__ scale, const float* __restrict__ zs,   \
-             const float* __restrict__ x, const float* __restrict__ gsum, float* __restrict__ out, int hidden, \
-             int n, int tokens) {                                                                             \
-        product_mma<PACK, SHIFT>(words, scale, zs, x, gsum, out, hidden, n, tokens);                          \
-    }
-
-ENTRYM(qm_planes_0, 0, false)
-ENTRYM(qm_planes_1, 1, false)
-ENTRYM(qm_planes_2, 2, false)
-ENTRYM(qm_shift_0, 0, true)
-ENTRYM(qm_shift_1, 1, true)
-ENTRYM(qm_shift_2, 2, true)
+ENTRIES(qm, product_mma, 32 * QM_WARPS, QM_BLOCKS)
 #endif
 
 // The shift path's own pass: group sums of y [rows][n] as the step writes them (even columns' sum plus odd

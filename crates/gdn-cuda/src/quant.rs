@@ -92,8 +92,7 @@ pub fn compiled_quant_with(arch: (i32, i32), tt: usize, tune: &QuantTune) -> Res
             "#define QM_WARPS {}\n#define QM_NT {}\n",
             tune.mma_warps, tune.mma_ntiles
         );
-    }
-    if tt == 1 {
+    } else {
         for k in 0..3 {
             src += &format!(
                 "#define R1_{k} {}\n#define D1_{k} {}\n",
@@ -416,32 +415,15 @@ impl CudaOutProj {
             Some(f) if tokens >= self.tune.mma_from && one.is_none() => Some(f),
             _ => None,
         };
-        let (f, cfg) = match (one, mma) {
-            (_, Some((planes, shift_k))) => (
-                if shift {
-                    &shift_k[pack_index(p)]
-                } else {
-                    &planes[pack_index(p)]
-                },
-                mma_grid(hidden, tokens, &self.tune)?,
-            ),
-            (Some((planes1, shift1)), None) => (
-                if shift {
-                    &shift1[pack_index(p)]
-                } else {
-                    &planes1[pack_index(p)]
-                },
+        let ((planes, shift_k), cfg) = match (one, mma) {
+            (_, Some((pl, sh))) => ((pl, sh), mma_grid(hidden, tokens, &self.tune)?),
+            (Some((pl, sh)), None) => (
+                (pl, sh),
                 one_grid(p, hidden, n, self.cuda.multiprocessors(), &self.tune)?,
             ),
-            (None, None) => (
-                if shift {
-                    &k.shift[pack_index(p)]
-                } else {
-                    &k.planes[pack_index(p)]
-                },
-                grid(hidden, tokens)?,
-            ),
+            (None, None) => ((&k.planes, &k.shift), grid(hidden, tokens)?),
         };
+        let f = &if shift { shift_k } else { planes }[pack_index(p)];
         let (hidden, n, tokens) = (int(hidden, "hidden")?, int(n, "n")?, int(tokens, "rows")?);
         let mut b = s.launch_builder(f);
         b.arg(&w)
@@ -1025,23 +1007,45 @@ mod tests {
         }
     }
 
+    /// The sweeps' device, seed out_proj shape (hidden 5120, n 6144) and f32 weights; None (with a message) without
+    /// a device.
+    fn sweep_setup(name: &str) -> Option<(Cuda, usize, usize, gdn::synth::Synth, Vec<f32>)> {
+        let cuda = match Cuda::new() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("{name} skipped: {e}");
+                return None;
+            }
+        };
+        let (hidden, n) = (5120, 6144);
+        let mut rng = gdn::synth::Synth::new(5);
+        let w = rng.uniform(hidden * n, -0.02, 0.02);
+        Some((cuda, hidden, n, rng, w))
+    }
+
+    /// Enough copies of `q` on the device under `tune` to span 256 MiB (products rotating over them read their
+    /// weights from memory).
+    fn rotated(cuda: &Cuda, q: &QuantWeights, tune: QuantTune) -> Vec<CudaOutProj> {
+        let copies = (256usize << 20).div_ceil(q.bytes()).max(1);
+        let words = device_words(q);
+        (0..copies)
+            .map(|_| {
+                cuda.load_words(q.shape(), &words, q.scales(), q.zero_terms(), tune)
+                    .unwrap()
+            })
+            .collect()
+    }
+
     /// The planes product at the seed's out_proj (n 6144 -> 5120) under several launch shapes, on the device
     /// (`--ignored --nocapture`): every shape's bits equal the default's, and its time per call (CUDA graphs,
     /// weights rotated over 256 MiB of copies) is printed as a table. For choosing [`QuantTune::DEFAULT`].
     #[test]
     #[ignore]
     fn quant_tune_sweep() {
-        let cuda = match Cuda::new() {
-            Ok(c) => c,
-            Err(e) => {
-                eprintln!("quant_tune_sweep skipped: {e}");
-                return;
-            }
+        let Some((cuda, hidden, n, mut rng, w)) = sweep_setup("quant_tune_sweep") else {
+            return;
         };
-        let (hidden, n) = (5120, 6144);
         let groups = n / 16;
-        let mut rng = gdn::synth::Synth::new(5);
-        let w = rng.uniform(hidden * n, -0.02, 0.02);
         let d = QuantTune::DEFAULT;
         let tiled = QuantTune {
             one_kernel: false,
@@ -1105,8 +1109,6 @@ mod tests {
         let mut table = Vec::new();
         for p in Packing::ALL {
             let q = QuantWeights::quantize(&w, hidden, n, p).unwrap();
-            let copies = (256usize << 20).div_ceil(q.bytes()).max(1);
-            let words = device_words(&q);
             for rows in [1usize, 2, 3, 8, 64] {
                 let xh = rng.uniform(rows * n, -1.0, 1.0);
                 let gh = rng.uniform(rows * groups, -1.0, 1.0);
@@ -1119,12 +1121,8 @@ mod tests {
                     if *tune != d && rows != 1 {
                         continue;
                     }
-                    let qs: Vec<CudaOutProj> = (0..copies)
-                        .map(|_| {
-                            cuda.load_words(q.shape(), &words, q.scales(), q.zero_terms(), *tune)
-                                .unwrap()
-                        })
-                        .collect();
+                    let qs = rotated(&cuda, &q, *tune);
+                    let copies = qs.len();
                     let (x, g) = (addr(&xd, &s), addr(&gd, &s));
                     let o = addr_mut(&mut od, &s);
                     qs[0].launch(false, x, g, o, rows).unwrap();
@@ -1173,17 +1171,10 @@ mod tests {
     #[test]
     #[ignore]
     fn quant_mma_sweep() {
-        let cuda = match Cuda::new() {
-            Ok(c) => c,
-            Err(e) => {
-                eprintln!("quant_mma_sweep skipped: {e}");
-                return;
-            }
+        let Some((cuda, hidden, n, mut rng, w)) = sweep_setup("quant_mma_sweep") else {
+            return;
         };
-        let (hidden, n) = (5120, 6144);
         let groups = n / 16;
-        let mut rng = gdn::synth::Synth::new(5);
-        let w = rng.uniform(hidden * n, -0.02, 0.02);
         let cores = QuantTune {
             mma_from: usize::MAX,
             ..QuantTune::DEFAULT
@@ -1203,19 +1194,9 @@ mod tests {
         let mut table = Vec::new();
         for p in Packing::ALL {
             let q = QuantWeights::quantize(&w, hidden, n, p).unwrap();
-            let copies = (256usize << 20).div_ceil(q.bytes()).max(1);
-            let words = device_words(&q);
-            let sets: Vec<Vec<CudaOutProj>> = tunes
-                .iter()
-                .map(|t| {
-                    (0..copies)
-                        .map(|_| {
-                            cuda.load_words(q.shape(), &words, q.scales(), q.zero_terms(), *t)
-                                .unwrap()
-                        })
-                        .collect()
-                })
-                .collect();
+            let sets: Vec<Vec<CudaOutProj>> =
+                tunes.iter().map(|t| rotated(&cuda, &q, *t)).collect();
+            let copies = sets[0].len();
             for rows in [1usize, 4, 8, 16, 64, 256, 512] {
                 let xd = s.clone_htod(&rng.uniform(rows * n, -1.0, 1.0)).unwrap();
                 let gd = s
