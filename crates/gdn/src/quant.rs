@@ -255,23 +255,19 @@ impl QuantWeights {
         let mut tmp = vec![0.0f32; hidden * r_n];
         #[cfg(target_arch = "x86_64")]
         if !shift && std::arch::is_x86_feature_detected!("avx512f") {
-            // columns in blocks of 64 groups, so that a block of every token's activations (8 tokens x 1024
-            // values: 32 KiB) stays in L1 while a chunk of weight rows streams past it
-            // (one or two tokens: no blocking, each weight row streams in one piece)
-            let colb = if r_n <= 2 { groups } else { 64 };
-            // a 16-bit packing's fields in the upper half of a u32 carry an extra 2^16: the activations take the
-            // 2^-16 once here (exact: a power of two), not every group of every weight row
-            let folded: Vec<f32>;
-            let x = match avx512::lane_scale(self.packing) {
-                Some(l) => {
-                    folded = x.iter().enumerate().map(|(i, &v)| v * l[i % 16]).collect();
-                    &folded[..]
-                }
-                None => x,
+            // one or two tokens: each weight row streams in one piece; more: words in blocks of 64 groups, so
+            // that a block of every token's activations (8 tokens x 1024 values: 32 KiB) stays in L1 while a
+            // chunk of weight rows streams past it
+            let all = avx512::words(self.packing, n);
+            let width = if r_n <= 2 {
+                all.div_ceil(64) * 64
+            } else {
+                64 * 16 * self.packing.bits() as usize / 32
             };
+            let xt = avx512::layout(self.packing, x, n, width);
             tmp.par_chunks_mut(CHUNK * r_n)
                 .enumerate()
-                .for_each(|(c, block)| {
+                .for_each(|(c, chunk)| {
                     let o0 = c * CHUNK;
                     let bytes_of = |o: usize| -> &[u8] {
                         match &self.words {
@@ -279,12 +275,14 @@ impl QuantWeights {
                             Words::U32(w) => bytemuck::cast_slice(&w[o * wpr..(o + 1) * wpr]),
                         }
                     };
-                    for g0 in (0..groups).step_by(colb) {
-                        let g1 = (g0 + colb).min(groups);
-                        for (i, acc_row) in block.chunks_exact_mut(r_n).enumerate() {
+                    // a block of 8 tokens' activations stays in L1 while the chunk's rows stream past it
+                    for (jb, t0) in (0..all.div_ceil(width))
+                        .flat_map(|jb| (0..r_n).step_by(8).map(move |t0| (jb, t0)))
+                    {
+                        for (i, acc_row) in chunk.chunks_exact_mut(r_n).enumerate() {
                             let o = o0 + i;
                             // one or two tokens: the next weight row's words, scales and zero terms fetched into
-                            // L1 while this one is summed (8-bit B 1 1.7x faster on this VM's EPYC, 2-bit level)
+                            // L1 while this one is summed
                             if r_n <= 2 && o + 1 < hidden {
                                 let q = o + 1;
                                 prefetch(bytes_of(q));
@@ -296,27 +294,31 @@ impl QuantWeights {
                                 ));
                             }
                             let scale = &self.scale[o * groups..(o + 1) * groups];
-                            // SAFETY: the CPU has AVX-512F (checked above); the kernel reads the row's groups
-                            // g0..g1 of `bytes_of(o)` and `scale`, and those groups' columns of every token's row
-                            // of `x` (tokens x n), within the lengths `product_planes` checked.
+                            // SAFETY: the CPU has AVX-512F (checked above); `bytes_of(o)` is the row's packed
+                            // bytes, `scale` its groups' scales and `xt` the layout of every token's activations
+                            // for this packing, n and width, as `row_part` asks.
                             unsafe {
-                                avx512::planes_part(
+                                avx512::row_part(
                                     self.packing,
                                     bytes_of(o),
                                     scale,
-                                    x,
+                                    &xt,
                                     acc_row,
-                                    g0..g1,
+                                    width,
+                                    jb,
+                                    t0..(t0 + 8).min(r_n),
                                 )
                             };
-                        }
-                    }
-                    for (i, acc_row) in block.chunks_exact_mut(r_n).enumerate() {
-                        let o = o0 + i;
-                        let zs = &self.zs[o * groups..(o + 1) * groups];
-                        for (r, a) in acc_row.iter_mut().enumerate() {
-                            // SAFETY: as above; both slices have `groups` values
-                            *a -= unsafe { avx512::dot(zs, &gsum[r * groups..(r + 1) * groups]) };
+                            // the zero points' share once a row, while its zero terms are in cache
+                            if jb == 0 && t0 == 0 {
+                                let zs = &self.zs[o * groups..(o + 1) * groups];
+                                for (r, a) in acc_row.iter_mut().enumerate() {
+                                    // SAFETY: as above; both slices have `groups` values
+                                    *a -= unsafe {
+                                        avx512::dot(zs, &gsum[r * groups..(r + 1) * groups])
+                                    };
+                                }
+                            }
                         }
                     }
                 });
@@ -668,73 +670,55 @@ fn dots<W: Copy + Into<u32>, const F: usize, const B: u32, const SHIFT: bool>(
     }
 }
 
-/// The planes path in AVX-512: per group one load (or broadcast), a permute, a mask, a conversion, a multiply
-/// by the group's scale and one FMA per token; up to 8 tokens at a time share a group's decoded fields.
+/// The planes path in AVX-512, lanes over words: a vector holds 16 consecutive u32 words of a weight row, and
+/// field position p of every word is one mask, one conversion and one FMA per token against the activations of
+/// those 16 columns, which the call lays out once as `[token][p][word]` (transposed and folded by `layout`). A
+/// vector's sums take their groups' scales once (16 groups a vector for 2-bit fields, 4 for 8-bit), so a 16-field
+/// piece costs 3 vector operations where a group at a time cost 5 plus its scalar bookkeeping.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::Packing;
     use std::arch::x86_64::*;
 
-    /// Per lane e of a group (column 16 g + e): which u32 of the group's bytes holds its field, the mask that
-    /// keeps the field in place, and the power of two that takes a field from the upper half of a u32 back to
-    /// its u16's place value (the plane's scale covers the place within the u16).
-    fn lanes(p: Packing) -> ([i32; 16], [u32; 16], [f32; 16]) {
-        let h = 1.0 / 65536.0;
+    /// Fields per u32 word and their width: 2-bit fields 16 to a word (a group a word: two u16 side by side),
+    /// 8-bit fields 4 to a word (a group in 4 words). Word j's field p is column `P j + p` in both.
+    fn per_word(p: Packing) -> (usize, u32) {
         match p {
-            Packing::Q8U32 => (
-                std::array::from_fn(|e| (e / 4) as i32),
-                std::array::from_fn(|e| 0xffu32 << (8 * (e % 4))),
-                [1.0; 16],
-            ),
-            Packing::Q8U16 => (
-                std::array::from_fn(|e| (e / 4) as i32),
-                std::array::from_fn(|e| 0xffu32 << (8 * (e % 4))),
-                std::array::from_fn(|e| if e % 4 >= 2 { h } else { 1.0 }),
-            ),
-            Packing::Q2U16 => (
-                [0; 16],
-                std::array::from_fn(|e| 3u32 << (16 * (e / 8) + 2 * (e % 8))),
-                std::array::from_fn(|e| if e >= 8 { h } else { 1.0 }),
-            ),
+            Packing::Q2U16 => (16, 2),
+            Packing::Q8U32 | Packing::Q8U16 => (4, 8),
         }
     }
 
-    /// Adds, for every token, the planes-path dot product of the row's groups `gr` (without the zero-point
-    /// term) to `acc`.
-    ///
-    /// The per-lane powers of two the activations take for this packing (None: all 1), see `lanes`.
-    pub fn lane_scale(p: Packing) -> Option<[f32; 16]> {
-        let (_, _, l) = lanes(p);
-        l.iter().any(|&v| v != 1.0).then_some(l)
+    /// Words a row: 16 columns a word for 2-bit fields, 4 for 8-bit.
+    pub fn words(p: Packing, n: usize) -> usize {
+        n / per_word(p).0
     }
 
-    /// # Safety
-    /// The CPU has AVX-512F; `w` holds `scale.len()` groups of the packing's bytes, `x` `acc.len()` rows of
-    /// `16 scale.len()` values.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn planes_part(
-        p: Packing,
-        w: &[u8],
-        scale: &[f32],
-        x: &[f32],
-        acc: &mut [f32],
-        gr: std::ops::Range<usize>,
-    ) {
-        let r_n = acc.len();
-        let mut rb = 0;
-        while rb < r_n {
-            let left = r_n - rb;
-            // SAFETY: forwarded (the block's rows are within `acc` and `x`)
-            let nb = unsafe {
-                match left {
-                    8.. => block::<8>(p, w, scale, x, acc, rb, gr.clone()),
-                    4..=7 => block::<4>(p, w, scale, x, acc, rb, gr.clone()),
-                    2 | 3 => block::<2>(p, w, scale, x, acc, rb, gr.clone()),
-                    _ => block::<1>(p, w, scale, x, acc, rb, gr.clone()),
+    /// The activations `x` (`[tokens][n]`, the packing's plane) as the kernel reads them: in blocks of `width`
+    /// words (a multiple of 64; zeros past the row), `[block][token][p][word]`, so that one block of every token's
+    /// activations is one contiguous piece (rows of a power-of-two stride would share L1 sets); times 2^-16 where
+    /// a field sits in the upper half of a u32 that holds two u16 words (the plane's scale covers its place within
+    /// the u16; the power of two is exact).
+    pub fn layout(p: Packing, x: &[f32], n: usize, width: usize) -> Vec<f32> {
+        let (pw, _) = per_word(p);
+        let j_n = words(p, n);
+        let upper = |e: usize| match p {
+            Packing::Q2U16 => e >= 8,
+            Packing::Q8U16 => e >= 2,
+            Packing::Q8U32 => false,
+        };
+        let tokens = x.len() / n;
+        let mut out = vec![0.0f32; j_n.div_ceil(width) * tokens * pw * width];
+        for j in 0..j_n {
+            let (jb, jw) = (j / width, j % width);
+            for t in 0..tokens {
+                for e in 0..pw {
+                    let f = if upper(e) { 1.0 / 65536.0 } else { 1.0 };
+                    out[((jb * tokens + t) * pw + e) * width + jw] = x[t * n + pw * j + e] * f;
                 }
-            };
-            rb += nb;
+            }
         }
+        out
     }
 
     /// `sum a[i] b[i]` in 16 lanes (then the lanes, then the tail).
@@ -765,66 +749,120 @@ mod avx512 {
         t
     }
 
-    /// `NB` tokens from `rb` over the groups `gr`; returns `NB`.
+    /// Adds to `acc[t]`, for every token t of `tokens`, the row's sum over block `jb` of [`layout`]'s blocks of `width` words
+    /// (clipped to the row) of `scale (field x)`, without the zero-point term.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; `w` is the row's packed bytes (4 a word), `scale` its groups' scales, `xt`
+    /// [`layout`]'s activations for `acc.len()` tokens, this packing, the row's n and `width`.
     #[target_feature(enable = "avx512f")]
-    unsafe fn block<const NB: usize>(
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn row_part(
         p: Packing,
         w: &[u8],
         scale: &[f32],
-        x: &[f32],
+        xt: &[f32],
         acc: &mut [f32],
-        rb: usize,
-        gr: std::ops::Range<usize>,
+        width: usize,
+        jb: usize,
+        tokens: std::ops::Range<usize>,
+    ) {
+        let (mut t, end) = (tokens.start, tokens.end.min(acc.len()));
+        while t < end {
+            // SAFETY: forwarded; each block's tokens are within `acc` and `xt`
+            t += unsafe {
+                match (per_word(p), end - t) {
+                    ((16, _), 8..) => block::<16, 2, 8, 1>(w, scale, xt, acc, t, width, jb),
+                    ((16, _), 4..=7) => block::<16, 2, 4, 1>(w, scale, xt, acc, t, width, jb),
+                    ((16, _), 2 | 3) => block::<16, 2, 2, 2>(w, scale, xt, acc, t, width, jb),
+                    ((16, _), _) => block::<16, 2, 1, 4>(w, scale, xt, acc, t, width, jb),
+                    (_, 8..) => block::<4, 8, 8, 1>(w, scale, xt, acc, t, width, jb),
+                    (_, 4..=7) => block::<4, 8, 4, 1>(w, scale, xt, acc, t, width, jb),
+                    (_, 2 | 3) => block::<4, 8, 2, 2>(w, scale, xt, acc, t, width, jb),
+                    _ => block::<4, 8, 1, 4>(w, scale, xt, acc, t, width, jb),
+                }
+            };
+        }
+    }
+
+    /// `NB` tokens from `t0`, `U` vectors of 16 words at a time (independent FMA chains where tokens are few);
+    /// `P` fields of `B` bits a word. Returns `NB`.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn block<const P: usize, const B: u32, const NB: usize, const U: usize>(
+        w: &[u8],
+        scale: &[f32],
+        xt: &[f32],
+        acc: &mut [f32],
+        t0: usize,
+        width: usize,
+        jb: usize,
     ) -> usize {
+        let j_n = w.len() / 4;
         let groups = scale.len();
-        let n = 16 * groups;
-        let gb = if p == Packing::Q2U16 { 4 } else { 16 };
+        let tokens = acc.len();
+        let start = jb * width;
+        let end = (start + width).min(j_n);
         assert!(
-            gr.end <= groups
-                && w.len() >= groups * gb
-                && x.len() >= (rb + NB) * n
-                && acc.len() >= rb + NB
+            j_n * P == 16 * groups
+                && width.is_multiple_of(64)
+                && xt.len() >= (jb + 1) * tokens * P * width
+                && t0 + NB <= tokens
         );
-        let (idx, mask, _) = lanes(p);
-        // SAFETY: the loads below read groups within `w` (length checked above) and 64-byte pieces of rows within
-        // `x`; every intrinsic needs AVX-512F only, which the caller guarantees.
+        // this block's activations, [token][p][width]
+        let xb = xt[jb * tokens * P * width..].as_ptr();
+        // SAFETY: words are read under a lane mask that keeps j < j_n (within `w`), scales under one that keeps
+        // groups < `groups`; activations at [t][p][j - start .. + 16 U] of the block, j - start + 16 U <= width
+        // (U divides 4 and width is a multiple of 64), within `xt` (checked above); every intrinsic needs
+        // AVX-512F only, which the caller guarantees.
         unsafe {
-            let idx = _mm512_loadu_si512(idx.as_ptr().cast());
-            let mask = _mm512_loadu_si512(mask.as_ptr().cast());
-            // a token's accumulator is one FMA chain over the groups: with fewer than 4 tokens the chains alone
-            // would bound the loop by the FMA's latency (4 cycles a group at B 1), so each token gets 4 / NB
-            // chains taking the groups in turn (WAYS is a constant per NB; the inner loop unrolls to fixed
-            // indices)
-            let ways = if NB >= 4 { 1 } else { 4 / NB };
-            let mut a = [[_mm512_setzero_ps(); 4]; NB];
-            let mut g0 = gr.start;
-            while g0 < gr.end {
-                for u in 0..4 {
-                    let g = g0 + u;
-                    if u >= ways || g >= gr.end {
-                        break;
-                    }
-                    let src = w.as_ptr().add(g * gb);
-                    let raw = if gb == 4 {
-                        _mm512_set1_epi32(std::ptr::read_unaligned(src.cast::<i32>()))
+            let quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+            let mut total = [_mm512_setzero_ps(); NB];
+            let mut j0 = start;
+            while j0 < end {
+                let mut a = [[_mm512_setzero_ps(); U]; NB];
+                let mut wv = [_mm512_setzero_si512(); U];
+                let mut sc = [_mm512_setzero_ps(); U];
+                for u in 0..U {
+                    let j = j0 + 16 * u;
+                    let k: __mmask16 = if j >= j_n {
+                        0
                     } else {
-                        _mm512_permutexvar_epi32(
-                            idx,
-                            _mm512_castsi128_si512(_mm_loadu_si128(src.cast())),
+                        (((1u32 << (j_n - j).min(16)) - 1) & 0xFFFF) as __mmask16
+                    };
+                    wv[u] = _mm512_maskz_loadu_epi32(k, w.as_ptr().add(4 * j.min(j_n)).cast());
+                    sc[u] = if P == 16 {
+                        _mm512_maskz_loadu_ps(k, scale.as_ptr().add(j.min(groups)))
+                    } else {
+                        let g = (j / 4).min(groups);
+                        let kg = ((1u32 << (groups - g).min(4)) - 1) as __mmask16;
+                        _mm512_permutexvar_ps(
+                            quarter,
+                            _mm512_maskz_loadu_ps(kg, scale.as_ptr().add(g)),
                         )
                     };
-                    let f = _mm512_cvtepu32_ps(_mm512_and_si512(raw, mask));
-                    let v = _mm512_mul_ps(f, _mm512_set1_ps(*scale.get_unchecked(g)));
-                    for (t, at) in a.iter_mut().enumerate() {
-                        let xv = _mm512_loadu_ps(x.as_ptr().add((rb + t) * n + 16 * g));
-                        at[u] = _mm512_fmadd_ps(v, xv, at[u]);
+                }
+                for e in 0..P {
+                    for u in 0..U {
+                        let m = _mm512_set1_epi32((((1u32 << B) - 1) << (B as usize * e)) as i32);
+                        let f = _mm512_cvtepu32_ps(_mm512_and_si512(wv[u], m));
+                        for (t, at) in a.iter_mut().enumerate() {
+                            let xv = _mm512_loadu_ps(
+                                xb.add(((t0 + t) * P + e) * width + j0 - start + 16 * u),
+                            );
+                            at[u] = _mm512_fmadd_ps(f, xv, at[u]);
+                        }
                     }
                 }
-                g0 += ways;
+                for (tt, at) in total.iter_mut().zip(&a) {
+                    for u in 0..U {
+                        *tt = _mm512_fmadd_ps(at[u], sc[u], *tt);
+                    }
+                }
+                j0 += 16 * U;
             }
-            for (t, at) in a.iter().enumerate() {
-                let s = _mm512_add_ps(_mm512_add_ps(at[0], at[1]), _mm512_add_ps(at[2], at[3]));
-                acc[rb + t] += _mm512_reduce_add_ps(s);
+            for (t, tt) in total.iter().enumerate() {
+                acc[t0 + t] += _mm512_reduce_add_ps(*tt);
             }
         }
         NB
