@@ -876,7 +876,7 @@ mod tests {
     use crate::{plane_scale, Shape};
 
     fn planes_of(y: &[f32], rows: usize, n: usize) -> (Vec<f32>, OutputLayout) {
-        let sh = Shape::new(n / 16, 1, 16).unwrap();
+        let sh = Shape::new(16, 1, n / 16).unwrap();
         let lay = OutputLayout::for_rows(&sh, rows, Some(rows * n)).unwrap();
         let p = rows * n;
         let mut out = vec![0.0f32; lay.len()];
@@ -900,7 +900,14 @@ mod tests {
 
     #[test]
     fn planes_product_matches_the_dequantized_product_and_the_shift_path() {
-        let (hidden, n, rows) = (96, 256, 15); // 15 tokens: blocks of 8, 4, 2 and 1
+        // 15 tokens: blocks of 8, 4, 2 and 1; n 80 and 1040: a part of a vector of words, and of a column block
+        for n in [256, 80, 1040] {
+            planes_product_case(n);
+        }
+    }
+
+    fn planes_product_case(n: usize) {
+        let (hidden, rows) = (96, 15);
         let mut rng = Synth::new(4);
         let w = rng.uniform(hidden * n, -0.05, 0.05);
         let y = rng.uniform(rows * n, -2.0, 2.0);
