@@ -180,23 +180,25 @@ __device__ __forceinline__ void product(const u32* __restrict__ words, const flo
         }
 }
 
-// The six entries (planes / shift x packing) of a product body taking the token count; launch bounds last.
-#define ENTRY(name, FN, PACK, SHIFT, ...)                                                                     \
-    extern "C" __global__ void __launch_bounds__(__VA_ARGS__)                                                 \
+// The six entries (planes / shift x packing) of a product body taking the token count; an attribute (a
+// cluster's shape, or NO_ATTR), then the launch bounds.
+#define NO_ATTR
+#define ENTRY(name, FN, PACK, SHIFT, ATTR, ...)                                                               \
+    extern "C" __global__ void ATTR __launch_bounds__(__VA_ARGS__)                                            \
         name(const u32* __restrict__ words, const float* __restrict__ scale, const float* __restrict__ zs,   \
              const float* __restrict__ x, const float* __restrict__ gsum, float* __restrict__ out, int hidden, \
              int n, int tokens) {                                                                             \
         FN<PACK, SHIFT>(words, scale, zs, x, gsum, out, hidden, n, tokens);                                   \
     }
-#define ENTRIES(P, FN, ...)                                    \
-    ENTRY(P##_planes_0, FN, 0, false, __VA_ARGS__)             \
-    ENTRY(P##_planes_1, FN, 1, false, __VA_ARGS__)             \
-    ENTRY(P##_planes_2, FN, 2, false, __VA_ARGS__)             \
-    ENTRY(P##_shift_0, FN, 0, true, __VA_ARGS__)               \
-    ENTRY(P##_shift_1, FN, 1, true, __VA_ARGS__)               \
-    ENTRY(P##_shift_2, FN, 2, true, __VA_ARGS__)
+#define ENTRIES(P, FN, ATTR, ...)                              \
+    ENTRY(P##_planes_0, FN, 0, false, ATTR, __VA_ARGS__)       \
+    ENTRY(P##_planes_1, FN, 1, false, ATTR, __VA_ARGS__)       \
+    ENTRY(P##_planes_2, FN, 2, false, ATTR, __VA_ARGS__)       \
+    ENTRY(P##_shift_0, FN, 0, true, ATTR, __VA_ARGS__)         \
+    ENTRY(P##_shift_1, FN, 1, true, ATTR, __VA_ARGS__)         \
+    ENTRY(P##_shift_2, FN, 2, true, ATTR, __VA_ARGS__)
 
-ENTRIES(q, product, 32 * WARPS)
+ENTRIES(q, product, NO_ATTR, 32 * WARPS)
 
 #if TT == 1
 #ifndef R1_0
@@ -406,12 +408,18 @@ ENTRY1(q1_shift_2, 2, true)
 // gsum, fma(scale, p, acc)), groups in increasing order. The planes path's B is the shift path's times a power
 // of two per column, so the two give the same bits. A block of QM_WARPS warps owns 16 rows a warp and a tile of
 // 8 QM_NT tokens (QM_NT n-tiles); the split activations of a chunk of QM_KC groups go through shared memory (double
-// buffered), the next chunk's fields, scales and zero terms are loaded while this one is summed.
+// buffered), the next chunk's fields, scales and zero terms are loaded while this one is summed. The chunks are
+// split over the QM_SPLIT blocks of a cluster (grid z): block z sums its run of chunks from zero, and the partial
+// sums meet through distributed shared memory, added in rank order (so the bits depend on QM_SPLIT, not on the
+// block shape). Without the split a warp walked all of n alone and the call was bound by its memory latency.
 #ifndef QM_WARPS
 #define QM_WARPS 8
 #endif
 #ifndef QM_NT
 #define QM_NT 2
+#endif
+#ifndef QM_SPLIT
+#define QM_SPLIT 1
 #endif
 #define QM_TOK (8 * QM_NT)
 // blocks an SM ptxas is asked for: 128 registers a thread, but 170 for blocks of 2 warps and about 255 for 4 n-tiles
@@ -439,6 +447,23 @@ __device__ __forceinline__ void mma_bf16(float d[4], u32 a0, u32 a1, u32 a2, u32
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
+#if QM_SPLIT > 1
+__device__ __forceinline__ void qm_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// a float of block `rank`'s shared memory, at the address `p` has here
+__device__ __forceinline__ float qm_ld_cluster(const float* p, unsigned rank) {
+    unsigned local = (unsigned)__cvta_generic_to_shared(p), remote;
+    float v;
+    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+#define QM_CLUSTER __cluster_dims__(1, 1, QM_SPLIT)
+#else
+#define QM_CLUSTER
+#endif
 
 // The fields of columns 2q, 2q + 1 (pair 0) and 2q + 8, 2q + 9 (pair 1) of one row's group, q = lane & 3, as
 // floats: w0 (pair 0) and w1 (pair 1) are the u32 words holding them (2-bit: the group's u32, both).
@@ -497,7 +522,10 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
     // split activations [buffer][part][token][ROW words], group sums [buffer][token][KC]
     __shared__ u32 bs[2][3][QM_TOK][ROW];
     __shared__ float gss[2][QM_TOK][KC];
-    const int chunks = (groups + KC - 1) / KC;
+    const int chunks_all = (groups + KC - 1) / KC;
+    // this block's run of chunks
+    const int per = (chunks_all + QM_SPLIT - 1) / QM_SPLIT;
+    const int c0 = min((int)blockIdx.z * per, chunks_all), chunks = min(c0 + per, chunks_all);
 
     // staging: thread i splits 4 columns (one float4) of token i / (4 KC), KC * 16 columns a chunk
     constexpr int PER_TOK = KC * 4;  // float4s a token a chunk
@@ -583,13 +611,15 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[t][i] = 0.0f;
 
-    load_x(0);
+    if (c0 < chunks) {
+        load_x(c0);
 #pragma unroll
-    for (int j = 0; j < KC; j++) load_w(0, j);
-    store_x(0);
+        for (int j = 0; j < KC; j++) load_w(c0, j);
+        store_x(0);
+    }
     __syncthreads();
-    for (int c = 0; c < chunks; c++) {
-        const int b = c & 1;
+    for (int c = c0; c < chunks; c++) {
+        const int b = (c - c0) & 1;
         if (c + 1 < chunks) load_x(c + 1);
 #pragma unroll
         for (int j = 0; j < KC; j++) {
@@ -623,6 +653,31 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
         if (c + 1 < chunks) store_x(b ^ 1);
         __syncthreads();
     }
+#if QM_SPLIT > 1
+    // the partial sums through shared memory (the split activations' buffers: the loop ended on a barrier);
+    // block z adds, for its share of each thread's values, every block's partial in rank order
+    static_assert(sizeof(bs) >= sizeof(float) * 4 * QM_NT * 32 * QM_WARPS, "partials fit the buffers");
+    float* red = reinterpret_cast<float*>(&bs[0][0][0][0]);
+#pragma unroll
+    for (int t = 0; t < QM_NT; t++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) red[(4 * t + i) * NT + threadIdx.x] = acc[t][i];
+    qm_cluster_sync();
+#pragma unroll
+    for (int t = 0; t < QM_NT; t++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int v = 4 * t + i;
+            if (v % QM_SPLIT != (int)blockIdx.z) continue;
+            float sum = 0.0f;
+#pragma unroll
+            for (int r = 0; r < QM_SPLIT; r++) sum += qm_ld_cluster(&red[v * NT + threadIdx.x], r);
+            const int tok = t0 + 8 * t + 2 * q + (i & 1), row = m0 + g8 + 8 * (i >> 1);
+            if (tok < tokens && row < hidden) out[(size_t)tok * hidden + row] = sum;
+        }
+    // no block leaves (its shared memory) while another may still read it
+    qm_cluster_sync();
+#else
 #pragma unroll
     for (int t = 0; t < QM_NT; t++)
 #pragma unroll
@@ -630,9 +685,10 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
             const int tok = t0 + 8 * t + 2 * q + (i & 1), row = m0 + g8 + 8 * (i >> 1);
             if (tok < tokens && row < hidden) out[(size_t)tok * hidden + row] = acc[t][i];
         }
+#endif
 }
 
-ENTRIES(qm, product_mma, 32 * QM_WARPS, QM_BLOCKS)
+ENTRIES(qm, product_mma, QM_CLUSTER, 32 * QM_WARPS, QM_BLOCKS)
 #endif
 
 // The shift path's own pass: group sums of y [rows][n] as the step writes them (even columns' sum plus odd

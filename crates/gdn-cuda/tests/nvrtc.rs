@@ -435,10 +435,14 @@ fn quant_kernels_compile() {
     // the default module pair, then the tensor-core kernel's other blocks (warps x n-tiles) in the TT 8 module
     let mut cases: Vec<(usize, QuantTune)> =
         TILES.iter().map(|&tt| (tt, QuantTune::DEFAULT)).collect();
-    for (mma_warps, mma_ntiles) in [(8, 1), (4, 1), (4, 2), (2, 1), (8, 4)] {
+    // (warps, n-tiles, split over a cluster)
+    for (mma_warps, mma_ntiles, mma_split) in
+        [(8, 1, 8), (4, 1, 8), (4, 2, 4), (2, 1, 2), (8, 4, 1)]
+    {
         let t = QuantTune {
             mma_warps,
             mma_ntiles,
+            mma_split,
             ..QuantTune::DEFAULT
         };
         cases.push((TILES[1], t));
@@ -446,8 +450,8 @@ fn quant_kernels_compile() {
     for (tt, tune) in cases {
         let c = gdn_cuda::quant::compiled_quant_with((9, 0), tt, &tune).unwrap();
         eprintln!(
-            "TT {tt}, tensor-core block {} x {}:",
-            tune.mma_warps, tune.mma_ntiles
+            "TT {tt}, tensor-core block {} x {} / {}:",
+            tune.mma_warps, tune.mma_ntiles, tune.mma_split
         );
         let report: Vec<&str> = c
             .log
