@@ -5,7 +5,7 @@
 # Prepared on a build machine: `cargo test --release -p gdn-cuda --no-run` and `cargo build --release -p gdn-cli`,
 # the unit-test binary as gdn_cuda, tests/conformance.rs's as conformance and target/release/gdn as gdn, stripped
 # and xz-compressed into .devbin/quant. device run from the repo root, carry [".devbin/quant"]:
-#   bash tools/device/h200_quant.sh   (BENCH=0 skips the CLI's tail table)
+#   bash tools/device/h200_quant.sh   (BENCH=0 skips the CLI's tail table, SWEEP=0 the tensor-core sweep)
 set -u
 . tools/device/setup.sh
 Q=.devbin/quant
@@ -17,9 +17,11 @@ stamp "conformance out_proj"
 timeout 200 $Q/conformance out_proj quant_device 2>&1 | grep -E "test |result" | tee -a "$S"
 stamp "memcheck odd widths"
 timeout 200 compute-sanitizer --tool memcheck $Q/gdn_cuda odd_widths 2>&1 | grep -E "ERROR SUMMARY|test result" | tee -a "$S"
-stamp "quant_mma_sweep"
-timeout 240 $Q/gdn_cuda quant_mma_sweep --ignored --nocapture >"$OUT/mma_sweep.txt" 2>&1
-echo "rc $?" | tee -a "$S"
+if [ "${SWEEP:-1}" = 1 ]; then
+  stamp "quant_mma_sweep"
+  timeout 240 $Q/gdn_cuda quant_mma_sweep --ignored --nocapture >"$OUT/mma_sweep.txt" 2>&1
+  echo "rc $?" | tee -a "$S"
+fi
 if [ "${BENCH:-1}" = 1 ]; then
   stamp "gdn bench out-proj"
   timeout 200 $Q/gdn bench --backend cuda --out-proj 5120 >"$OUT/bench_out_proj.txt" 2>&1
@@ -27,4 +29,5 @@ if [ "${BENCH:-1}" = 1 ]; then
 fi
 stamp done
 cat "$S"
-grep -E '^\|' "$OUT/mma_sweep.txt"
+[ -f "$OUT/mma_sweep.txt" ] && grep -E '^\|' "$OUT/mma_sweep.txt"
+[ -f "$OUT/bench_out_proj.txt" ] && grep -E '^\|' "$OUT/bench_out_proj.txt"

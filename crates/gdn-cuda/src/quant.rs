@@ -60,15 +60,18 @@ impl QuantTune {
     /// The measured choice (H200, 2026-12-01, the crate's `quant_tune_sweep`; NOTES.md, "The quantized
     /// out_proj"): one-token calls on `q1_*`, 2 rows a warp, 4 chunks in flight, 2 blocks an SM (B 1: 2-bit 14.65
     /// against the tiled kernel's 14.92 us, 8-bit u32 18.40 against 23.05, u16 18.42 against 24.14; the same
-    /// bits in every shape).
+    /// bits in every shape). Calls of 8 rows or more on tensor cores, 4 warps x 2 n-tiles, n split over clusters
+    /// of 8 blocks (H200, 2026-12-06, `quant_mma_sweep`, us against the CUDA cores: 2-bit B 8 56.3 / 78.1, B 16
+    /// 57.3 / 115.9, B 64 188.5 / 445.2, B 512 1414 / 3353; 8-bit u32 B 8 73.9 / 87.1, B 64 242.2 / 497.6; at
+    /// B 4 the CUDA cores were level or ahead).
     pub const DEFAULT: QuantTune = QuantTune {
         rows: [2, 2, 2],
         depth: [4, 4, 4],
         blocks_per_sm: 2,
         stream_hint: true,
         one_kernel: true,
-        mma_from: usize::MAX,
-        mma_warps: 8,
+        mma_from: 8,
+        mma_warps: 4,
         mma_ntiles: 2,
         mma_split: 8,
     };
@@ -889,10 +892,10 @@ mod tests {
 
     /// Widths the seed's shape does not reach: rows of 3 groups (one partial chunk), 130 (5 chunks, the last of 2
     /// groups), 600 (19 chunks) and 800 (activations past the shared memory: the tiled kernel at one token too),
-    /// every packing, both paths, 1 and 9 rows, under the default one-token shape and another (other rows, depths
-    /// that do and do not divide the chunks): within 1e-5 of the dequantized product in f64, planes == shift
-    /// bitwise, rows 5..9 alone == the same rows inside the 9-row call (both on the tensor-core kernel), and both
-    /// shapes the same bits.
+    /// every packing, both paths, 1 and 9 rows, under the default, the default with tensor cores from 4 rows,
+    /// another shape (other rows, depths that do and do not divide the chunks, another tensor-core block) and
+    /// CUDA cores only: within 1e-5 of the dequantized product in f64, planes == shift bitwise, rows 5..9 alone ==
+    /// the same rows inside the 9-row call where both take one kernel, and every shape of a kernel the same bits.
     #[test]
     fn odd_widths_padding_and_looping_warps() {
         let cuda = match Cuda::new() {
@@ -909,6 +912,8 @@ mod tests {
             stream_hint: false,
             one_kernel: true,
             mma_from: 4,
+            mma_warps: 8,
+            mma_ntiles: 1,
             ..QuantTune::DEFAULT
         };
         let mut rng = gdn::synth::Synth::new(17);
@@ -943,8 +948,17 @@ mod tests {
                             })
                         })
                         .collect();
-                    let mut first: Option<Vec<u32>> = None;
-                    for tune in [QuantTune::DEFAULT, other] {
+                    // the same bits under every launch shape of one kernel family: [CUDA cores, tensor cores]
+                    let mut first: [Option<Vec<u32>>; 2] = [None, None];
+                    let tensor = QuantTune {
+                        mma_from: 4,
+                        ..QuantTune::DEFAULT
+                    };
+                    let cores = QuantTune {
+                        mma_from: usize::MAX,
+                        ..QuantTune::DEFAULT
+                    };
+                    for tune in [QuantTune::DEFAULT, tensor, other, cores] {
                         let mut prod = cuda.load_out_proj_with(&q, tune).unwrap();
                         let mut a = vec![f32::NAN; rows * hidden];
                         let mut b = vec![f32::NAN; rows * hidden];
@@ -954,12 +968,12 @@ mod tests {
                         assert!(e < 1e-5, "{what}: {e:.2e} from the f64 product");
                         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                         assert_eq!(bits(&a), bits(&b), "{what}: planes against shift");
-                        match &first {
-                            None => first = Some(bits(&a)),
+                        match &first[(rows >= tune.mma_from) as usize] {
+                            None => first[(rows >= tune.mma_from) as usize] = Some(bits(&a)),
                             Some(f) => assert_eq!(*f, bits(&a), "{what}: launch shapes differ"),
                         }
-                        if rows > 1 {
-                            // rows 5..9 as a call of their own (the tensor-core kernel, as the 9 rows)
+                        if rows > 1 && (4 >= tune.mma_from) == (rows >= tune.mma_from) {
+                            // rows 5..9 as a call of their own (on the kernel the 9 rows take)
                             let mut four = vec![f32::NAN; 4 * hidden];
                             prod.product_shift(&y[5 * n..9 * n], 4, &mut four).unwrap();
                             assert_eq!(

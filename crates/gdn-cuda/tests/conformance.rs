@@ -647,8 +647,10 @@ fn speculative_steps_are_bitwise_the_two_pass_flow_in_every_pool_kind() {
 
 /// The quantized out_proj's device entries give the host path's bits, and a row's bits do not depend on the
 /// rest of the call among calls on the same kernel (calls of `QuantTune::mma_from` rows or more run on tensor
-/// cores: rows 0..4, 4..8 and 5..9 as calls of their own against the 9-row call): every packing, both paths, at
-/// n 6144 over 9 rows (a token tile and a remainder).
+/// cores): part calls against the whole call, on the CUDA cores (rows 0..3, 3..6 and 4..7 of 7 rows; 0..4, 4..8
+/// and 5..9 of 9: a token tile and a remainder) and on tensor cores (0..8, 8..16 and 12..20 of 20: n-tiles and a
+/// remainder), wherever both sides of a case take the same kernel under the default; every packing, both paths,
+/// at n 6144.
 #[test]
 fn quant_device_entries_and_tiles_agree_bitwise() {
     use gdn::quant::{OutProj, Packing, QuantWeights};
@@ -656,82 +658,89 @@ fn quant_device_entries_and_tiles_agree_bitwise() {
         return;
     };
     let sh = Shape::SEED;
-    let (n, hidden, rows) = (sh.n(), 200, 9);
+    let (n, hidden, total) = (sh.n(), 200, 20);
+    let g = n / 16;
     let mut rng = Synth::new(31);
-    let y = rng.uniform(rows * n, -2.0, 2.0);
+    let y = rng.uniform(total * n, -2.0, 2.0);
     let w = rng.uniform(hidden * n, -0.05, 0.05);
-    // a step output with planes built from y (SPEC's scales), stride rows n
-    let lay = gdn::OutputLayout::for_rows(&sh, rows, Some(rows * n)).unwrap();
-    let mut buf = vec![0.0f32; lay.len()];
-    let p = rows * n;
-    for (i, &v) in y.iter().enumerate() {
-        buf[i] = v;
-        for k in 1..4 {
-            buf[k * p + i] = v * gdn::plane_scale(k, i % n);
-        }
-    }
     let gs = gdn::quant::group_sums(&y);
-    buf[4 * p..4 * p + gs.len()].copy_from_slice(&gs);
+    // a step output with planes built from rows r..r + k of y (SPEC's scales), stride k n
+    let step_out = |r: usize, k: usize| {
+        let lay = gdn::OutputLayout::for_rows(&sh, k, Some(k * n)).unwrap();
+        let mut buf = vec![0.0f32; lay.len()];
+        let p = k * n;
+        for (i, &v) in y[r * n..(r + k) * n].iter().enumerate() {
+            buf[i] = v;
+            for j in 1..4 {
+                buf[j * p + i] = v * gdn::plane_scale(j, i % n);
+            }
+        }
+        buf[4 * p..4 * p + k * g].copy_from_slice(&gs[r * g..(r + k) * g]);
+        (buf, lay)
+    };
+    let from = gdn_cuda::quant::QuantTune::DEFAULT.mma_from;
+    let tensor = |rows: usize| rows >= from;
+    // (whole call's rows, part length, part starts), where the parts and the whole take the same kernel
+    let cases: Vec<(usize, usize, [usize; 3])> =
+        [(7, 3, [0, 3, 4]), (9, 4, [0, 4, 5]), (20, 8, [0, 8, 12])]
+            .into_iter()
+            .filter(|&(rows, k, _)| tensor(rows) == tensor(k))
+            .collect();
+    assert!(!cases.is_empty(), "mma_from {from} splits every case");
     let s = cuda.stream();
-    let part = gdn_cuda::quant::QuantTune::DEFAULT.mma_from;
-    // the part calls (4 rows) and the whole call (9) run on the same kernel
-    assert!(
-        part <= 4 || part > 9,
-        "mma_from {part} splits the test's calls"
-    );
     for pk in Packing::ALL {
         let q = QuantWeights::quantize(&w, hidden, n, pk).unwrap();
         let mut prod = cuda.load_out_proj(&q).unwrap();
-        let mut all = vec![0.0f32; rows * hidden];
-        prod.product_planes(&buf, &lay, &mut all).unwrap();
-        let mut all_shift = vec![0.0f32; rows * hidden];
-        prod.product_shift(&y, rows, &mut all_shift).unwrap();
-        let k = 4;
-        for r in [0, 4, 5] {
-            let part_lay = gdn::OutputLayout::for_rows(&sh, k, Some(k * n)).unwrap();
-            let mut sub = vec![0.0f32; part_lay.len()];
-            for j in 0..4 {
-                sub[j * k * n..(j + 1) * k * n]
-                    .copy_from_slice(&buf[j * p + r * n..j * p + (r + k) * n]);
-            }
-            let g = n / 16;
-            sub[4 * k * n..4 * k * n + k * g].copy_from_slice(&gs[r * g..(r + k) * g]);
-            let mut o = vec![0.0f32; k * hidden];
-            prod.product_planes(&sub, &part_lay, &mut o).unwrap();
-            assert_eq!(
-                bits(&o),
-                bits(&all[r * hidden..(r + k) * hidden]),
-                "{pk:?} rows {r}..{}: alone against inside the call",
-                r + k
+        for &(rows, k, starts) in &cases {
+            let what = format!(
+                "{pk:?} {rows} rows ({})",
+                if tensor(rows) { "tensor" } else { "CUDA cores" }
             );
-            prod.product_shift(&y[r * n..(r + k) * n], k, &mut o)
+            let (buf, lay) = step_out(0, rows);
+            let mut all = vec![0.0f32; rows * hidden];
+            prod.product_planes(&buf, &lay, &mut all).unwrap();
+            let mut all_shift = vec![0.0f32; rows * hidden];
+            prod.product_shift(&y[..rows * n], rows, &mut all_shift)
+                .unwrap();
+            for r in starts {
+                let (sub, part_lay) = step_out(r, k);
+                let mut o = vec![0.0f32; k * hidden];
+                prod.product_planes(&sub, &part_lay, &mut o).unwrap();
+                assert_eq!(
+                    bits(&o),
+                    bits(&all[r * hidden..(r + k) * hidden]),
+                    "{what}: rows {r}..{} alone against inside the call",
+                    r + k
+                );
+                prod.product_shift(&y[r * n..(r + k) * n], k, &mut o)
+                    .unwrap();
+                assert_eq!(
+                    bits(&o),
+                    bits(&all_shift[r * hidden..(r + k) * hidden]),
+                    "{what}: rows {r}..{} shift path alone against inside the call",
+                    r + k
+                );
+            }
+            // the device entries on device buffers
+            let dbuf = s.clone_htod(&buf).unwrap();
+            let mut dout = s.alloc_zeros::<f32>(rows * hidden).unwrap();
+            prod.product_planes_device(&dbuf.as_view(), &lay, &mut dout.as_view_mut())
                 .unwrap();
             assert_eq!(
-                bits(&o),
-                bits(&all_shift[r * hidden..(r + k) * hidden]),
-                "{pk:?} rows {r}..{}: shift path alone against inside the call",
-                r + k
+                bits(&s.clone_dtoh(&dout).unwrap()),
+                bits(&all),
+                "{what}: device planes"
+            );
+            prod.reserve(rows).unwrap();
+            let dy = dbuf.slice(0..rows * n);
+            prod.product_shift_device(&dy, rows, &mut dout.as_view_mut())
+                .unwrap();
+            assert_eq!(
+                bits(&s.clone_dtoh(&dout).unwrap()),
+                bits(&all_shift),
+                "{what}: device shift"
             );
         }
-        // the device entries on device buffers
-        let dbuf = s.clone_htod(&buf).unwrap();
-        let mut dout = s.alloc_zeros::<f32>(rows * hidden).unwrap();
-        prod.product_planes_device(&dbuf.as_view(), &lay, &mut dout.as_view_mut())
-            .unwrap();
-        assert_eq!(
-            bits(&s.clone_dtoh(&dout).unwrap()),
-            bits(&all),
-            "{pk:?}: device planes"
-        );
-        prod.reserve(rows).unwrap();
-        let dy = dbuf.slice(0..rows * n);
-        prod.product_shift_device(&dy, rows, &mut dout.as_view_mut())
-            .unwrap();
-        assert_eq!(
-            bits(&s.clone_dtoh(&dout).unwrap()),
-            bits(&all_shift),
-            "{pk:?}: device shift"
-        );
     }
 }
 

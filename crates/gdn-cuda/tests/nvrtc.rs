@@ -437,7 +437,7 @@ fn quant_kernels_compile() {
         TILES.iter().map(|&tt| (tt, QuantTune::DEFAULT)).collect();
     // (warps, n-tiles, split over a cluster)
     for (mma_warps, mma_ntiles, mma_split) in
-        [(8, 1, 8), (4, 1, 8), (4, 2, 4), (2, 1, 2), (8, 4, 1)]
+        [(8, 1, 8), (4, 1, 8), (8, 2, 4), (2, 1, 2), (8, 4, 1)]
     {
         let t = QuantTune {
             mma_warps,
