@@ -5,7 +5,9 @@
 # Prepared on a build machine: `cargo test --release -p gdn-cuda --no-run` and `cargo build --release -p gdn-cli`,
 # the unit-test binary as gdn_cuda, tests/conformance.rs's as conformance and target/release/gdn as gdn, stripped
 # and xz-compressed into .devbin/quant. device run from the repo root, carry [".devbin/quant"]:
-#   bash tools/device/h200_quant.sh   (BENCH=0 skips the CLI's tail table, SWEEP=0 the tensor-core sweep)
+#   bash tools/device/h200_quant.sh   (BENCH=0 skips the CLI's tail table, SWEEP=0 the tensor-core sweep; NCU=1
+#   profiles the tensor-core kernel at 64 rows, 2-bit and 8-bit in u32: ncu's details page and the SASS source page
+#   as CSV, for tools/ncu_segments.py)
 set -u
 . tools/device/setup.sh
 Q=.devbin/quant
@@ -26,6 +28,17 @@ if [ "${BENCH:-1}" = 1 ]; then
   stamp "gdn bench out-proj"
   timeout 200 $Q/gdn bench --backend cuda --out-proj 5120 >"$OUT/bench_out_proj.txt" 2>&1
   echo "rc $?" | tee -a "$S"
+fi
+if [ "${NCU:-0}" = 1 ]; then
+  stamp "ncu qm (64 rows)"
+  timeout 240 ncu --set full --import-source no -k regex:qm_ --launch-count 2 -o "$OUT/qm" \
+    $Q/gdn_cuda quant_profile_target --ignored >"$OUT/ncu_qm_run.log" 2>&1
+  echo "rc $?" | tee -a "$S"
+  ncu --import "$OUT/qm.ncu-rep" --page details >"$OUT/ncu_qm.txt" 2>&1
+  ncu --import "$OUT/qm.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_qm_src.csv" 2>/dev/null
+  rm -f "$OUT/qm.ncu-rep"
+  grep -E "Duration|Warp Cycles Per Issued|Issued Warp Per|Achieved Occupancy|Registers Per|DRAM Throughput|Stall" \
+    "$OUT/ncu_qm.txt" | head -30 | tee -a "$S"
 fi
 stamp done
 cat "$S"

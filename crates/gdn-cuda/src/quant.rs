@@ -988,8 +988,9 @@ mod tests {
         }
     }
 
-    /// A planes product at the seed's out_proj, 2-bit and 8-bit in u32, one token (the one-token kernel) and two
-    /// (the tiled kernel), for a profiler (`--ignored`; ncu flushes the caches between the calls it profiles).
+    /// A planes product at the seed's out_proj, 2-bit and 8-bit in u32, one token (the one-token kernel), two (the
+    /// tiled kernel) and 64 (the tensor-core kernel), for a profiler (`--ignored`; ncu flushes the caches between
+    /// the calls it profiles).
     #[test]
     #[ignore]
     fn quant_profile_target() {
@@ -1011,7 +1012,7 @@ mod tests {
                 ..QuantTune::DEFAULT
             };
             let prod = cuda.load_out_proj_with(&q, one).unwrap();
-            for rows in [1usize, 2] {
+            for rows in [1usize, 2, 64] {
                 let xd = s.clone_htod(&rng.uniform(rows * n, -1.0, 1.0)).unwrap();
                 let gd = s
                     .clone_htod(&rng.uniform(rows * (n / 16), -1.0, 1.0))
