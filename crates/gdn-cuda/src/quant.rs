@@ -968,8 +968,9 @@ mod tests {
                         assert!(e < 1e-5, "{what}: {e:.2e} from the f64 product");
                         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                         assert_eq!(bits(&a), bits(&b), "{what}: planes against shift");
-                        match &first[(rows >= tune.mma_from) as usize] {
-                            None => first[(rows >= tune.mma_from) as usize] = Some(bits(&a)),
+                        let family = &mut first[(rows >= tune.mma_from) as usize];
+                        match family {
+                            None => *family = Some(bits(&a)),
                             Some(f) => assert_eq!(*f, bits(&a), "{what}: launch shapes differ"),
                         }
                         if rows > 1 && (4 >= tune.mma_from) == (rows >= tune.mma_from) {
@@ -1184,9 +1185,9 @@ mod tests {
 
     /// The tensor-core kernel against the CUDA-core kernels at the seed's out_proj (n 6144 -> 5120), on the device
     /// (`--ignored --nocapture`): for every packing and row count, the tensor-core kernel under several blocks
-    /// (warps x n-tiles / split; the same bits under all of one split, asserted) against the CUDA-core kernels (relative L2 difference
-    /// within 1e-5), times per call (CUDA graphs, weights rotated over 256 MiB of copies), as a table. For
-    /// choosing [`QuantTune::DEFAULT`]'s `mma_from` and block.
+    /// (warps x n-tiles / split; the same bits under all of one split, asserted) against the CUDA-core kernels
+    /// (relative L2 difference within 1e-5), times per call (CUDA graphs, weights rotated over 256 MiB of copies),
+    /// as a table. For choosing [`QuantTune::DEFAULT`]'s `mma_from` and block.
     #[test]
     #[ignore]
     fn quant_mma_sweep() {

@@ -432,7 +432,7 @@ fn quant_kernels_compile() {
         return;
     }
     use gdn_cuda::quant::{QuantTune, TILES};
-    // the default module pair, then the tensor-core kernel's other blocks (warps x n-tiles) in the TT 8 module
+    // the default module pair, then the tensor-core kernel's other blocks and splits in the TT 8 module
     let mut cases: Vec<(usize, QuantTune)> =
         TILES.iter().map(|&tt| (tt, QuantTune::DEFAULT)).collect();
     // (warps, n-tiles, split over a cluster)

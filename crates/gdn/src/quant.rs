@@ -672,7 +672,7 @@ fn dots<W: Copy + Into<u32>, const F: usize, const B: u32, const SHIFT: bool>(
 
 /// The planes path in AVX-512, lanes over words: a vector holds 16 consecutive u32 words of a weight row, and
 /// field position p of every word is one mask, one conversion and one FMA per token against the activations of
-/// those 16 columns, which the call lays out once as `[token][p][word]` (transposed and folded by `layout`). A
+/// those 16 columns, which the call lays out once as `[block][token][p][word]` (transposed and folded by `layout`). A
 /// vector's sums take their groups' scales once (16 groups a vector for 2-bit fields, 4 for 8-bit), so a 16-field
 /// piece costs 3 vector operations where a group at a time cost 5 plus its scalar bookkeeping.
 #[cfg(target_arch = "x86_64")]
@@ -680,18 +680,18 @@ mod avx512 {
     use super::Packing;
     use std::arch::x86_64::*;
 
-    /// Fields per u32 word and their width: 2-bit fields 16 to a word (a group a word: two u16 side by side),
-    /// 8-bit fields 4 to a word (a group in 4 words). Word j's field p is column `P j + p` in both.
-    fn per_word(p: Packing) -> (usize, u32) {
+    /// Fields per u32 word: 2-bit fields 16 to a word (a group a word: two u16 side by side), 8-bit fields 4 to
+    /// a word (a group in 4 words). Word j's field p is column `P j + p` in both.
+    fn per_word(p: Packing) -> usize {
         match p {
-            Packing::Q2U16 => (16, 2),
-            Packing::Q8U32 | Packing::Q8U16 => (4, 8),
+            Packing::Q2U16 => 16,
+            Packing::Q8U32 | Packing::Q8U16 => 4,
         }
     }
 
     /// Words a row: 16 columns a word for 2-bit fields, 4 for 8-bit.
     pub fn words(p: Packing, n: usize) -> usize {
-        n / per_word(p).0
+        n / per_word(p)
     }
 
     /// The activations `x` (`[tokens][n]`, the packing's plane) as the kernel reads them: in blocks of `width`
@@ -700,7 +700,7 @@ mod avx512 {
     /// a field sits in the upper half of a u32 that holds two u16 words (the plane's scale covers its place within
     /// the u16; the power of two is exact).
     pub fn layout(p: Packing, x: &[f32], n: usize, width: usize) -> Vec<f32> {
-        let (pw, _) = per_word(p);
+        let pw = per_word(p);
         let j_n = words(p, n);
         let upper = |e: usize| match p {
             Packing::Q2U16 => e >= 8,
@@ -749,8 +749,8 @@ mod avx512 {
         t
     }
 
-    /// Adds to `acc[t]`, for every token t of `tokens`, the row's sum over block `jb` of [`layout`]'s blocks of `width` words
-    /// (clipped to the row) of `scale (field x)`, without the zero-point term.
+    /// Adds to `acc[t]`, for every token t of `tokens`, the row's sum over block `jb` of [`layout`]'s blocks of
+    /// `width` words (clipped to the row) of `scale (field x)`, without the zero-point term.
     ///
     /// # Safety
     /// The CPU has AVX-512F; `w` is the row's packed bytes (4 a word), `scale` its groups' scales, `xt`
@@ -772,10 +772,10 @@ mod avx512 {
             // SAFETY: forwarded; each block's tokens are within `acc` and `xt`
             t += unsafe {
                 match (per_word(p), end - t) {
-                    ((16, _), 8..) => block::<16, 2, 8, 1>(w, scale, xt, acc, t, width, jb),
-                    ((16, _), 4..=7) => block::<16, 2, 4, 1>(w, scale, xt, acc, t, width, jb),
-                    ((16, _), 2 | 3) => block::<16, 2, 2, 2>(w, scale, xt, acc, t, width, jb),
-                    ((16, _), _) => block::<16, 2, 1, 4>(w, scale, xt, acc, t, width, jb),
+                    (16, 8..) => block::<16, 2, 8, 1>(w, scale, xt, acc, t, width, jb),
+                    (16, 4..=7) => block::<16, 2, 4, 1>(w, scale, xt, acc, t, width, jb),
+                    (16, 2 | 3) => block::<16, 2, 2, 2>(w, scale, xt, acc, t, width, jb),
+                    (16, _) => block::<16, 2, 1, 4>(w, scale, xt, acc, t, width, jb),
                     (_, 8..) => block::<4, 8, 8, 1>(w, scale, xt, acc, t, width, jb),
                     (_, 4..=7) => block::<4, 8, 4, 1>(w, scale, xt, acc, t, width, jb),
                     (_, 2 | 3) => block::<4, 8, 2, 2>(w, scale, xt, acc, t, width, jb),
