@@ -180,6 +180,27 @@ __device__ __forceinline__ void product(const u32* __restrict__ words, const flo
         }
 }
 
+// bf16 helpers of the tensor-core kernels (q1m_* and qm_*)
+__device__ __forceinline__ u32 bf16_bits(float f) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float bf16_float(u32 h) { return __uint_as_float(h << 16); }
+// two exact floats as bf16x2 (lo in the low half)
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ void mma_bf16(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // The six entries (planes / shift x packing) of a product body taking the token count; an attribute (a
 // cluster's shape, or NO_ATTR), then the launch bounds.
 #define NO_ATTR
@@ -397,6 +418,234 @@ ENTRY1(q1_planes_2, 2, false)
 ENTRY1(q1_shift_0, 0, true)
 ENTRY1(q1_shift_1, 1, true)
 ENTRY1(q1_shift_2, 2, true)
+
+// One token, 2-bit fields, on tensor cores (`q1m_*`; calls the host finds fit: n a multiple of 64). The CUDA-core
+// kernel above spends three instructions a weight (mask, the 2^23 subtraction, the FMA), about 46 warp
+// instructions per 256 weights; here a 16-row x 16-column block of weights is one mma.sync m16n8k16 whose three
+// used B columns are the activation's bf16 parts (hi, mid, lo: the token's one column split three ways, so one
+// mma takes all three), and a field becomes a bf16 with the "magic" trick in pairs: after one shift, an AND with
+// the mask of two fields (one in each 16-bit half) ORed under a power of two M whose last mantissa bit is worth
+// the field's place value, then M subtracted (exact).
+//
+// The mma's k order is permuted (the activations' fragments use the same permutation): lane quad t's k pair
+// (2t, 2t + 1) holds columns 2t and 2t + 8 of the group (one field of each u16 of the group's u32), its pair
+// (2t + 8, 2t + 9) columns 2t + 1 and 2t + 9. Shifted down by 4t, these fields sit at bits 0-1 and 2-3 of each
+// half, inside bf16's 7-bit mantissa. Planes path: M = 2^(7 + 4t) for both pairs (the field keeps its place
+// value q 4^(m mod 8), the plane undoes it); shift path: M = 2^7 and 2^5 (the field is q, B is y).
+//
+// A block of Q1M_WARPS warps owns 16 output rows; warp w sums a contiguous run of chunks (32 groups), in rounds
+// of up to Q1M_AHEAD chunks whose loads are all issued at the round's start: the rows' words and the chunk's
+// activations by cp.async into the warp's shared tiles, the epilogue's scales and zero terms into registers
+// (lane (r, q): rows 4r..4r+3, groups 4q..4q+3 of the chunk, 16-byte loads). A chunk's activations are split
+// into bf16 fragments by the warp once they land. The mma's partial sum of a row and group (hi + mid from lane
+// quad 0, lo from quad 1, met by one shuffle) goes through shared memory to the epilogue's layout, where acc =
+// fma(-zs, gsum, fma(scale, p, acc)) takes groups in order. The lanes' sums meet in a butterfly (offsets 1, 2,
+// 4), the warps' in shared memory in warp order: the bits depend on n alone.
+#define Q1M_WARPS 4
+#define Q1M_AHEAD 3
+// u32 a row of a chunk's word tile and floats a row of the partial tile: 32 + 4 (8 rows in distinct bank quads)
+#define Q1M_ROW 36
+// a warp's shared floats: Q1M_AHEAD x (words 16 x Q1M_ROW + activations 512), fragments 32 x 12 x 2, partials
+#define Q1M_WARP_WORDS (Q1M_AHEAD * (16 * Q1M_ROW + 512) + 32 * 24 + 16 * Q1M_ROW)
+
+__device__ __forceinline__ u32 bf16x2_sub(u32 a, u32 m) {
+    // a - m on both halves, exact here: fma(a, 1, -m)
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(0x3F803F80u), "r"(m ^ 0x80008000u));
+    return r;
+}
+
+__device__ __forceinline__ void mma_bf16_fresh(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %10, %10, %10};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// at most `pending` of this thread's cp.async groups still in flight
+__device__ __forceinline__ void cp_async_wait(int pending) {
+    if (pending >= 2) {
+        asm volatile("cp.async.wait_group 2;" ::: "memory");
+    } else if (pending == 1) {
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+    } else {
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+    }
+}
+
+template <bool SHIFT>
+__device__ __forceinline__ void product_one_mma(const u32* __restrict__ words, const float* __restrict__ scale,
+                                                const float* __restrict__ zs, const float* __restrict__ x,
+                                                const float* __restrict__ gsum, float* __restrict__ out, int hidden,
+                                                int n) {
+    static_assert(Q1M_AHEAD <= 3, "cp_async_wait counts up to 2 pending groups");
+    const int groups = n / 16;
+    const int chunks = (groups + 31) >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g8 = lane >> 2, t = lane & 3;
+    const int rq = lane >> 3, gq = lane & 7;
+    const int row0 = blockIdx.x * 16;
+    extern __shared__ float4 q1m_smem[];
+    u32* base = reinterpret_cast<u32*>(q1m_smem) + warp * Q1M_WARP_WORDS;
+    // [Q1M_AHEAD] word tiles [16][Q1M_ROW], then [Q1M_AHEAD] activation tiles [512], fragments, partials
+    u32* wt = base;
+    float* xt = reinterpret_cast<float*>(base + Q1M_AHEAD * 16 * Q1M_ROW);
+    uint2* frag = reinterpret_cast<uint2*>(xt + Q1M_AHEAD * 512);
+    float* part = reinterpret_cast<float*>(frag + 32 * 12);
+    float* red = reinterpret_cast<float*>(reinterpret_cast<u32*>(q1m_smem) + Q1M_WARPS * Q1M_WARP_WORDS);
+
+    // this warp's run of chunks
+    const int per = (chunks + Q1M_WARPS - 1) / Q1M_WARPS;
+    const int k0 = min(warp * per, chunks), k1 = min(k0 + per, chunks);
+
+    const u32 m0 = SHIFT ? 0x43004300u : ((134u + 4u * t) << 7) * 0x00010001u;
+    const u32 m1 = SHIFT ? 0x42004200u : m0;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float4 sv[Q1M_AHEAD][4], zv[Q1M_AHEAD][4];
+
+    for (int r0 = k0; r0 < k1; r0 += Q1M_AHEAD) {
+        const int m = min(Q1M_AHEAD, k1 - r0);
+        // the round's loads: words and activations (one cp.async group a chunk), scales and zero terms
+#pragma unroll
+        for (int i = 0; i < Q1M_AHEAD; i++) {
+            if (i < m) {
+                const int c = r0 + i;
+                u32* wd = wt + i * 16 * Q1M_ROW;
+                float* xd = xt + i * 512;
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int piece = lane + 32 * e, r = piece >> 3, k = piece & 7;
+                    const int g = 32 * c + 4 * k;
+                    const int row = min(row0 + r, hidden - 1);
+                    cp_async16(wd + r * Q1M_ROW + 4 * k, words + (unsigned)(row * groups + min(g, groups - 4)),
+                               g < groups);
+                    // activations: piece = 4 columns, group c * 32 + piece / 4
+                    const int gx = 32 * c + (piece >> 2);
+                    cp_async16(xd + 4 * piece, x + 16 * min(gx, groups - 1) + 4 * (piece & 3), gx < groups);
+                }
+                cp_async_commit();
+                const int g = 32 * c + 4 * gq;
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const unsigned at = (unsigned)(min(row0 + 4 * rq + e, hidden - 1) * groups + g);
+                    if (g < groups) {
+                        const uint4 a = ld_w4(reinterpret_cast<const u32*>(scale) + at);
+                        const uint4 z = ld_w4(reinterpret_cast<const u32*>(zs) + at);
+                        sv[i][e] = make_float4(__uint_as_float(a.x), __uint_as_float(a.y), __uint_as_float(a.z),
+                                               __uint_as_float(a.w));
+                        zv[i][e] = make_float4(__uint_as_float(z.x), __uint_as_float(z.y), __uint_as_float(z.z),
+                                               __uint_as_float(z.w));
+                    } else {
+                        sv[i][e] = zv[i][e] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < Q1M_AHEAD; i++) {
+            if (i < m) {
+                const int c = r0 + i;
+                cp_async_wait(m - 1 - i);
+                __syncwarp();
+                // the chunk's activations as fragments: item (group j, quad q) gives lanes 4 p + q, p = 0..2,
+                // b0 = (column 2q, column 2q + 8) and b1 = (2q + 1, 2q + 9) of part p (hi + mid + lo, each
+                // residual exact in f32)
+                const float* xs = xt + i * 512;
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int item = lane + 32 * e, j = item >> 2, q = item & 3;
+                    const float2 lo = *reinterpret_cast<const float2*>(xs + 16 * j + 2 * q);
+                    const float2 hi = *reinterpret_cast<const float2*>(xs + 16 * j + 2 * q + 8);
+                    float a0 = lo.x, a1 = hi.x, c0 = lo.y, c1 = hi.y;
+#pragma unroll
+                    for (int p = 0; p < 3; p++) {
+                        const u32 b0 = pack_bf16(a0, a1), b1 = pack_bf16(c0, c1);
+                        frag[12 * j + 4 * p + q] = make_uint2(b0, b1);
+                        a0 -= __uint_as_float(b0 << 16);
+                        a1 -= __uint_as_float(b0 & 0xFFFF0000u);
+                        c0 -= __uint_as_float(b1 << 16);
+                        c1 -= __uint_as_float(b1 & 0xFFFF0000u);
+                    }
+                }
+                __syncwarp();
+                const u32* wb = wt + i * 16 * Q1M_ROW;
+#pragma unroll 2
+                for (int jj = 0; jj < 8; jj++) {
+                    const uint4 w0 = *reinterpret_cast<const uint4*>(wb + g8 * Q1M_ROW + 4 * jj);
+                    const uint4 w1 = *reinterpret_cast<const uint4*>(wb + (g8 + 8) * Q1M_ROW + 4 * jj);
+                    const u32 wr0[4] = {w0.x, w0.y, w0.z, w0.w}, wr1[4] = {w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int j = 4 * jj + e;
+                        const u32 s0 = wr0[e] >> (4 * t), s1 = wr1[e] >> (4 * t);
+                        const u32 a0 = bf16x2_sub((s0 & 0x00030003u) | m0, m0);
+                        const u32 a2 = bf16x2_sub((s0 & 0x000C000Cu) | m1, m1);
+                        const u32 a1 = bf16x2_sub((s1 & 0x00030003u) | m0, m0);
+                        const u32 a3 = bf16x2_sub((s1 & 0x000C000Cu) | m1, m1);
+                        uint2 bf = make_uint2(0u, 0u);
+                        if (lane < 12) bf = frag[12 * j + lane];
+                        float d[4];
+                        mma_bf16_fresh(d, a0, a1, a2, a3, bf.x, bf.y);
+                        // quad 0 holds hi, mid; quad 1 lo (and a zero column)
+                        float v0 = d[0] + d[1], v1 = d[2] + d[3];
+                        v0 += __shfl_xor_sync(0xffffffffu, v0, 1);
+                        v1 += __shfl_xor_sync(0xffffffffu, v1, 1);
+                        if (t == 0) {
+                            part[g8 * Q1M_ROW + j] = v0;
+                            part[(g8 + 8) * Q1M_ROW + j] = v1;
+                        }
+                    }
+                }
+                __syncwarp();
+                const int g = 32 * c + 4 * gq;
+                const float4 gv =
+                    g < groups ? __ldg(reinterpret_cast<const float4*>(gsum + g)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                const float gs[4] = {gv.x, gv.y, gv.z, gv.w};
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float4 u = *reinterpret_cast<const float4*>(part + (4 * rq + e) * Q1M_ROW + 4 * gq);
+                    const float pu[4] = {u.x, u.y, u.z, u.w};
+                    const float sc[4] = {sv[i][e].x, sv[i][e].y, sv[i][e].z, sv[i][e].w};
+                    const float zc[4] = {zv[i][e].x, zv[i][e].y, zv[i][e].z, zv[i][e].w};
+#pragma unroll
+                    for (int k = 0; k < 4; k++) acc[e] = fmaf(-zc[k], gs[k], fmaf(sc[k], pu[k], acc[e]));
+                }
+                __syncwarp();
+            }
+        }
+    }
+    // lanes of a row block (offsets 1, 2, 4), then the warps in order
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        float a = acc[e];
+#pragma unroll
+        for (int off = 1; off < 8; off <<= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
+        if (gq == 0) red[warp * 16 + 4 * rq + e] = a;
+    }
+    __syncthreads();
+    if (warp == 0 && lane < 16 && row0 + lane < hidden) {
+        float a = red[lane];
+#pragma unroll
+        for (int w = 1; w < Q1M_WARPS; w++) a += red[w * 16 + lane];
+        out[row0 + lane] = a;
+    }
+}
+
+#define ENTRY1M(name, SHIFT)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * Q1M_WARPS, 3)                                           \
+        name(const u32* __restrict__ words, const float* __restrict__ scale, const float* __restrict__ zs,   \
+             const float* __restrict__ x, const float* __restrict__ gsum, float* __restrict__ out, int hidden, \
+             int n) {                                                                                         \
+        product_one_mma<SHIFT>(words, scale, zs, x, gsum, out, hidden, n);                                   \
+    }
+
+ENTRY1M(q1m_planes_0, false)
+ENTRY1M(q1m_shift_0, true)
 #endif
 
 #if TT != 1
@@ -427,26 +676,6 @@ ENTRY1(q1_shift_2, 2, true)
 #define QM_KC 6
 // (a shared row of a part: a chunk's KC * 16 bf16 + 8 of padding (32-bit words: 8 KC + 4), so that the 8 tokens x 4
 // column pairs a fragment load reads fall in 32 distinct banks)
-
-__device__ __forceinline__ u32 bf16_bits(float f) {
-    unsigned short h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-__device__ __forceinline__ float bf16_float(u32 h) { return __uint_as_float(h << 16); }
-// two exact floats as bf16x2 (lo in the low half)
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-__device__ __forceinline__ void mma_bf16(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 #if QM_SPLIT > 1
 __device__ __forceinline__ void qm_cluster_sync() {

@@ -45,6 +45,9 @@ pub struct QuantTune {
     pub stream_hint: bool,
     /// One-token calls on the `q1_*` kernel (else on the tiled kernel's TT 1 module, as calls of 2 or 3 rows).
     pub one_kernel: bool,
+    /// One-token 2-bit calls on the tensor-core kernel `q1m_*` where it fits (n a multiple of 64, the split
+    /// activations in shared memory); unlike the fields above this changes bits (its own order of a row's sum).
+    pub one_mma: bool,
     /// Calls of this many rows or more on the tensor-core kernel `qm_*` (`usize::MAX`: never). Unlike the fields
     /// above this changes bits: `qm_*` sums a group's 16 products on tensor cores, in an order of its own.
     pub mma_from: usize,
@@ -70,6 +73,7 @@ impl QuantTune {
         blocks_per_sm: 2,
         stream_hint: true,
         one_kernel: true,
+        one_mma: true,
         mma_from: 8,
         mma_warps: 4,
         mma_ntiles: 2,
@@ -121,6 +125,8 @@ struct Kernels {
     one: Option<([CudaFunction; 3], [CudaFunction; 3])>,
     /// The other module's tensor-core kernels (planes, shift).
     mma: Option<([CudaFunction; 3], [CudaFunction; 3])>,
+    /// The TT 1 module's one-token 2-bit tensor-core kernels (planes, shift).
+    one_mma: Option<(CudaFunction, CudaFunction)>,
     group_sums: CudaFunction,
     bf16: CudaFunction,
     empty: CudaFunction,
@@ -141,6 +147,27 @@ fn kernels(cuda: &Cuda, tt: usize, tune: &QuantTune) -> Result<Kernels> {
                 [f("q1_planes_0")?, f("q1_planes_1")?, f("q1_planes_2")?],
                 [f("q1_shift_0")?, f("q1_shift_1")?, f("q1_shift_2")?],
             ))
+        } else {
+            None
+        },
+        one_mma: if tt == 1 {
+            let big = |name: &str| -> Result<CudaFunction> {
+                let f = f(name)?;
+                f.set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    one_mma_shared() as i32,
+                )
+                .map_err(drv)?;
+                // all of the unified L1 as shared memory, so that three blocks fit an SM (the grid's 320 blocks at
+                // the seed's hidden 5120 in one wave)
+                f.set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                    100,
+                )
+                .map_err(drv)?;
+                Ok(f)
+            };
+            Some((big("q1m_planes_0")?, big("q1m_shift_0")?))
         } else {
             None
         },
@@ -233,6 +260,17 @@ fn mma_grid(hidden: usize, tokens: usize, tune: &QuantTune) -> Result<LaunchConf
 /// Shared bytes of the one-token kernel at n columns: the token's activations and group sums.
 fn one_shared(n: usize) -> usize {
     (n / 16) * (64 + 4)
+}
+
+/// Warps a `q1m_*` block, chunks a warp loads at once and u32 a row of its tiles (the kernel's Q1M_WARPS, Q1M_AHEAD,
+/// Q1M_ROW).
+const ONE_MMA_WARPS: usize = 4;
+const ONE_MMA_AHEAD: usize = 3;
+const ONE_MMA_ROW: usize = 36;
+/// Shared bytes of the one-token tensor-core kernel (n does not enter): per warp its chunks' word and
+/// activation tiles, one chunk's fragments and partials; the warps' row sums.
+fn one_mma_shared() -> usize {
+    4 * ONE_MMA_WARPS * (ONE_MMA_AHEAD * (16 * ONE_MMA_ROW + 512) + 32 * 24 + 16 * ONE_MMA_ROW + 16)
 }
 
 /// The one-token kernel's launch: about `blocks_per_sm` blocks a multiprocessor, each a contiguous range of row
@@ -422,6 +460,39 @@ impl CudaOutProj {
             Some(f) if tokens >= self.tune.mma_from && one.is_none() => Some(f),
             _ => None,
         };
+        // one 2-bit token on tensor cores: whole 16-byte pieces of a row's words (n a multiple of 64)
+        if let (Some((pl, sh)), Packing::Q2U16) = (&k.one_mma, p) {
+            if tokens == 1
+                && self.tune.one_mma
+                && n.is_multiple_of(64)
+                && hidden
+                    .checked_mul(n / 16)
+                    .is_some_and(|w| w <= i32::MAX as usize)
+            {
+                let cfg = LaunchConfig {
+                    grid_dim: (int(hidden.div_ceil(16), "hidden")? as u32, 1, 1),
+                    block_dim: ((32 * ONE_MMA_WARPS) as u32, 1, 1),
+                    shared_mem_bytes: one_mma_shared() as u32,
+                };
+                let f = if shift { sh } else { pl };
+                let (hidden, n) = (int(hidden, "hidden")?, int(n, "n")?);
+                let mut b = s.launch_builder(f);
+                b.arg(&w)
+                    .arg(&sc)
+                    .arg(&z)
+                    .arg(&x)
+                    .arg(&gsum)
+                    .arg(&out)
+                    .arg(&hidden)
+                    .arg(&n);
+                // SAFETY: as the q1 launch below (the same arguments); the grid covers the rows in tiles of 16
+                // (rows past hidden read the last row and are not stored), the shared memory is
+                // `one_mma_shared()`, within the attribute set at load; x, gsum and the weights' rows are
+                // 16-byte aligned (n a multiple of 64).
+                unsafe { b.launch(cfg) }.map_err(drv)?;
+                return Ok(());
+            }
+        }
         let ((planes, shift_k), cfg) = match (one, mma) {
             (_, Some((pl, sh))) => ((pl, sh), mma_grid(hidden, tokens, &self.tune)?),
             (Some((pl, sh)), None) => (
@@ -890,11 +961,12 @@ pub fn time_tail(
 mod tests {
     use super::*;
 
-    /// Widths the seed's shape does not reach: rows of 3 groups (one partial chunk), 130 (5 chunks, the last of 2
-    /// groups), 600 (19 chunks) and 800 (activations past the shared memory: the tiled kernel at one token too),
-    /// every packing, both paths, 1 and 9 rows, under the default, the default with tensor cores from 4 rows,
-    /// another shape (other rows, depths that do and do not divide the chunks, another tensor-core block) and
-    /// CUDA cores only: within 1e-5 of the dequantized product in f64, planes == shift bitwise, rows 5..9 alone ==
+    /// Widths the seed's shape does not reach: rows of 3 groups (one partial chunk), 4 (the one-token tensor-core
+    /// kernel with one chunk for four warps), 130 (5 chunks, the last of 2 groups), 600 (19 chunks; `q1m` with a
+    /// partial chunk) and 800 (activations past the shared memory: the tiled kernel at one token too, `q1m`),
+    /// every packing, both paths, 1 and 9 rows (37 outputs: a partial row tile), under the default, the default
+    /// with tensor cores from 4 rows, another shape (other rows, depths that do and do not divide the chunks,
+    /// another tensor-core block) and CUDA cores only: within 1e-5 of the dequantized product in f64, planes == shift bitwise, rows 5..9 alone ==
     /// the same rows inside the 9-row call where both take one kernel, and every shape of a kernel the same bits.
     #[test]
     fn odd_widths_padding_and_looping_warps() {
@@ -917,7 +989,7 @@ mod tests {
             ..QuantTune::DEFAULT
         };
         let mut rng = gdn::synth::Synth::new(17);
-        for h_v in [3usize, 130, 600, 800] {
+        for h_v in [3usize, 4, 130, 600, 800] {
             let sh = gdn::Shape::new(16, 1, h_v).unwrap();
             let (n, hidden) = (sh.n(), 37);
             let w = rng.uniform(hidden * n, -0.05, 0.05);
@@ -948,17 +1020,23 @@ mod tests {
                             })
                         })
                         .collect();
-                    // the same bits under every launch shape of one kernel family: [CUDA cores, tensor cores]
-                    let mut first: [Option<Vec<u32>>; 2] = [None, None];
+                    // the same bits under every launch shape of one kernel family: [CUDA cores, tensor cores,
+                    // one-token tensor cores]
+                    let mut first: [Option<Vec<u32>>; 3] = [None, None, None];
                     let tensor = QuantTune {
                         mma_from: 4,
                         ..QuantTune::DEFAULT
                     };
                     let cores = QuantTune {
                         mma_from: usize::MAX,
+                        one_mma: false,
                         ..QuantTune::DEFAULT
                     };
                     for tune in [QuantTune::DEFAULT, tensor, other, cores] {
+                        let one_mma = tune.one_mma
+                            && rows == 1
+                            && pk == Packing::Q2U16
+                            && n.is_multiple_of(64);
                         let mut prod = cuda.load_out_proj_with(&q, tune).unwrap();
                         let mut a = vec![f32::NAN; rows * hidden];
                         let mut b = vec![f32::NAN; rows * hidden];
@@ -968,7 +1046,11 @@ mod tests {
                         assert!(e < 1e-5, "{what}: {e:.2e} from the f64 product");
                         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                         assert_eq!(bits(&a), bits(&b), "{what}: planes against shift");
-                        let family = &mut first[(rows >= tune.mma_from) as usize];
+                        let family = &mut first[if one_mma {
+                            2
+                        } else {
+                            (rows >= tune.mma_from) as usize
+                        }];
                         match family {
                             None => *family = Some(bits(&a)),
                             Some(f) => assert_eq!(*f, bits(&a), "{what}: launch shapes differ"),
@@ -1069,6 +1151,7 @@ mod tests {
         let d = QuantTune::DEFAULT;
         let tiled = QuantTune {
             one_kernel: false,
+            one_mma: false,
             ..d
         };
         // the one-token kernel's shapes around its first one (4 rows, depth 4,2,2, one block an SM), against the
@@ -1079,6 +1162,7 @@ mod tests {
             blocks_per_sm: 1,
             stream_hint: true,
             one_kernel: true,
+            one_mma: false,
             mma_from: 4,
             ..QuantTune::DEFAULT
         };
@@ -1090,6 +1174,13 @@ mod tests {
         let tunes: Vec<(&str, QuantTune)> = vec![
             ("tiled kernel", tiled),
             ("default", d),
+            (
+                "q1 default shape",
+                QuantTune {
+                    one_mma: false,
+                    ..d
+                },
+            ),
             ("q1 rows 4 depth 4,2,2", one),
             ("q1 2 blocks an SM", with(&|t| t.blocks_per_sm = 2)),
             ("q1 no stream hint", with(&|t| t.stream_hint = false)),
@@ -1135,12 +1226,14 @@ mod tests {
                 let xd = s.clone_htod(&xh).unwrap();
                 let gd = s.clone_htod(&gh).unwrap();
                 let mut od = s.alloc_zeros::<f32>(rows * hidden).unwrap();
-                let mut reference: Option<Vec<u32>> = None;
+                // the bits of the CUDA cores' family and of the one-token tensor-core kernel
+                let mut reference: [Option<Vec<u32>>; 2] = [None, None];
                 for (name, tune) in &tunes {
                     // the launch shape is the one-token kernel's
                     if *tune != d && rows != 1 {
                         continue;
                     }
+                    let fam = usize::from(tune.one_mma && rows == 1 && p == Packing::Q2U16);
                     let qs = rotated(&cuda, &q, *tune);
                     let copies = qs.len();
                     let (x, g) = (addr(&xd, &s), addr(&gd, &s));
@@ -1152,11 +1245,11 @@ mod tests {
                         .iter()
                         .map(|v| v.to_bits())
                         .collect();
-                    match &reference {
-                        None => reference = Some(bits),
+                    match &reference[fam] {
+                        None => reference[fam] = Some(bits),
                         Some(r) => assert!(
                             *r == bits,
-                            "{p:?} rows {rows}: {name} changes bits against the default"
+                            "{p:?} rows {rows}: {name} changes bits within its kernel"
                         ),
                     }
                     let per = (2 * copies).clamp(8, 64);
