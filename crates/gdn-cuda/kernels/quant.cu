@@ -433,20 +433,24 @@ ENTRY1(q1_shift_2, 2, true)
 // half, inside bf16's 7-bit mantissa. Planes path: M = 2^(7 + 4t) for both pairs (the field keeps its place
 // value q 4^(m mod 8), the plane undoes it); shift path: M = 2^7 and 2^5 (the field is q, B is y).
 //
-// A block of Q1M_WARPS warps owns 16 output rows; warp w sums a contiguous run of chunks (32 groups), in rounds
-// of up to Q1M_AHEAD chunks whose loads are all issued at the round's start: the rows' words and the chunk's
-// activations by cp.async into the warp's shared tiles, the epilogue's scales and zero terms into registers
-// (lane (r, q): rows 4r..4r+3, groups 4q..4q+3 of the chunk, 16-byte loads). A chunk's activations are split
-// into bf16 fragments by the warp once they land. The mma's partial sum of a row and group (hi + mid from lane
-// quad 0, lo from quad 1, met by one shuffle) goes through shared memory to the epilogue's layout, where acc =
-// fma(-zs, gsum, fma(scale, p, acc)) takes groups in order. The lanes' sums meet in a butterfly (offsets 1, 2,
-// 4), the warps' in shared memory in warp order: the bits depend on n alone.
-#define Q1M_WARPS 4
-#define Q1M_AHEAD 3
-// u32 a row of a chunk's word tile and floats a row of the partial tile: 32 + 4 (8 rows in distinct bank quads)
+// Work: a block of Q1M_TILES warps, warp w owning the 16 rows of tile Q1M_TILES x + w; the chunks (32 groups) are
+// split over the Q1M_SPLIT blocks of a cluster (grid z), each block taking its run in rounds of up to Q1M_AHEAD
+// chunks whose loads are all issued at the round's start: the chunk's activations (block-wide) and each tile's
+// words by cp.async into shared memory, the epilogue's scales and zero terms into registers (lane (r, q): rows
+// 4r..4r+3, groups 4q..4q+3 of the chunk, 16-byte loads). Once a chunk's activations land the block splits them
+// into bf16 fragments, shared by its tiles. The mma's partial sums of a row and group (hi + mid from lane quad 0,
+// lo from quad 1) go through shared memory to the epilogue's layout, where acc = fma(-zs, gsum, fma(scale, hi +
+// mid + lo, acc)) takes groups in order. A block's lane sums meet in a butterfly (offsets 1, 2, 4), the blocks'
+// through distributed shared memory in rank order: the bits depend on n alone.
+#define Q1M_TILES 4
+#define Q1M_SPLIT 6
+#define Q1M_AHEAD 2
+// u32 a row of a word tile or floats a row of a partial tile: 32 + 4 (8 rows in distinct bank quads)
 #define Q1M_ROW 36
-// a warp's shared floats: Q1M_AHEAD x (words 16 x Q1M_ROW + activations 512), fragments 32 x 12 x 2, partials
-#define Q1M_WARP_WORDS (Q1M_AHEAD * (16 * Q1M_ROW + 512) + 32 * 24 + 16 * Q1M_ROW)
+// shared u32: per chunk ahead the activations (512) and fragments (32 x 12 x 2); per tile and chunk ahead the
+// word tile, per tile the two partial tiles; the tiles' row sums
+#define Q1M_WORDS \
+    (Q1M_AHEAD * (512 + 768) + Q1M_TILES * (Q1M_AHEAD * 16 * Q1M_ROW + 2 * 16 * Q1M_ROW) + Q1M_TILES * 16)
 
 __device__ __forceinline__ u32 bf16x2_sub(u32 a, u32 m) {
     // a - m on both halves, exact here: fma(a, 1, -m)
@@ -469,13 +473,22 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // at most `pending` of this thread's cp.async groups still in flight
 __device__ __forceinline__ void cp_async_wait(int pending) {
-    if (pending >= 2) {
-        asm volatile("cp.async.wait_group 2;" ::: "memory");
-    } else if (pending == 1) {
+    if (pending >= 1) {
         asm volatile("cp.async.wait_group 1;" ::: "memory");
     } else {
         asm volatile("cp.async.wait_group 0;" ::: "memory");
     }
+}
+
+__device__ __forceinline__ void q1m_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ float q1m_ld_cluster(const float* p, unsigned rank) {
+    unsigned local = (unsigned)__cvta_generic_to_shared(p), remote;
+    float v;
+    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
 }
 
 template <bool SHIFT>
@@ -483,25 +496,28 @@ __device__ __forceinline__ void product_one_mma(const u32* __restrict__ words, c
                                                 const float* __restrict__ zs, const float* __restrict__ x,
                                                 const float* __restrict__ gsum, float* __restrict__ out, int hidden,
                                                 int n) {
-    static_assert(Q1M_AHEAD <= 3, "cp_async_wait counts up to 2 pending groups");
+    static_assert(Q1M_AHEAD <= 2, "cp_async_wait counts up to 1 pending group");
     const int groups = n / 16;
     const int chunks = (groups + 31) >> 5;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g8 = lane >> 2, t = lane & 3;
     const int rq = lane >> 3, gq = lane & 7;
-    const int row0 = blockIdx.x * 16;
+    const int row0 = (blockIdx.x * Q1M_TILES + warp) * 16;
     extern __shared__ float4 q1m_smem[];
-    u32* base = reinterpret_cast<u32*>(q1m_smem) + warp * Q1M_WARP_WORDS;
-    // [Q1M_AHEAD] word tiles [16][Q1M_ROW], then [Q1M_AHEAD] activation tiles [512], fragments, partials
-    u32* wt = base;
-    float* xt = reinterpret_cast<float*>(base + Q1M_AHEAD * 16 * Q1M_ROW);
-    uint2* frag = reinterpret_cast<uint2*>(xt + Q1M_AHEAD * 512);
-    float* part = reinterpret_cast<float*>(frag + 32 * 12);
-    float* red = reinterpret_cast<float*>(reinterpret_cast<u32*>(q1m_smem) + Q1M_WARPS * Q1M_WARP_WORDS);
+    float* xt = reinterpret_cast<float*>(q1m_smem);                       // [AHEAD][512]
+    uint2* frag = reinterpret_cast<uint2*>(xt + Q1M_AHEAD * 512);         // [AHEAD][32 x 12]
+    u32* wt = reinterpret_cast<u32*>(frag + Q1M_AHEAD * 384) + warp * (Q1M_AHEAD * 16 * Q1M_ROW);
+    float* p0 = reinterpret_cast<float*>(reinterpret_cast<u32*>(frag + Q1M_AHEAD * 384) +
+                                         Q1M_TILES * Q1M_AHEAD * 16 * Q1M_ROW) +
+                warp * (2 * 16 * Q1M_ROW);
+    // quad 1's partials (rows of 16-byte pieces; its stores meet quad 0's in a bank twice)
+    float* p1 = p0 + 16 * Q1M_ROW;
+    float* red = reinterpret_cast<float*>(q1m_smem) + (Q1M_WORDS - Q1M_TILES * 16);
 
-    // this warp's run of chunks
-    const int per = (chunks + Q1M_WARPS - 1) / Q1M_WARPS;
-    const int k0 = min(warp * per, chunks), k1 = min(k0 + per, chunks);
+    // this block's run of chunks
+    const int per = (chunks + Q1M_SPLIT - 1) / Q1M_SPLIT;
+    const int k0 = min((int)blockIdx.z * per, chunks), k1 = min(k0 + per, chunks);
+    const bool live = row0 < hidden;
 
     const u32 m0 = SHIFT ? 0x43004300u : ((134u + 4u * t) << 7) * 0x00010001u;
     const u32 m1 = SHIFT ? 0x42004200u : m0;
@@ -510,30 +526,30 @@ __device__ __forceinline__ void product_one_mma(const u32* __restrict__ words, c
 
     for (int r0 = k0; r0 < k1; r0 += Q1M_AHEAD) {
         const int m = min(Q1M_AHEAD, k1 - r0);
-        // the round's loads: words and activations (one cp.async group a chunk), scales and zero terms
 #pragma unroll
         for (int i = 0; i < Q1M_AHEAD; i++) {
             if (i < m) {
                 const int c = r0 + i;
+                // activations: thread k copies 16 bytes (4 columns of group 32 c + k / 4)
+                for (int k = threadIdx.x; k < 128; k += blockDim.x) {
+                    const int gx = 32 * c + (k >> 2);
+                    cp_async16(xt + i * 512 + 4 * k, x + 16 * min(gx, groups - 1) + 4 * (k & 3), gx < groups);
+                }
                 u32* wd = wt + i * 16 * Q1M_ROW;
-                float* xd = xt + i * 512;
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int piece = lane + 32 * e, r = piece >> 3, k = piece & 7;
                     const int g = 32 * c + 4 * k;
                     const int row = min(row0 + r, hidden - 1);
                     cp_async16(wd + r * Q1M_ROW + 4 * k, words + (unsigned)(row * groups + min(g, groups - 4)),
-                               g < groups);
-                    // activations: piece = 4 columns, group c * 32 + piece / 4
-                    const int gx = 32 * c + (piece >> 2);
-                    cp_async16(xd + 4 * piece, x + 16 * min(gx, groups - 1) + 4 * (piece & 3), gx < groups);
+                               live && g < groups);
                 }
                 cp_async_commit();
                 const int g = 32 * c + 4 * gq;
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const unsigned at = (unsigned)(min(row0 + 4 * rq + e, hidden - 1) * groups + g);
-                    if (g < groups) {
+                    if (live && g < groups) {
                         const uint4 a = ld_w4(reinterpret_cast<const u32*>(scale) + at);
                         const uint4 z = ld_w4(reinterpret_cast<const u32*>(zs) + at);
                         sv[i][e] = make_float4(__uint_as_float(a.x), __uint_as_float(a.y), __uint_as_float(a.z),
@@ -551,28 +567,28 @@ __device__ __forceinline__ void product_one_mma(const u32* __restrict__ words, c
             if (i < m) {
                 const int c = r0 + i;
                 cp_async_wait(m - 1 - i);
-                __syncwarp();
+                __syncthreads();
                 // the chunk's activations as fragments: item (group j, quad q) gives lanes 4 p + q, p = 0..2,
                 // b0 = (column 2q, column 2q + 8) and b1 = (2q + 1, 2q + 9) of part p (hi + mid + lo, each
                 // residual exact in f32)
                 const float* xs = xt + i * 512;
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int item = lane + 32 * e, j = item >> 2, q = item & 3;
+                uint2* fr = frag + i * 384;
+                for (int item = threadIdx.x; item < 128; item += blockDim.x) {
+                    const int j = item >> 2, q = item & 3;
                     const float2 lo = *reinterpret_cast<const float2*>(xs + 16 * j + 2 * q);
                     const float2 hi = *reinterpret_cast<const float2*>(xs + 16 * j + 2 * q + 8);
                     float a0 = lo.x, a1 = hi.x, c0 = lo.y, c1 = hi.y;
 #pragma unroll
                     for (int p = 0; p < 3; p++) {
                         const u32 b0 = pack_bf16(a0, a1), b1 = pack_bf16(c0, c1);
-                        frag[12 * j + 4 * p + q] = make_uint2(b0, b1);
+                        fr[12 * j + 4 * p + q] = make_uint2(b0, b1);
                         a0 -= __uint_as_float(b0 << 16);
                         a1 -= __uint_as_float(b0 & 0xFFFF0000u);
                         c0 -= __uint_as_float(b1 << 16);
                         c1 -= __uint_as_float(b1 & 0xFFFF0000u);
                     }
                 }
-                __syncwarp();
+                __syncthreads();
                 const u32* wb = wt + i * 16 * Q1M_ROW;
 #pragma unroll 2
                 for (int jj = 0; jj < 8; jj++) {
@@ -588,16 +604,14 @@ __device__ __forceinline__ void product_one_mma(const u32* __restrict__ words, c
                         const u32 a1 = bf16x2_sub((s1 & 0x00030003u) | m0, m0);
                         const u32 a3 = bf16x2_sub((s1 & 0x000C000Cu) | m1, m1);
                         uint2 bf = make_uint2(0u, 0u);
-                        if (lane < 12) bf = frag[12 * j + lane];
+                        if (lane < 12) bf = fr[12 * j + lane];
                         float d[4];
                         mma_bf16_fresh(d, a0, a1, a2, a3, bf.x, bf.y);
-                        // quad 0 holds hi, mid; quad 1 lo (and a zero column)
-                        float v0 = d[0] + d[1], v1 = d[2] + d[3];
-                        v0 += __shfl_xor_sync(0xffffffffu, v0, 1);
-                        v1 += __shfl_xor_sync(0xffffffffu, v1, 1);
-                        if (t == 0) {
-                            part[g8 * Q1M_ROW + j] = v0;
-                            part[(g8 + 8) * Q1M_ROW + j] = v1;
+                        // quad 0 holds hi, mid; quad 1 lo and a zero column
+                        if (t < 2) {
+                            float* pt = t ? p1 : p0;
+                            pt[g8 * Q1M_ROW + j] = d[0] + d[1];
+                            pt[(g8 + 8) * Q1M_ROW + j] = d[2] + d[3];
                         }
                     }
                 }
@@ -608,8 +622,9 @@ __device__ __forceinline__ void product_one_mma(const u32* __restrict__ words, c
                 const float gs[4] = {gv.x, gv.y, gv.z, gv.w};
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    const float4 u = *reinterpret_cast<const float4*>(part + (4 * rq + e) * Q1M_ROW + 4 * gq);
-                    const float pu[4] = {u.x, u.y, u.z, u.w};
+                    const float4 u = *reinterpret_cast<const float4*>(p0 + (4 * rq + e) * Q1M_ROW + 4 * gq);
+                    const float4 v = *reinterpret_cast<const float4*>(p1 + (4 * rq + e) * Q1M_ROW + 4 * gq);
+                    const float pu[4] = {u.x + v.x, u.y + v.y, u.z + v.z, u.w + v.w};
                     const float sc[4] = {sv[i][e].x, sv[i][e].y, sv[i][e].z, sv[i][e].w};
                     const float zc[4] = {zv[i][e].x, zv[i][e].y, zv[i][e].z, zv[i][e].w};
 #pragma unroll
@@ -618,8 +633,10 @@ __device__ __forceinline__ void product_one_mma(const u32* __restrict__ words, c
                 __syncwarp();
             }
         }
+        // the round's activation and word tiles are free again
+        __syncthreads();
     }
-    // lanes of a row block (offsets 1, 2, 4), then the warps in order
+    // lanes of a row block (offsets 1, 2, 4), then the blocks of the cluster in rank order
 #pragma unroll
     for (int e = 0; e < 4; e++) {
         float a = acc[e];
@@ -627,17 +644,21 @@ __device__ __forceinline__ void product_one_mma(const u32* __restrict__ words, c
         for (int off = 1; off < 8; off <<= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
         if (gq == 0) red[warp * 16 + 4 * rq + e] = a;
     }
-    __syncthreads();
-    if (warp == 0 && lane < 16 && row0 + lane < hidden) {
-        float a = red[lane];
+    q1m_cluster_sync();
+    for (int v = threadIdx.x; v < Q1M_TILES * 16; v += blockDim.x) {
+        const int row = blockIdx.x * Q1M_TILES * 16 + v;
+        if (v % Q1M_SPLIT != (int)blockIdx.z || row >= hidden) continue;
+        float a = 0.0f;
 #pragma unroll
-        for (int w = 1; w < Q1M_WARPS; w++) a += red[w * 16 + lane];
-        out[row0 + lane] = a;
+        for (int r = 0; r < Q1M_SPLIT; r++) a += q1m_ld_cluster(&red[v], r);
+        out[row] = a;
     }
+    // no block leaves (its shared memory) while another may still read it
+    q1m_cluster_sync();
 }
 
 #define ENTRY1M(name, SHIFT)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(32 * Q1M_WARPS, 3)                                           \
+    extern "C" __global__ void __cluster_dims__(1, 1, Q1M_SPLIT) __launch_bounds__(32 * Q1M_TILES, 4)        \
         name(const u32* __restrict__ words, const float* __restrict__ scale, const float* __restrict__ zs,   \
              const float* __restrict__ x, const float* __restrict__ gsum, float* __restrict__ out, int hidden, \
              int n) {                                                                                         \

@@ -158,7 +158,7 @@ fn kernels(cuda: &Cuda, tt: usize, tune: &QuantTune) -> Result<Kernels> {
                     one_mma_shared() as i32,
                 )
                 .map_err(drv)?;
-                // all of the unified L1 as shared memory, so that three blocks fit an SM (the grid's 320 blocks at
+                // all of the unified L1 as shared memory, so that four blocks fit an SM (the grid's 480 blocks at
                 // the seed's hidden 5120 in one wave)
                 f.set_attribute(
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
@@ -262,15 +262,19 @@ fn one_shared(n: usize) -> usize {
     (n / 16) * (64 + 4)
 }
 
-/// Warps a `q1m_*` block, chunks a warp loads at once and u32 a row of its tiles (the kernel's Q1M_WARPS, Q1M_AHEAD,
-/// Q1M_ROW).
-const ONE_MMA_WARPS: usize = 4;
-const ONE_MMA_AHEAD: usize = 3;
+/// The `q1m_*` kernel's shape (its Q1M_TILES, Q1M_SPLIT, Q1M_AHEAD, Q1M_ROW): tiles of 16 rows a block (a warp
+/// each), blocks a cluster (the split of n), chunks of 32 groups loaded at once, u32 a row of its tiles.
+const ONE_MMA_TILES: usize = 4;
+const ONE_MMA_SPLIT: usize = 6;
+const ONE_MMA_AHEAD: usize = 2;
 const ONE_MMA_ROW: usize = 36;
-/// Shared bytes of the one-token tensor-core kernel (n does not enter): per warp its chunks' word and
-/// activation tiles, one chunk's fragments and partials; the warps' row sums.
+
+/// Shared bytes of the one-token tensor-core kernel (n does not enter): per chunk ahead the activations and their
+/// fragments, per tile the word tiles and partials, the tiles' row sums.
 fn one_mma_shared() -> usize {
-    4 * ONE_MMA_WARPS * (ONE_MMA_AHEAD * (16 * ONE_MMA_ROW + 512) + 32 * 24 + 16 * ONE_MMA_ROW + 16)
+    4 * (ONE_MMA_AHEAD * (512 + 768)
+        + ONE_MMA_TILES * (ONE_MMA_AHEAD * 16 * ONE_MMA_ROW + 2 * 16 * ONE_MMA_ROW)
+        + ONE_MMA_TILES * 16)
 }
 
 /// The one-token kernel's launch: about `blocks_per_sm` blocks a multiprocessor, each a contiguous range of row
@@ -470,8 +474,12 @@ impl CudaOutProj {
                     .is_some_and(|w| w <= i32::MAX as usize)
             {
                 let cfg = LaunchConfig {
-                    grid_dim: (int(hidden.div_ceil(16), "hidden")? as u32, 1, 1),
-                    block_dim: ((32 * ONE_MMA_WARPS) as u32, 1, 1),
+                    grid_dim: (
+                        int(hidden.div_ceil(16 * ONE_MMA_TILES), "hidden")? as u32,
+                        1,
+                        ONE_MMA_SPLIT as u32,
+                    ),
+                    block_dim: ((32 * ONE_MMA_TILES) as u32, 1, 1),
                     shared_mem_bytes: one_mma_shared() as u32,
                 };
                 let f = if shift { sh } else { pl };
@@ -485,8 +493,8 @@ impl CudaOutProj {
                     .arg(&out)
                     .arg(&hidden)
                     .arg(&n);
-                // SAFETY: as the q1 launch below (the same arguments); the grid covers the rows in tiles of 16
-                // (rows past hidden read the last row and are not stored), the shared memory is
+                // SAFETY: as the q1 launch below (the same arguments); the grid covers the rows in tiles of 16,
+                // four a block (rows past hidden read the last row and are not stored), z the kernel's cluster, the shared memory is
                 // `one_mma_shared()`, within the attribute set at load; x, gsum and the weights' rows are
                 // 16-byte aligned (n a multiple of 64).
                 unsafe { b.launch(cfg) }.map_err(drv)?;
