@@ -180,27 +180,6 @@ __device__ __forceinline__ void product(const u32* __restrict__ words, const flo
         }
 }
 
-// bf16 helpers of the tensor-core kernels (q1m_* and qm_*)
-__device__ __forceinline__ u32 bf16_bits(float f) {
-    unsigned short h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-__device__ __forceinline__ float bf16_float(u32 h) { return __uint_as_float(h << 16); }
-// two exact floats as bf16x2 (lo in the low half)
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-__device__ __forceinline__ void mma_bf16(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // The six entries (planes / shift x packing) of a product body taking the token count; an attribute (a
 // cluster's shape, or NO_ATTR), then the launch bounds.
 #define NO_ATTR
@@ -418,255 +397,6 @@ ENTRY1(q1_planes_2, 2, false)
 ENTRY1(q1_shift_0, 0, true)
 ENTRY1(q1_shift_1, 1, true)
 ENTRY1(q1_shift_2, 2, true)
-
-// One token, 2-bit fields, on tensor cores (`q1m_*`; calls the host finds fit: n a multiple of 64). The CUDA-core
-// kernel above spends three instructions a weight (mask, the 2^23 subtraction, the FMA), about 46 warp
-// instructions per 256 weights; here a 16-row x 16-column block of weights is one mma.sync m16n8k16 whose three
-// used B columns are the activation's bf16 parts (hi, mid, lo: the token's one column split three ways, so one
-// mma takes all three), and a field becomes a bf16 with the "magic" trick in pairs: after one shift, an AND with
-// the mask of two fields (one in each 16-bit half) ORed under a power of two M whose last mantissa bit is worth
-// the field's place value, then M subtracted (exact).
-//
-// The mma's k order is permuted (the activations' fragments use the same permutation): lane quad t's k pair
-// (2t, 2t + 1) holds columns 2t and 2t + 8 of the group (one field of each u16 of the group's u32), its pair
-// (2t + 8, 2t + 9) columns 2t + 1 and 2t + 9. Shifted down by 4t, these fields sit at bits 0-1 and 2-3 of each
-// half, inside bf16's 7-bit mantissa. Planes path: M = 2^(7 + 4t) for both pairs (the field keeps its place
-// value q 4^(m mod 8), the plane undoes it); shift path: M = 2^7 and 2^5 (the field is q, B is y).
-//
-// Work: a block of Q1M_TILES warps, warp w owning the 16 rows of tile Q1M_TILES x + w; the chunks (32 groups) are
-// split over the Q1M_SPLIT blocks of a cluster (grid z), each block taking its run in rounds of up to Q1M_AHEAD
-// chunks whose loads are all issued at the round's start: the chunk's activations (block-wide) and each tile's
-// words by cp.async into shared memory, the epilogue's scales and zero terms into registers (lane (r, q): rows
-// 4r..4r+3, groups 4q..4q+3 of the chunk, 16-byte loads). Once a chunk's activations land the block splits them
-// into bf16 fragments, shared by its tiles. The mma's partial sums of a row and group (hi + mid from lane quad 0,
-// lo from quad 1) go through shared memory to the epilogue's layout, where acc = fma(-zs, gsum, fma(scale, hi +
-// mid + lo, acc)) takes groups in order. A block's lane sums meet in a butterfly (offsets 1, 2, 4), the blocks'
-// through distributed shared memory in rank order: the bits depend on n alone.
-#define Q1M_TILES 4
-#define Q1M_SPLIT 6
-#define Q1M_AHEAD 2
-// u32 a row of a word tile or floats a row of a partial tile: 32 + 4 (8 rows in distinct bank quads)
-#define Q1M_ROW 36
-// shared u32: per chunk ahead the activations (512) and fragments (32 x 12 x 2); per tile and chunk ahead the
-// word tile, per tile the two partial tiles; the tiles' row sums
-#define Q1M_WORDS \
-    (Q1M_AHEAD * (512 + 768) + Q1M_TILES * (Q1M_AHEAD * 16 * Q1M_ROW + 2 * 16 * Q1M_ROW) + Q1M_TILES * 16)
-
-__device__ __forceinline__ u32 bf16x2_sub(u32 a, u32 m) {
-    // a - m on both halves, exact here: fma(a, 1, -m)
-    u32 r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(0x3F803F80u), "r"(m ^ 0x80008000u));
-    return r;
-}
-
-__device__ __forceinline__ void mma_bf16_fresh(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%10, %10, %10, %10};"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
-}
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// at most `pending` of this thread's cp.async groups still in flight
-__device__ __forceinline__ void cp_async_wait(int pending) {
-    if (pending >= 1) {
-        asm volatile("cp.async.wait_group 1;" ::: "memory");
-    } else {
-        asm volatile("cp.async.wait_group 0;" ::: "memory");
-    }
-}
-
-__device__ __forceinline__ void q1m_cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ float q1m_ld_cluster(const float* p, unsigned rank) {
-    unsigned local = (unsigned)__cvta_generic_to_shared(p), remote;
-    float v;
-    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-}
-
-template <bool SHIFT>
-__device__ __forceinline__ void product_one_mma(const u32* __restrict__ words, const float* __restrict__ scale,
-                                                const float* __restrict__ zs, const float* __restrict__ x,
-                                                const float* __restrict__ gsum, float* __restrict__ out, int hidden,
-                                                int n) {
-    static_assert(Q1M_AHEAD <= 2, "cp_async_wait counts up to 1 pending group");
-    const int groups = n / 16;
-    const int chunks = (groups + 31) >> 5;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g8 = lane >> 2, t = lane & 3;
-    const int rq = lane >> 3, gq = lane & 7;
-    const int row0 = (blockIdx.x * Q1M_TILES + warp) * 16;
-    extern __shared__ float4 q1m_smem[];
-    float* xt = reinterpret_cast<float*>(q1m_smem);                       // [AHEAD][512]
-    uint2* frag = reinterpret_cast<uint2*>(xt + Q1M_AHEAD * 512);         // [AHEAD][32 x 12]
-    u32* wt = reinterpret_cast<u32*>(frag + Q1M_AHEAD * 384) + warp * (Q1M_AHEAD * 16 * Q1M_ROW);
-    float* p0 = reinterpret_cast<float*>(reinterpret_cast<u32*>(frag + Q1M_AHEAD * 384) +
-                                         Q1M_TILES * Q1M_AHEAD * 16 * Q1M_ROW) +
-                warp * (2 * 16 * Q1M_ROW);
-    // quad 1's partials (rows of 16-byte pieces; its stores meet quad 0's in a bank twice)
-    float* p1 = p0 + 16 * Q1M_ROW;
-    float* red = reinterpret_cast<float*>(q1m_smem) + (Q1M_WORDS - Q1M_TILES * 16);
-
-    // this block's run of chunks
-    const int per = (chunks + Q1M_SPLIT - 1) / Q1M_SPLIT;
-    const int k0 = min((int)blockIdx.z * per, chunks), k1 = min(k0 + per, chunks);
-    const bool live = row0 < hidden;
-
-    const u32 m0 = SHIFT ? 0x43004300u : ((134u + 4u * t) << 7) * 0x00010001u;
-    const u32 m1 = SHIFT ? 0x42004200u : m0;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    float4 sv[Q1M_AHEAD][4], zv[Q1M_AHEAD][4];
-
-    for (int r0 = k0; r0 < k1; r0 += Q1M_AHEAD) {
-        const int m = min(Q1M_AHEAD, k1 - r0);
-#pragma unroll
-        for (int i = 0; i < Q1M_AHEAD; i++) {
-            if (i < m) {
-                const int c = r0 + i;
-                // activations: thread k copies 16 bytes (4 columns of group 32 c + k / 4)
-                for (int k = threadIdx.x; k < 128; k += blockDim.x) {
-                    const int gx = 32 * c + (k >> 2);
-                    cp_async16(xt + i * 512 + 4 * k, x + 16 * min(gx, groups - 1) + 4 * (k & 3), gx < groups);
-                }
-                u32* wd = wt + i * 16 * Q1M_ROW;
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int piece = lane + 32 * e, r = piece >> 3, k = piece & 7;
-                    const int g = 32 * c + 4 * k;
-                    const int row = min(row0 + r, hidden - 1);
-                    cp_async16(wd + r * Q1M_ROW + 4 * k, words + (unsigned)(row * groups + min(g, groups - 4)),
-                               live && g < groups);
-                }
-                cp_async_commit();
-                const int g = 32 * c + 4 * gq;
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const unsigned at = (unsigned)(min(row0 + 4 * rq + e, hidden - 1) * groups + g);
-                    if (live && g < groups) {
-                        const uint4 a = ld_w4(reinterpret_cast<const u32*>(scale) + at);
-                        const uint4 z = ld_w4(reinterpret_cast<const u32*>(zs) + at);
-                        sv[i][e] = make_float4(__uint_as_float(a.x), __uint_as_float(a.y), __uint_as_float(a.z),
-                                               __uint_as_float(a.w));
-                        zv[i][e] = make_float4(__uint_as_float(z.x), __uint_as_float(z.y), __uint_as_float(z.z),
-                                               __uint_as_float(z.w));
-                    } else {
-                        sv[i][e] = zv[i][e] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                    }
-                }
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < Q1M_AHEAD; i++) {
-            if (i < m) {
-                const int c = r0 + i;
-                cp_async_wait(m - 1 - i);
-                __syncthreads();
-                // the chunk's activations as fragments: item (group j, quad q) gives lanes 4 p + q, p = 0..2,
-                // b0 = (column 2q, column 2q + 8) and b1 = (2q + 1, 2q + 9) of part p (hi + mid + lo, each
-                // residual exact in f32)
-                const float* xs = xt + i * 512;
-                uint2* fr = frag + i * 384;
-                for (int item = threadIdx.x; item < 128; item += blockDim.x) {
-                    const int j = item >> 2, q = item & 3;
-                    const float2 lo = *reinterpret_cast<const float2*>(xs + 16 * j + 2 * q);
-                    const float2 hi = *reinterpret_cast<const float2*>(xs + 16 * j + 2 * q + 8);
-                    float a0 = lo.x, a1 = hi.x, c0 = lo.y, c1 = hi.y;
-#pragma unroll
-                    for (int p = 0; p < 3; p++) {
-                        const u32 b0 = pack_bf16(a0, a1), b1 = pack_bf16(c0, c1);
-                        fr[12 * j + 4 * p + q] = make_uint2(b0, b1);
-                        a0 -= __uint_as_float(b0 << 16);
-                        a1 -= __uint_as_float(b0 & 0xFFFF0000u);
-                        c0 -= __uint_as_float(b1 << 16);
-                        c1 -= __uint_as_float(b1 & 0xFFFF0000u);
-                    }
-                }
-                __syncthreads();
-                const u32* wb = wt + i * 16 * Q1M_ROW;
-#pragma unroll 2
-                for (int jj = 0; jj < 8; jj++) {
-                    const uint4 w0 = *reinterpret_cast<const uint4*>(wb + g8 * Q1M_ROW + 4 * jj);
-                    const uint4 w1 = *reinterpret_cast<const uint4*>(wb + (g8 + 8) * Q1M_ROW + 4 * jj);
-                    const u32 wr0[4] = {w0.x, w0.y, w0.z, w0.w}, wr1[4] = {w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int j = 4 * jj + e;
-                        const u32 s0 = wr0[e] >> (4 * t), s1 = wr1[e] >> (4 * t);
-                        const u32 a0 = bf16x2_sub((s0 & 0x00030003u) | m0, m0);
-                        const u32 a2 = bf16x2_sub((s0 & 0x000C000Cu) | m1, m1);
-                        const u32 a1 = bf16x2_sub((s1 & 0x00030003u) | m0, m0);
-                        const u32 a3 = bf16x2_sub((s1 & 0x000C000Cu) | m1, m1);
-                        uint2 bf = make_uint2(0u, 0u);
-                        if (lane < 12) bf = fr[12 * j + lane];
-                        float d[4];
-                        mma_bf16_fresh(d, a0, a1, a2, a3, bf.x, bf.y);
-                        // quad 0 holds hi, mid; quad 1 lo and a zero column
-                        if (t < 2) {
-                            float* pt = t ? p1 : p0;
-                            pt[g8 * Q1M_ROW + j] = d[0] + d[1];
-                            pt[(g8 + 8) * Q1M_ROW + j] = d[2] + d[3];
-                        }
-                    }
-                }
-                __syncwarp();
-                const int g = 32 * c + 4 * gq;
-                const float4 gv =
-                    g < groups ? __ldg(reinterpret_cast<const float4*>(gsum + g)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                const float gs[4] = {gv.x, gv.y, gv.z, gv.w};
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const float4 u = *reinterpret_cast<const float4*>(p0 + (4 * rq + e) * Q1M_ROW + 4 * gq);
-                    const float4 v = *reinterpret_cast<const float4*>(p1 + (4 * rq + e) * Q1M_ROW + 4 * gq);
-                    const float pu[4] = {u.x + v.x, u.y + v.y, u.z + v.z, u.w + v.w};
-                    const float sc[4] = {sv[i][e].x, sv[i][e].y, sv[i][e].z, sv[i][e].w};
-                    const float zc[4] = {zv[i][e].x, zv[i][e].y, zv[i][e].z, zv[i][e].w};
-#pragma unroll
-                    for (int k = 0; k < 4; k++) acc[e] = fmaf(-zc[k], gs[k], fmaf(sc[k], pu[k], acc[e]));
-                }
-                __syncwarp();
-            }
-        }
-        // the round's activation and word tiles are free again
-        __syncthreads();
-    }
-    // lanes of a row block (offsets 1, 2, 4), then the blocks of the cluster in rank order
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-        float a = acc[e];
-#pragma unroll
-        for (int off = 1; off < 8; off <<= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
-        if (gq == 0) red[warp * 16 + 4 * rq + e] = a;
-    }
-    q1m_cluster_sync();
-    for (int v = threadIdx.x; v < Q1M_TILES * 16; v += blockDim.x) {
-        const int row = blockIdx.x * Q1M_TILES * 16 + v;
-        if (v % Q1M_SPLIT != (int)blockIdx.z || row >= hidden) continue;
-        float a = 0.0f;
-#pragma unroll
-        for (int r = 0; r < Q1M_SPLIT; r++) a += q1m_ld_cluster(&red[v], r);
-        out[row] = a;
-    }
-    // no block leaves (its shared memory) while another may still read it
-    q1m_cluster_sync();
-}
-
-#define ENTRY1M(name, SHIFT)                                                                                  \
-    extern "C" __global__ void __cluster_dims__(1, 1, Q1M_SPLIT) __launch_bounds__(32 * Q1M_TILES, 4)        \
-        name(const u32* __restrict__ words, const float* __restrict__ scale, const float* __restrict__ zs,   \
-             const float* __restrict__ x, const float* __restrict__ gsum, float* __restrict__ out, int hidden, \
-             int n) {                                                                                         \
-        product_one_mma<SHIFT>(words, scale, zs, x, gsum, out, hidden, n);                                   \
-    }
-
-ENTRY1M(q1m_planes_0, false)
-ENTRY1M(q1m_shift_0, true)
 #endif
 
 #if TT != 1
@@ -676,8 +406,8 @@ ENTRY1M(q1m_shift_0, true)
 // three bf16 parts, hi + mid + lo = x to within 2^-27 |x|. A group's three products go into one fresh
 // accumulator (lo, mid, hi), which then takes the group's scale and zero term in f32 as above: acc = fma(-zs,
 // gsum, fma(scale, p, acc)), groups in increasing order. The planes path's B is the shift path's times a power
-// of two per column, so the two give the same bits. A block of QM_WARPS warps owns 16 rows a warp and a tile of
-// 8 QM_NT tokens (QM_NT n-tiles); the split activations of a chunk of QM_KC groups go through shared memory (double
+// of two per column, so the two give the same bits. A block of QW warps owns 16 rows a warp and a tile of 8 QNT
+// tokens (QNT n-tiles); the split activations of a chunk of QM_KC groups go through shared memory (double
 // buffered), the next chunk's fields, scales and zero terms are loaded while this one is summed. The chunks are
 // split over the QM_SPLIT blocks of a cluster (grid z): block z sums its run of chunks from zero, and the partial
 // sums meet through distributed shared memory, added in rank order (so the bits depend on QM_SPLIT, not on the
@@ -691,12 +421,31 @@ ENTRY1M(q1m_shift_0, true)
 #ifndef QM_SPLIT
 #define QM_SPLIT 1
 #endif
-#define QM_TOK (8 * QM_NT)
 // blocks an SM ptxas is asked for: 128 registers a thread, but 170 for blocks of 2 warps and about 255 for 4 n-tiles
-#define QM_BLOCKS (QM_NT >= 4 ? 8 / QM_WARPS : QM_WARPS == 2 ? 6 : 16 / QM_WARPS)
+#define QM_BLOCKS(W, NT) ((NT) >= 4 ? 8 / (W) : (W) == 2 ? 6 : 16 / (W))
 #define QM_KC 6
 // (a shared row of a part: a chunk's KC * 16 bf16 + 8 of padding (32-bit words: 8 KC + 4), so that the 8 tokens x 4
 // column pairs a fragment load reads fall in 32 distinct banks)
+
+__device__ __forceinline__ u32 bf16_bits(float f) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float bf16_float(u32 h) { return __uint_as_float(h << 16); }
+// two exact floats as bf16x2 (lo in the low half)
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ void mma_bf16(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 
 #if QM_SPLIT > 1
 __device__ __forceinline__ void qm_cluster_sync() {
@@ -754,7 +503,7 @@ __device__ __forceinline__ void fields4(u32 w0, u32 w1, int q, float f[4]) {
     }
 }
 
-template <int PACK, bool SHIFT>
+template <int PACK, bool SHIFT, int QW, int QNT>
 __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const float* __restrict__ scale,
                                             const float* __restrict__ zs, const float* __restrict__ x,
                                             const float* __restrict__ gsum, float* __restrict__ out, int hidden,
@@ -765,13 +514,13 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
     const int groups = n / 16;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g8 = lane >> 2, q = lane & 3;
-    const int t0 = blockIdx.y * QM_TOK;
-    const int m0 = (blockIdx.x * QM_WARPS + warp) * 16;
+    const int t0 = blockIdx.y * (8 * QNT);
+    const int m0 = (blockIdx.x * QW + warp) * 16;
     // this lane's two rows (rows past hidden read the last row; their sums are not stored)
     const int r0 = min(m0 + g8, hidden - 1), r1 = min(m0 + g8 + 8, hidden - 1);
     // split activations [buffer][part][token][ROW words], group sums [buffer][token][KC]
-    __shared__ u32 bs[2][3][QM_TOK][ROW];
-    __shared__ float gss[2][QM_TOK][KC];
+    __shared__ u32 bs[2][3][(8 * QNT)][ROW];
+    __shared__ float gss[2][(8 * QNT)][KC];
     const int chunks_all = (groups + KC - 1) / KC;
     // this block's run of chunks
     const int per = (chunks_all + QM_SPLIT - 1) / QM_SPLIT;
@@ -779,34 +528,34 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
 
     // staging: thread i splits 4 columns (one float4) of token i / (4 KC), KC * 16 columns a chunk
     constexpr int PER_TOK = KC * 4;  // float4s a token a chunk
-    constexpr int NT = QM_WARPS * 32;
-    float4 xv[(QM_TOK * PER_TOK + NT - 1) / NT];
-    constexpr int GV = (QM_TOK * KC + NT - 1) / NT;
+    constexpr int NT = QW * 32;
+    float4 xv[((8 * QNT) * PER_TOK + NT - 1) / NT];
+    constexpr int GV = ((8 * QNT) * KC + NT - 1) / NT;
     float gv[GV];
     auto load_x = [&](int c) {
 #pragma unroll
-        for (int i = 0; i < (QM_TOK * PER_TOK + NT - 1) / NT; i++) {
+        for (int i = 0; i < ((8 * QNT) * PER_TOK + NT - 1) / NT; i++) {
             const int e = threadIdx.x + i * NT;
             const int tok = e / PER_TOK, col4 = e % PER_TOK;
             const int g = c * KC + col4 / 4;
             xv[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (e < QM_TOK * PER_TOK && t0 + tok < tokens && g < groups)
+            if (e < (8 * QNT) * PER_TOK && t0 + tok < tokens && g < groups)
                 xv[i] = __ldg(reinterpret_cast<const float4*>(x + (size_t)(t0 + tok) * n + 16 * c * KC) + col4);
         }
 #pragma unroll
         for (int i = 0; i < GV; i++) {
             const int e = threadIdx.x + i * NT;
             const int tok = e / KC, g = c * KC + e % KC;
-            gv[i] = (e < QM_TOK * KC && t0 + tok < tokens && g < groups)
+            gv[i] = (e < (8 * QNT) * KC && t0 + tok < tokens && g < groups)
                         ? __ldg(gsum + (size_t)(t0 + tok) * groups + g)
                         : 0.0f;
         }
     };
     auto store_x = [&](int b) {
 #pragma unroll
-        for (int i = 0; i < (QM_TOK * PER_TOK + NT - 1) / NT; i++) {
+        for (int i = 0; i < ((8 * QNT) * PER_TOK + NT - 1) / NT; i++) {
             const int e = threadIdx.x + i * NT;
-            if (e < QM_TOK * PER_TOK) {
+            if (e < (8 * QNT) * PER_TOK) {
                 const int tok = e / PER_TOK, col4 = e % PER_TOK;
                 const float v[4] = {xv[i].x, xv[i].y, xv[i].z, xv[i].w};
                 u32 h[3][4];
@@ -828,7 +577,7 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
 #pragma unroll
         for (int i = 0; i < GV; i++) {
             const int e = threadIdx.x + i * NT;
-            if (e < QM_TOK * KC) gss[b][e / KC][e % KC] = gv[i];
+            if (e < (8 * QNT) * KC) gss[b][e / KC][e % KC] = gv[i];
         }
     };
 
@@ -855,9 +604,9 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
         }
     };
 
-    float acc[QM_NT][4];
+    float acc[QNT][4];
 #pragma unroll
-    for (int t = 0; t < QM_NT; t++)
+    for (int t = 0; t < QNT; t++)
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[t][i] = 0.0f;
 
@@ -883,7 +632,7 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
             if (c + 1 < chunks) load_w(c + 1, j);
             if (c * KC + j < groups) {
 #pragma unroll
-                for (int t = 0; t < QM_NT; t++) {
+                for (int t = 0; t < QNT; t++) {
                     // B: token 8 t + g8, columns 2q, 2q + 1 (b0) and 2q + 8, 2q + 9 (b1) of group j
                     float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -906,15 +655,15 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
 #if QM_SPLIT > 1
     // the partial sums through shared memory (the split activations' buffers: the loop ended on a barrier);
     // block z adds, for its share of each thread's values, every block's partial in rank order
-    static_assert(sizeof(bs) >= sizeof(float) * 4 * QM_NT * 32 * QM_WARPS, "partials fit the buffers");
+    static_assert(sizeof(bs) >= sizeof(float) * 4 * QNT * 32 * QW, "partials fit the buffers");
     float* red = reinterpret_cast<float*>(&bs[0][0][0][0]);
 #pragma unroll
-    for (int t = 0; t < QM_NT; t++)
+    for (int t = 0; t < QNT; t++)
 #pragma unroll
         for (int i = 0; i < 4; i++) red[(4 * t + i) * NT + threadIdx.x] = acc[t][i];
     qm_cluster_sync();
 #pragma unroll
-    for (int t = 0; t < QM_NT; t++)
+    for (int t = 0; t < QNT; t++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int v = 4 * t + i;
@@ -929,7 +678,7 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
     qm_cluster_sync();
 #else
 #pragma unroll
-    for (int t = 0; t < QM_NT; t++)
+    for (int t = 0; t < QNT; t++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int tok = t0 + 8 * t + 2 * q + (i & 1), row = m0 + g8 + 8 * (i >> 1);
@@ -938,7 +687,33 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
 #endif
 }
 
-ENTRIES(qm, product_mma, QM_CLUSTER, 32 * QM_WARPS, QM_BLOCKS)
+// the block shapes: the tune's (QM_WARPS x QM_NT, `qm_*`), and two fixed ones the host takes by row count: 4 warps x 1
+// n-tile (`qms_*`, few rows) and 8 x 4 (`qml_*`, many); the same bits in all three
+template <int PACK, bool SHIFT>
+__device__ __forceinline__ void product_mma_tuned(const u32* __restrict__ words, const float* __restrict__ scale,
+                                                  const float* __restrict__ zs, const float* __restrict__ x,
+                                                  const float* __restrict__ gsum, float* __restrict__ out,
+                                                  int hidden, int n, int tokens) {
+    product_mma<PACK, SHIFT, QM_WARPS, QM_NT>(words, scale, zs, x, gsum, out, hidden, n, tokens);
+}
+template <int PACK, bool SHIFT>
+__device__ __forceinline__ void product_mma_small(const u32* __restrict__ words, const float* __restrict__ scale,
+                                                  const float* __restrict__ zs, const float* __restrict__ x,
+                                                  const float* __restrict__ gsum, float* __restrict__ out,
+                                                  int hidden, int n, int tokens) {
+    product_mma<PACK, SHIFT, 4, 1>(words, scale, zs, x, gsum, out, hidden, n, tokens);
+}
+template <int PACK, bool SHIFT>
+__device__ __forceinline__ void product_mma_large(const u32* __restrict__ words, const float* __restrict__ scale,
+                                                  const float* __restrict__ zs, const float* __restrict__ x,
+                                                  const float* __restrict__ gsum, float* __restrict__ out,
+                                                  int hidden, int n, int tokens) {
+    product_mma<PACK, SHIFT, 8, 4>(words, scale, zs, x, gsum, out, hidden, n, tokens);
+}
+
+ENTRIES(qm, product_mma_tuned, QM_CLUSTER, 32 * QM_WARPS, QM_BLOCKS(QM_WARPS, QM_NT))
+ENTRIES(qms, product_mma_small, QM_CLUSTER, 32 * 4, QM_BLOCKS(4, 1))
+ENTRIES(qml, product_mma_large, QM_CLUSTER, 32 * 8, QM_BLOCKS(8, 4))
 #endif
 
 // The shift path's own pass: group sums of y [rows][n] as the step writes them (even columns' sum plus odd

@@ -45,9 +45,6 @@ pub struct QuantTune {
     pub stream_hint: bool,
     /// One-token calls on the `q1_*` kernel (else on the tiled kernel's TT 1 module, as calls of 2 or 3 rows).
     pub one_kernel: bool,
-    /// One-token 2-bit calls on the tensor-core kernel `q1m_*` where it fits (n a multiple of 64, the split
-    /// activations in shared memory); unlike the fields above this changes bits (its own order of a row's sum).
-    pub one_mma: bool,
     /// Calls of this many rows or more on the tensor-core kernel `qm_*` (`usize::MAX`: never). Unlike the fields
     /// above this changes bits: `qm_*` sums a group's 16 products on tensor cores, in an order of its own.
     pub mma_from: usize,
@@ -57,6 +54,11 @@ pub struct QuantTune {
     pub mma_ntiles: usize,
     /// The tensor-core kernel's split of n over the blocks of a cluster (1 to 8); the bits depend on it.
     pub mma_split: usize,
+    /// Calls of at most this many rows take the tensor-core kernel's block of 4 warps x 1 n-tile, calls of at least
+    /// `mma_large_from` rows its block of 8 warps x 4 n-tiles, the others `mma_warps` x `mma_ntiles` (0 and
+    /// `usize::MAX`: the tune's block for every row count). No bit depends on them.
+    pub mma_small_to: usize,
+    pub mma_large_from: usize,
 }
 
 impl QuantTune {
@@ -66,18 +68,20 @@ impl QuantTune {
     /// bits in every shape). Calls of 8 rows or more on tensor cores, 4 warps x 2 n-tiles, n split over clusters
     /// of 8 blocks (H200, 2026-12-06, `quant_mma_sweep`, us against the CUDA cores: 2-bit B 8 56.3 / 78.1, B 16
     /// 57.3 / 115.9, B 64 188.5 / 445.2, B 512 1414 / 3353; 8-bit u32 B 8 73.9 / 87.1, B 64 242.2 / 497.6; at
-    /// B 4 the CUDA cores were level or ahead).
+    /// B 4 the CUDA cores were level or ahead). Blocks by row count, the same split (same bits): 4 x 1 to 8 rows
+    /// (2-bit B 8 48.1 against 56.3), 8 x 4 from 128 (B 256 669.3 against 711.6, B 512 1313.3 against 1414.0).
     pub const DEFAULT: QuantTune = QuantTune {
         rows: [2, 2, 2],
         depth: [4, 4, 4],
         blocks_per_sm: 2,
         stream_hint: true,
         one_kernel: true,
-        one_mma: true,
         mma_from: 8,
         mma_warps: 4,
         mma_ntiles: 2,
         mma_split: 8,
+        mma_small_to: 8,
+        mma_large_from: 128,
     };
 }
 
@@ -123,10 +127,8 @@ struct Kernels {
     shift: [CudaFunction; 3],
     /// The TT 1 module's one-token kernels (planes, shift).
     one: Option<([CudaFunction; 3], [CudaFunction; 3])>,
-    /// The other module's tensor-core kernels (planes, shift).
-    mma: Option<([CudaFunction; 3], [CudaFunction; 3])>,
-    /// The TT 1 module's one-token 2-bit tensor-core kernels (planes, shift).
-    one_mma: Option<(CudaFunction, CudaFunction)>,
+    /// The other module's tensor-core kernels (planes, shift) in the tune's block, 4 x 1 and 8 x 4 (`MMA_BLOCKS`).
+    mma: Option<[([CudaFunction; 3], [CudaFunction; 3]); 3]>,
     group_sums: CudaFunction,
     bf16: CudaFunction,
     empty: CudaFunction,
@@ -150,34 +152,17 @@ fn kernels(cuda: &Cuda, tt: usize, tune: &QuantTune) -> Result<Kernels> {
         } else {
             None
         },
-        one_mma: if tt == 1 {
-            let big = |name: &str| -> Result<CudaFunction> {
-                let f = f(name)?;
-                f.set_attribute(
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    one_mma_shared() as i32,
-                )
-                .map_err(drv)?;
-                // all of the unified L1 as shared memory, so that four blocks fit an SM (the grid's 480 blocks at
-                // the seed's hidden 5120 in one wave)
-                f.set_attribute(
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                    100,
-                )
-                .map_err(drv)?;
-                Ok(f)
-            };
-            Some((big("q1m_planes_0")?, big("q1m_shift_0")?))
-        } else {
-            None
-        },
         mma: if tt == 1 {
             None
         } else {
-            Some((
-                [f("qm_planes_0")?, f("qm_planes_1")?, f("qm_planes_2")?],
-                [f("qm_shift_0")?, f("qm_shift_1")?, f("qm_shift_2")?],
-            ))
+            let set = |p: &str| -> Result<([CudaFunction; 3], [CudaFunction; 3])> {
+                let g = |kind: &str, i: usize| f(&format!("{p}_{kind}_{i}"));
+                Ok((
+                    [g("planes", 0)?, g("planes", 1)?, g("planes", 2)?],
+                    [g("shift", 0)?, g("shift", 1)?, g("shift", 2)?],
+                ))
+            };
+            Some([set("qm")?, set("qms")?, set("qml")?])
         },
         group_sums: f("group_sums")?,
         bf16: f("bf16_product")?,
@@ -235,10 +220,30 @@ fn grid(hidden: usize, tokens: usize) -> Result<LaunchConfig> {
     })
 }
 
-/// The tensor-core kernel's grid over `tokens` rows and `hidden` outputs: blocks of `mma_warps` warps, 16
-/// outputs a warp, 8 `mma_ntiles` tokens a block.
-fn mma_grid(hidden: usize, tokens: usize, tune: &QuantTune) -> Result<LaunchConfig> {
-    let tok = 8 * tune.mma_ntiles;
+/// The tensor-core kernel's fixed blocks (the kernel's `qms_*` and `qml_*`), warps x n-tiles.
+const MMA_BLOCKS: [(usize, usize); 2] = [(4, 1), (8, 4)];
+
+/// The tensor-core kernel's block for a call of `tokens` rows: an index into `Kernels::mma` and its warps and
+/// n-tiles.
+fn mma_block(tokens: usize, tune: &QuantTune) -> (usize, usize, usize) {
+    if tokens <= tune.mma_small_to {
+        (1, MMA_BLOCKS[0].0, MMA_BLOCKS[0].1)
+    } else if tokens >= tune.mma_large_from {
+        (2, MMA_BLOCKS[1].0, MMA_BLOCKS[1].1)
+    } else {
+        (0, tune.mma_warps, tune.mma_ntiles)
+    }
+}
+
+/// The tensor-core kernel's grid over `tokens` rows and `hidden` outputs: blocks of `warps` warps, 16 outputs a
+/// warp, 8 `ntiles` tokens a block, `mma_split` blocks along z.
+fn mma_grid(
+    hidden: usize,
+    tokens: usize,
+    (warps, ntiles): (usize, usize),
+    tune: &QuantTune,
+) -> Result<LaunchConfig> {
+    let tok = 8 * ntiles;
     let y = tokens.div_ceil(tok);
     if y > 65535 {
         return Err(Error::Param {
@@ -248,11 +253,11 @@ fn mma_grid(hidden: usize, tokens: usize, tune: &QuantTune) -> Result<LaunchConf
     }
     Ok(LaunchConfig {
         grid_dim: (
-            int(hidden.div_ceil(16 * tune.mma_warps), "hidden")? as u32,
+            int(hidden.div_ceil(16 * warps), "hidden")? as u32,
             y as u32,
             tune.mma_split as u32,
         ),
-        block_dim: ((32 * tune.mma_warps) as u32, 1, 1),
+        block_dim: ((32 * warps) as u32, 1, 1),
         shared_mem_bytes: 0,
     })
 }
@@ -260,21 +265,6 @@ fn mma_grid(hidden: usize, tokens: usize, tune: &QuantTune) -> Result<LaunchConf
 /// Shared bytes of the one-token kernel at n columns: the token's activations and group sums.
 fn one_shared(n: usize) -> usize {
     (n / 16) * (64 + 4)
-}
-
-/// The `q1m_*` kernel's shape (its Q1M_TILES, Q1M_SPLIT, Q1M_AHEAD, Q1M_ROW): tiles of 16 rows a block (a warp
-/// each), blocks a cluster (the split of n), chunks of 32 groups loaded at once, u32 a row of its tiles.
-const ONE_MMA_TILES: usize = 4;
-const ONE_MMA_SPLIT: usize = 6;
-const ONE_MMA_AHEAD: usize = 2;
-const ONE_MMA_ROW: usize = 36;
-
-/// Shared bytes of the one-token tensor-core kernel (n does not enter): per chunk ahead the activations and their
-/// fragments, per tile the word tiles and partials, the tiles' row sums.
-fn one_mma_shared() -> usize {
-    4 * (ONE_MMA_AHEAD * (512 + 768)
-        + ONE_MMA_TILES * (ONE_MMA_AHEAD * 16 * ONE_MMA_ROW + 2 * 16 * ONE_MMA_ROW)
-        + ONE_MMA_TILES * 16)
 }
 
 /// The one-token kernel's launch: about `blocks_per_sm` blocks a multiprocessor, each a contiguous range of row
@@ -461,48 +451,16 @@ impl CudaOutProj {
             _ => None,
         };
         let mma = match &self.k[1].mma {
-            Some(f) if tokens >= self.tune.mma_from && one.is_none() => Some(f),
+            Some(sets) if tokens >= self.tune.mma_from && one.is_none() => {
+                let (i, warps, ntiles) = mma_block(tokens, &self.tune);
+                Some((&sets[i], (warps, ntiles)))
+            }
             _ => None,
         };
-        // one 2-bit token on tensor cores: whole 16-byte pieces of a row's words (n a multiple of 64)
-        if let (Some((pl, sh)), Packing::Q2U16) = (&k.one_mma, p) {
-            if tokens == 1
-                && self.tune.one_mma
-                && n.is_multiple_of(64)
-                && hidden
-                    .checked_mul(n / 16)
-                    .is_some_and(|w| w <= i32::MAX as usize)
-            {
-                let cfg = LaunchConfig {
-                    grid_dim: (
-                        int(hidden.div_ceil(16 * ONE_MMA_TILES), "hidden")? as u32,
-                        1,
-                        ONE_MMA_SPLIT as u32,
-                    ),
-                    block_dim: ((32 * ONE_MMA_TILES) as u32, 1, 1),
-                    shared_mem_bytes: one_mma_shared() as u32,
-                };
-                let f = if shift { sh } else { pl };
-                let (hidden, n) = (int(hidden, "hidden")?, int(n, "n")?);
-                let mut b = s.launch_builder(f);
-                b.arg(&w)
-                    .arg(&sc)
-                    .arg(&z)
-                    .arg(&x)
-                    .arg(&gsum)
-                    .arg(&out)
-                    .arg(&hidden)
-                    .arg(&n);
-                // SAFETY: as the q1 launch below (the same arguments); the grid covers the rows in tiles of 16,
-                // four a block (rows past hidden read the last row and are not stored), z the kernel's cluster, the shared memory is
-                // `one_mma_shared()`, within the attribute set at load; x, gsum and the weights' rows are
-                // 16-byte aligned (n a multiple of 64).
-                unsafe { b.launch(cfg) }.map_err(drv)?;
-                return Ok(());
-            }
-        }
         let ((planes, shift_k), cfg) = match (one, mma) {
-            (_, Some((pl, sh))) => ((pl, sh), mma_grid(hidden, tokens, &self.tune)?),
+            (_, Some(((pl, sh), block))) => {
+                ((pl, sh), mma_grid(hidden, tokens, block, &self.tune)?)
+            }
             (Some((pl, sh)), None) => (
                 (pl, sh),
                 one_grid(p, hidden, n, self.cuda.multiprocessors(), &self.tune)?,
@@ -969,12 +927,11 @@ pub fn time_tail(
 mod tests {
     use super::*;
 
-    /// Widths the seed's shape does not reach: rows of 3 groups (one partial chunk), 4 (the one-token tensor-core
-    /// kernel with one chunk for four warps), 130 (5 chunks, the last of 2 groups), 600 (19 chunks; `q1m` with a
-    /// partial chunk) and 800 (activations past the shared memory: the tiled kernel at one token too, `q1m`),
-    /// every packing, both paths, 1 and 9 rows (37 outputs: a partial row tile), under the default, the default
-    /// with tensor cores from 4 rows, another shape (other rows, depths that do and do not divide the chunks,
-    /// another tensor-core block) and CUDA cores only: within 1e-5 of the dequantized product in f64, planes == shift bitwise, rows 5..9 alone ==
+    /// Widths the seed's shape does not reach: rows of 3 groups (one partial chunk), 130 (5 chunks, the last of 2
+    /// groups), 600 (19 chunks) and 800 (activations past the shared memory: the tiled kernel at one token too),
+    /// every packing, both paths, 1 and 9 rows, under the default, the default with tensor cores from 4 rows
+    /// (4-row calls in the 4 x 1 block, 9-row calls in 4 x 2), another shape (other rows, depths that do and do
+    /// not divide the chunks, 8 x 4 blocks from 9 rows) and CUDA cores only: within 1e-5 of the dequantized product in f64, planes == shift bitwise, rows 5..9 alone ==
     /// the same rows inside the 9-row call where both take one kernel, and every shape of a kernel the same bits.
     #[test]
     fn odd_widths_padding_and_looping_warps() {
@@ -994,10 +951,12 @@ mod tests {
             mma_from: 4,
             mma_warps: 8,
             mma_ntiles: 1,
+            mma_small_to: 0,
+            mma_large_from: 9,
             ..QuantTune::DEFAULT
         };
         let mut rng = gdn::synth::Synth::new(17);
-        for h_v in [3usize, 4, 130, 600, 800] {
+        for h_v in [3usize, 130, 600, 800] {
             let sh = gdn::Shape::new(16, 1, h_v).unwrap();
             let (n, hidden) = (sh.n(), 37);
             let w = rng.uniform(hidden * n, -0.05, 0.05);
@@ -1028,23 +987,17 @@ mod tests {
                             })
                         })
                         .collect();
-                    // the same bits under every launch shape of one kernel family: [CUDA cores, tensor cores,
-                    // one-token tensor cores]
-                    let mut first: [Option<Vec<u32>>; 3] = [None, None, None];
+                    // the same bits under every launch shape of one kernel family: [CUDA cores, tensor cores]
+                    let mut first: [Option<Vec<u32>>; 2] = [None, None];
                     let tensor = QuantTune {
                         mma_from: 4,
                         ..QuantTune::DEFAULT
                     };
                     let cores = QuantTune {
                         mma_from: usize::MAX,
-                        one_mma: false,
                         ..QuantTune::DEFAULT
                     };
                     for tune in [QuantTune::DEFAULT, tensor, other, cores] {
-                        let one_mma = tune.one_mma
-                            && rows == 1
-                            && pk == Packing::Q2U16
-                            && n.is_multiple_of(64);
                         let mut prod = cuda.load_out_proj_with(&q, tune).unwrap();
                         let mut a = vec![f32::NAN; rows * hidden];
                         let mut b = vec![f32::NAN; rows * hidden];
@@ -1054,11 +1007,7 @@ mod tests {
                         assert!(e < 1e-5, "{what}: {e:.2e} from the f64 product");
                         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                         assert_eq!(bits(&a), bits(&b), "{what}: planes against shift");
-                        let family = &mut first[if one_mma {
-                            2
-                        } else {
-                            (rows >= tune.mma_from) as usize
-                        }];
+                        let family = &mut first[(rows >= tune.mma_from) as usize];
                         match family {
                             None => *family = Some(bits(&a)),
                             Some(f) => assert_eq!(*f, bits(&a), "{what}: launch shapes differ"),
@@ -1159,7 +1108,6 @@ mod tests {
         let d = QuantTune::DEFAULT;
         let tiled = QuantTune {
             one_kernel: false,
-            one_mma: false,
             ..d
         };
         // the one-token kernel's shapes around its first one (4 rows, depth 4,2,2, one block an SM), against the
@@ -1170,7 +1118,6 @@ mod tests {
             blocks_per_sm: 1,
             stream_hint: true,
             one_kernel: true,
-            one_mma: false,
             mma_from: 4,
             ..QuantTune::DEFAULT
         };
@@ -1182,13 +1129,6 @@ mod tests {
         let tunes: Vec<(&str, QuantTune)> = vec![
             ("tiled kernel", tiled),
             ("default", d),
-            (
-                "q1 default shape",
-                QuantTune {
-                    one_mma: false,
-                    ..d
-                },
-            ),
             ("q1 rows 4 depth 4,2,2", one),
             ("q1 2 blocks an SM", with(&|t| t.blocks_per_sm = 2)),
             ("q1 no stream hint", with(&|t| t.stream_hint = false)),
@@ -1234,14 +1174,12 @@ mod tests {
                 let xd = s.clone_htod(&xh).unwrap();
                 let gd = s.clone_htod(&gh).unwrap();
                 let mut od = s.alloc_zeros::<f32>(rows * hidden).unwrap();
-                // the bits of the CUDA cores' family and of the one-token tensor-core kernel
-                let mut reference: [Option<Vec<u32>>; 2] = [None, None];
+                let mut reference: Option<Vec<u32>> = None;
                 for (name, tune) in &tunes {
                     // the launch shape is the one-token kernel's
                     if *tune != d && rows != 1 {
                         continue;
                     }
-                    let fam = usize::from(tune.one_mma && rows == 1 && p == Packing::Q2U16);
                     let qs = rotated(&cuda, &q, *tune);
                     let copies = qs.len();
                     let (x, g) = (addr(&xd, &s), addr(&gd, &s));
@@ -1253,11 +1191,11 @@ mod tests {
                         .iter()
                         .map(|v| v.to_bits())
                         .collect();
-                    match &reference[fam] {
-                        None => reference[fam] = Some(bits),
+                    match &reference {
+                        None => reference = Some(bits),
                         Some(r) => assert!(
                             *r == bits,
-                            "{p:?} rows {rows}: {name} changes bits within its kernel"
+                            "{p:?} rows {rows}: {name} changes bits against the default"
                         ),
                     }
                     let per = (2 * copies).clamp(8, 64);
@@ -1300,17 +1238,9 @@ mod tests {
             mma_from: usize::MAX,
             ..QuantTune::DEFAULT
         };
-        // (warps, n-tiles, split); the bits depend on the split only
-        let shapes = [
-            (8, 2, 8),
-            (8, 1, 8),
-            (4, 1, 8),
-            (4, 2, 8),
-            (8, 4, 8),
-            (4, 2, 4),
-            (8, 4, 4),
-            (4, 1, 2),
-        ];
+        // (warps, n-tiles, split), one block for every row count; the bits depend on the split only. Last: the
+        // default's blocks by row count (4 x 1 to 8 rows, 8 x 4 from 128, else 4 x 2; split 8)
+        let shapes = [(4, 1, 8), (4, 2, 8), (8, 4, 8), (8, 2, 8), (8, 4, 4)];
         let mut tunes = vec![cores];
         for (mma_warps, mma_ntiles, mma_split) in shapes {
             tunes.push(QuantTune {
@@ -1319,9 +1249,21 @@ mod tests {
                 mma_warps,
                 mma_ntiles,
                 mma_split,
+                mma_small_to: 0,
+                mma_large_from: usize::MAX,
                 ..QuantTune::DEFAULT
             });
         }
+        tunes.push(QuantTune {
+            mma_from: 1,
+            one_kernel: false,
+            ..QuantTune::DEFAULT
+        });
+        let split = |k: usize| {
+            shapes
+                .get(k - 1)
+                .map_or(QuantTune::DEFAULT.mma_split, |s| s.2)
+        };
         let s = cuda.stream.clone();
         let mut table = Vec::new();
         for p in Packing::ALL {
@@ -1356,11 +1298,10 @@ mod tests {
                     .fold(0.0, f64::max);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 for (k, o) in outs.iter().enumerate().skip(1) {
-                    let first = 1 + shapes.iter().position(|s| s.2 == shapes[k - 1].2).unwrap();
+                    let first = 1 + shapes.iter().position(|s| s.2 == split(k)).unwrap();
                     assert!(
                         bits(o) == bits(&outs[first]),
-                        "{p:?} rows {rows}: block {:?} changes bits",
-                        shapes[k - 1]
+                        "{p:?} rows {rows}: block {k} changes bits"
                     );
                 }
                 let best = times[1..].iter().copied().fold(f64::INFINITY, f64::min);
@@ -1381,15 +1322,16 @@ mod tests {
                 );
             }
         }
-        let heads: Vec<String> = shapes
+        let mut heads: Vec<String> = shapes
             .iter()
             .map(|(w, t, z)| format!("tensor {w} warps x {t} n-tiles / {z} us"))
             .collect();
+        heads.push("tensor, default (block by rows) us".into());
         println!(
             "| packing | rows | CUDA cores us | {} | speed-up (best) | best / floor (4.2 TB/s) | relative difference |",
             heads.join(" | ")
         );
-        println!("|{}", "---|".repeat(7 + shapes.len()));
+        println!("|{}", "---|".repeat(6 + heads.len()));
         for l in table {
             println!("{l}");
         }
