@@ -447,6 +447,19 @@ __device__ __forceinline__ void mma_bf16(float d[4], u32 a0, u32 a1, u32 a2, u32
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// four (two) 8 x 8 bf16 matrices from shared memory in mma fragment layout: lane l gives the address of row l % 8
+// of matrix l / 8 (16 bytes each); register i holds matrix i's (row lane / 4, columns 2 (lane % 4), + 1)
+__device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, const u32* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x2(u32& r0, u32& r1, const u32* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(a));
+}
+
 #if QM_SPLIT > 1
 __device__ __forceinline__ void qm_cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
@@ -519,8 +532,8 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
     // this lane's two rows (rows past hidden read the last row; their sums are not stored)
     const int r0 = min(m0 + g8, hidden - 1), r1 = min(m0 + g8 + 8, hidden - 1);
     // split activations [buffer][part][token][ROW words], group sums [buffer][token][KC]
-    __shared__ u32 bs[2][3][(8 * QNT)][ROW];
-    __shared__ float gss[2][(8 * QNT)][KC];
+    __shared__ __align__(16) u32 bs[2][3][(8 * QNT)][ROW];
+    __shared__ __align__(16) float gss[2][KC][(8 * QNT)];
     const int chunks_all = (groups + KC - 1) / KC;
     // this block's run of chunks
     const int per = (chunks_all + QM_SPLIT - 1) / QM_SPLIT;
@@ -577,7 +590,7 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
 #pragma unroll
         for (int i = 0; i < GV; i++) {
             const int e = threadIdx.x + i * NT;
-            if (e < (8 * QNT) * KC) gss[b][e / KC][e % KC] = gv[i];
+            if (e < (8 * QNT) * KC) gss[b][e % KC][e / KC] = gv[i];
         }
     };
 
@@ -634,14 +647,19 @@ __device__ __forceinline__ void product_mma(const u32* __restrict__ words, const
 #pragma unroll
                 for (int t = 0; t < QNT; t++) {
                     // B: token 8 t + g8, columns 2q, 2q + 1 (b0) and 2q + 8, 2q + 9 (b1) of group j
+                    // B fragments by ldmatrix: lane l names row l % 8 of matrix l / 8; matrices (part, column half)
+                    // hi 0-7, hi 8-15, mid 0-7, mid 8-15 in one load, lo's two in another
+                    const int mr = lane & 7, mx = lane >> 3;
+                    u32 bh0, bh1, bm0, bm1, bl0, bl1;
+                    ldsm_x4(bh0, bh1, bm0, bm1, &bs[b][mx >> 1][8 * t + mr][8 * j + 4 * (mx & 1)]);
+                    ldsm_x2(bl0, bl1, &bs[b][2][8 * t + mr][8 * j + 4 * (mx & 1)]);
                     float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                    for (int part = 2; part >= 0; part--) {
-                        const u32* row = &bs[b][part][8 * t + g8][8 * j + q];
-                        mma_bf16(p, a0, a1, a2, a3, row[0], row[4]);
-                    }
+                    mma_bf16(p, a0, a1, a2, a3, bl0, bl1);
+                    mma_bf16(p, a0, a1, a2, a3, bm0, bm1);
+                    mma_bf16(p, a0, a1, a2, a3, bh0, bh1);
                     // accumulators: rows g8 (0, 1) and g8 + 8 (2, 3), tokens 8 t + 2q (0, 2) and + 1 (1, 3)
-                    const float gs0 = gss[b][8 * t + 2 * q][j], gs1 = gss[b][8 * t + 2 * q + 1][j];
+                    const float2 gs = *reinterpret_cast<const float2*>(&gss[b][j][8 * t + 2 * q]);
+                    const float gs0 = gs.x, gs1 = gs.y;
                     acc[t][0] = fmaf(-zc[0], gs0, fmaf(sc[0], p[0], acc[t][0]));
                     acc[t][1] = fmaf(-zc[0], gs1, fmaf(sc[0], p[1], acc[t][1]));
                     acc[t][2] = fmaf(-zc[1], gs0, fmaf(sc[1], p[2], acc[t][2]));
