@@ -19,6 +19,16 @@ use rayon::prelude::*;
 use crate::batch::OutputLayout;
 use crate::{Error, Result};
 
+/// `out [r_n][hidden]` from the kernels' `tmp [hidden][r_n]`.
+fn rows_to_out(tmp: &[f32], out: &mut [f32], r_n: usize) {
+    let hidden = tmp.len() / r_n;
+    for (o, row) in tmp.chunks_exact(r_n).enumerate() {
+        for (r, &v) in row.iter().enumerate() {
+            out[r * hidden + o] = v;
+        }
+    }
+}
+
 /// How weights are packed: field width, fields per word, and which plane serves them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Packing {
@@ -254,6 +264,65 @@ impl QuantWeights {
         const CHUNK: usize = 64;
         let mut tmp = vec![0.0f32; hidden * r_n];
         #[cfg(target_arch = "x86_64")]
+        let bytes_of = |o: usize| -> &[u8] {
+            match &self.words {
+                Words::U16(w) => bytemuck::cast_slice(&w[o * wpr..(o + 1) * wpr]),
+                Words::U32(w) => bytemuck::cast_slice(&w[o * wpr..(o + 1) * wpr]),
+            }
+        };
+        // row q's words, scales and zero terms into L1
+        #[cfg(target_arch = "x86_64")]
+        let prefetch_row = |q: usize| {
+            prefetch(bytes_of(q));
+            prefetch(bytemuck::cast_slice(
+                &self.scale[q * groups..(q + 1) * groups],
+            ));
+            prefetch(bytemuck::cast_slice(&self.zs[q * groups..(q + 1) * groups]));
+        };
+        // one or two tokens on integer dot products where the CPU has them and every activation is finite
+        #[cfg(target_arch = "x86_64")]
+        if !shift
+            && r_n <= 2
+            && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+            && std::arch::is_x86_feature_detected!("avx512vbmi")
+        {
+            if let Some((digits, factor)) = vnni::layout(self.packing, x, n, r_n) {
+                tmp.par_chunks_mut(CHUNK * r_n)
+                    .enumerate()
+                    .for_each(|(c, chunk)| {
+                        for (i, acc_row) in chunk.chunks_exact_mut(r_n).enumerate() {
+                            let o = c * CHUNK + i;
+                            // the next weight row fetched into L1 while this one is summed
+                            if o + 1 < hidden {
+                                prefetch_row(o + 1);
+                            }
+                            let scale = &self.scale[o * groups..(o + 1) * groups];
+                            let zs = &self.zs[o * groups..(o + 1) * groups];
+                            // SAFETY: the CPU has AVX-512F, VNNI and VBMI (checked above); `bytes_of(o)` is the row's
+                            // packed bytes, `scale` its groups' scales, `digits` and `factor` the layout of the
+                            // call's r_n tokens for this packing and n, as `row` asks; `dot` needs AVX-512F and
+                            // two slices of `groups` values.
+                            unsafe {
+                                vnni::row(
+                                    self.packing,
+                                    bytes_of(o),
+                                    scale,
+                                    &digits,
+                                    &factor,
+                                    acc_row,
+                                );
+                                for (r, a) in acc_row.iter_mut().enumerate() {
+                                    *a -= avx512::dot(zs, &gsum[r * groups..(r + 1) * groups]);
+                                }
+                            }
+                        }
+                    });
+                rows_to_out(&tmp, out, r_n);
+                return;
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
         if !shift && std::arch::is_x86_feature_detected!("avx512f") {
             // one or two tokens: each weight row streams in one piece; more: words in blocks of 64 groups, so
             // that a block of every token's activations (8 tokens x 1024 values: 32 KiB) stays in L1 while a
@@ -269,12 +338,6 @@ impl QuantWeights {
                 .enumerate()
                 .for_each(|(c, chunk)| {
                     let o0 = c * CHUNK;
-                    let bytes_of = |o: usize| -> &[u8] {
-                        match &self.words {
-                            Words::U16(w) => bytemuck::cast_slice(&w[o * wpr..(o + 1) * wpr]),
-                            Words::U32(w) => bytemuck::cast_slice(&w[o * wpr..(o + 1) * wpr]),
-                        }
-                    };
                     // a block of 8 tokens' activations stays in L1 while the chunk's rows stream past it
                     for (jb, t0) in (0..all.div_ceil(width))
                         .flat_map(|jb| (0..r_n).step_by(8).map(move |t0| (jb, t0)))
@@ -284,14 +347,7 @@ impl QuantWeights {
                             // one or two tokens: the next weight row's words, scales and zero terms fetched into
                             // L1 while this one is summed
                             if r_n <= 2 && o + 1 < hidden {
-                                let q = o + 1;
-                                prefetch(bytes_of(q));
-                                prefetch(bytemuck::cast_slice(
-                                    &self.scale[q * groups..(q + 1) * groups],
-                                ));
-                                prefetch(bytemuck::cast_slice(
-                                    &self.zs[q * groups..(q + 1) * groups],
-                                ));
+                                prefetch_row(o + 1);
                             }
                             let scale = &self.scale[o * groups..(o + 1) * groups];
                             // SAFETY: the CPU has AVX-512F (checked above); `bytes_of(o)` is the row's packed
@@ -322,11 +378,7 @@ impl QuantWeights {
                         }
                     }
                 });
-            for o in 0..hidden {
-                for r in 0..r_n {
-                    out[r * hidden + o] = tmp[o * r_n + r];
-                }
-            }
+            rows_to_out(&tmp, out, r_n);
             return;
         }
         tmp.par_chunks_mut(CHUNK * r_n)
@@ -344,11 +396,7 @@ impl QuantWeights {
                     row_dots(self.packing, shift, w, scale, zs, x, gsum, acc_row);
                 }
             });
-        for o in 0..hidden {
-            for r in 0..r_n {
-                out[r * hidden + o] = tmp[o * r_n + r];
-            }
-        }
+        rows_to_out(&tmp, out, r_n);
     }
 }
 
@@ -749,6 +797,45 @@ mod avx512 {
         t
     }
 
+    /// `U` vectors of 16 words of a row from word `j0` (zeros past the row's `w.len() / 4` words) and their
+    /// lanes' group scales (a group a word where `word_groups`, else four words a group).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; `scale` holds the row's groups (16 columns each), `w` its packed bytes.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn words_and_scales<const U: usize>(
+        w: &[u8],
+        scale: &[f32],
+        j0: usize,
+        word_groups: bool,
+    ) -> ([__m512i; U], [__m512; U]) {
+        let (j_n, groups) = (w.len() / 4, scale.len());
+        let quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        let mut wv = [_mm512_setzero_si512(); U];
+        let mut sc = [_mm512_setzero_ps(); U];
+        for u in 0..U {
+            let j = j0 + 16 * u;
+            let k: __mmask16 = if j >= j_n {
+                0
+            } else {
+                (((1u32 << (j_n - j).min(16)) - 1) & 0xFFFF) as __mmask16
+            };
+            // SAFETY: words are read under a lane mask that keeps j < j_n (within `w`), scales under one that
+            // keeps groups < `groups`
+            unsafe {
+                wv[u] = _mm512_maskz_loadu_epi32(k, w.as_ptr().add(4 * j.min(j_n)).cast());
+                sc[u] = if word_groups {
+                    _mm512_maskz_loadu_ps(k, scale.as_ptr().add(j.min(groups)))
+                } else {
+                    let g = (j / 4).min(groups);
+                    let kg = ((1u32 << (groups - g).min(4)) - 1) as __mmask16;
+                    _mm512_permutexvar_ps(quarter, _mm512_maskz_loadu_ps(kg, scale.as_ptr().add(g)))
+                };
+            }
+        }
+        (wv, sc)
+    }
+
     /// Adds to `acc[t]`, for every token t of `tokens`, the row's sum over block `jb` of [`layout`]'s blocks of
     /// `width` words (clipped to the row) of `scale (field x)`, without the zero-point term.
     ///
@@ -816,32 +903,11 @@ mod avx512 {
         // (U divides 4 and width is a multiple of 64), within `xt` (checked above); every intrinsic needs
         // AVX-512F only, which the caller guarantees.
         unsafe {
-            let quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
             let mut total = [_mm512_setzero_ps(); NB];
             let mut j0 = start;
             while j0 < end {
                 let mut a = [[_mm512_setzero_ps(); U]; NB];
-                let mut wv = [_mm512_setzero_si512(); U];
-                let mut sc = [_mm512_setzero_ps(); U];
-                for u in 0..U {
-                    let j = j0 + 16 * u;
-                    let k: __mmask16 = if j >= j_n {
-                        0
-                    } else {
-                        (((1u32 << (j_n - j).min(16)) - 1) & 0xFFFF) as __mmask16
-                    };
-                    wv[u] = _mm512_maskz_loadu_epi32(k, w.as_ptr().add(4 * j.min(j_n)).cast());
-                    sc[u] = if P == 16 {
-                        _mm512_maskz_loadu_ps(k, scale.as_ptr().add(j.min(groups)))
-                    } else {
-                        let g = (j / 4).min(groups);
-                        let kg = ((1u32 << (groups - g).min(4)) - 1) as __mmask16;
-                        _mm512_permutexvar_ps(
-                            quarter,
-                            _mm512_maskz_loadu_ps(kg, scale.as_ptr().add(g)),
-                        )
-                    };
-                }
+                let (wv, sc) = words_and_scales::<U>(w, scale, j0, P == 16);
                 for e in 0..P {
                     for u in 0..U {
                         let m = _mm512_set1_epi32((((1u32 << B) - 1) << (B as usize * e)) as i32);
@@ -866,6 +932,200 @@ mod avx512 {
             }
         }
         NB
+    }
+}
+
+/// One- and two-token products on integer dot products (AVX-512 VNNI, with VBMI's multishift): the fields as unsigned bytes, the
+/// activations as signed 8-bit digits. Per token and group of 16 columns, y (the plane times the inverse of its
+/// power of two) is scaled by 2^(21 - E), E the exponent of the group's largest |y|, and rounded to an integer Y
+/// (|Y| < 2^22: within 2^-22 of the group's largest value), written as three balanced base-256 digits; `vpdpbusd`
+/// sums field x digit products exactly in i32, and a lane's sum sum_d 256^d S_d, times 2^(E - 21) and the group's
+/// scale, is added in f32. The float kernel's three operations a 16-field piece (mask, conversion, FMA) become
+/// three dot products a 64-field piece and, for 2-bit fields, a multishift and a mask per field of a byte.
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    use super::Packing;
+    use std::arch::x86_64::*;
+
+    /// Fields per byte: 2-bit fields four to a byte (word j's byte b holds columns 16 j + 4 b + e, e = 0..3),
+    /// 8-bit fields one (word j's byte b is column 4 j + b).
+    fn per_byte(p: Packing) -> usize {
+        match p {
+            Packing::Q2U16 => 4,
+            Packing::Q8U32 | Packing::Q8U16 => 1,
+        }
+    }
+
+    /// Words a row (four bytes each) and the padded width the kernel walks (a multiple of 64).
+    pub fn width(p: Packing, n: usize) -> usize {
+        (n / (4 * per_byte(p))).div_ceil(64) * 64
+    }
+
+    /// The digits and group factors of `tokens` rows of the packing's plane `x` (`[tokens][n]`): digits
+    /// `[t][e][d][word]` as i32 (byte b: digit d of the column word j's byte b holds at field e), factors
+    /// `[t][word]` (2^(E - 21) of the word's group). None where a value is not finite (the float kernel keeps it).
+    pub fn layout(p: Packing, x: &[f32], n: usize, tokens: usize) -> Option<(Vec<i32>, Vec<f32>)> {
+        let (pb, wd) = (per_byte(p), width(p, n));
+        let words = n / (4 * pb);
+        let mut digits = vec![0i32; tokens * pb * 3 * wd];
+        let mut factor = vec![0.0f32; tokens * wd];
+        let mut y = [0.0f64; 16];
+        for t in 0..tokens {
+            for g in 0..n / 16 {
+                let mut big = 0.0f64;
+                for (e, v) in y.iter_mut().enumerate() {
+                    let m = 16 * g + e;
+                    let xv = x[t * n + m];
+                    if !xv.is_finite() {
+                        return None;
+                    }
+                    // the plane's power of two undone (exact)
+                    *v = xv as f64 / crate::plane_scale(p.plane(), m) as f64;
+                    big = big.max(v.abs());
+                }
+                if big == 0.0 {
+                    continue;
+                }
+                let e_big = big.log2().floor() as i32;
+                // guard log2's rounding: 2^e_big <= big < 2^(e_big + 1)
+                let e_big = if 2f64.powi(e_big) > big {
+                    e_big - 1
+                } else if 2f64.powi(e_big + 1) <= big {
+                    e_big + 1
+                } else {
+                    e_big
+                };
+                let up = 2f64.powi(21 - e_big);
+                let f = 2f64.powi(e_big - 21) as f32;
+                for (e, &v) in y.iter().enumerate() {
+                    let m = 16 * g + e;
+                    // word and byte of column m, field e within the byte
+                    let (j, b, fe) = match pb {
+                        4 => (m / 16, (m % 16) / 4, m % 4),
+                        _ => (m / 4, m % 4, 0),
+                    };
+                    let mut big_y = (v * up).round() as i32;
+                    for d in 0..3 {
+                        let digit = ((big_y + 128) & 255) - 128;
+                        big_y = (big_y - digit) >> 8;
+                        let at = ((t * pb + fe) * 3 + d) * wd + j;
+                        digits[at] |= ((digit as u8) as i32) << (8 * b);
+                    }
+                    factor[t * wd + j] = f;
+                }
+            }
+        }
+        debug_assert!(words <= wd);
+        Some((digits, factor))
+    }
+
+    /// Adds to `acc[t]` the row's `sum scale (field y)` over all its words, without the zero-point term, for
+    /// `acc.len()` (1 or 2) tokens.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F, VNNI and VBMI; `w` is the row's packed bytes (4 a word), `scale` its groups'
+    /// scales, `digits` and `factor` [`layout`]'s for `acc.len()` tokens, this packing and the row's n.
+    #[target_feature(enable = "avx512f,avx512vnni,avx512vbmi")]
+    pub unsafe fn row(
+        p: Packing,
+        w: &[u8],
+        scale: &[f32],
+        digits: &[i32],
+        factor: &[f32],
+        acc: &mut [f32],
+    ) {
+        // SAFETY: forwarded
+        unsafe {
+            match (per_byte(p), acc.len()) {
+                (4, 1) => row_n::<4, 1, 4>(w, scale, digits, factor, acc),
+                (4, _) => row_n::<4, 2, 2>(w, scale, digits, factor, acc),
+                (_, 1) => row_n::<1, 1, 4>(w, scale, digits, factor, acc),
+                _ => row_n::<1, 2, 2>(w, scale, digits, factor, acc),
+            }
+        }
+    }
+
+    /// `NB` tokens, `U` vectors of 16 words at a time, `E` fields a byte.
+    #[target_feature(enable = "avx512f,avx512vnni,avx512vbmi")]
+    unsafe fn row_n<const E: usize, const NB: usize, const U: usize>(
+        w: &[u8],
+        scale: &[f32],
+        digits: &[i32],
+        factor: &[f32],
+        acc: &mut [f32],
+    ) {
+        let j_n = w.len() / 4;
+        let groups = scale.len();
+        let wd = factor.len() / NB;
+        assert!(
+            acc.len() == NB
+                && wd.is_multiple_of(64)
+                && wd >= j_n
+                && digits.len() >= NB * E * 3 * wd
+                && j_n * 4 * E == 16 * groups
+        );
+        // SAFETY: words are read under a lane mask that keeps j < j_n (within `w`), scales under one that keeps
+        // groups < `groups`; digits and factors at [..][j0 + 16 u .. + 16] with j0 + 16 U <= wd (U divides 4, wd
+        // a multiple of 64), within the slices (checked above); the intrinsics need AVX-512F, VNNI and VBMI,
+        // which the caller guarantees.
+        unsafe {
+            let two_bits = _mm512_set1_epi32(0x0303_0303);
+            // multishift controls: output byte i of a qword takes its bits 8 i + 2 e ..
+            let fields: [__m512i; 4] = std::array::from_fn(|e| {
+                _mm512_set1_epi64(i64::from_le_bytes(std::array::from_fn(|i| {
+                    (8 * i + 2 * e) as u8
+                })))
+            });
+            let mut total = [_mm512_setzero_ps(); NB];
+            let mut j0 = 0;
+            while j0 < j_n {
+                let (wv, sc) = super::avx512::words_and_scales::<U>(w, scale, j0, E == 4);
+                let mut a = [[[_mm512_setzero_si512(); 3]; U]; NB];
+                for (e, ctrl) in fields.iter().enumerate().take(E) {
+                    for u in 0..U {
+                        // field e of every byte: the byte's bits 2e.. moved down by a multishift (the shuffle
+                        // port; a vector shift would take the port the dot products need), then masked
+                        let f = match (E, e) {
+                            (1, _) => wv[u],
+                            (_, 0) => _mm512_and_si512(wv[u], two_bits),
+                            _ => _mm512_and_si512(
+                                _mm512_multishift_epi64_epi8(*ctrl, wv[u]),
+                                two_bits,
+                            ),
+                        };
+                        for (t, at) in a.iter_mut().enumerate() {
+                            for (d, ad) in at[u].iter_mut().enumerate() {
+                                let dv = _mm512_loadu_si512(
+                                    digits
+                                        .as_ptr()
+                                        .add(((t * E + e) * 3 + d) * wd + j0 + 16 * u)
+                                        .cast(),
+                                );
+                                *ad = _mm512_dpbusd_epi32(*ad, f, dv);
+                            }
+                        }
+                    }
+                }
+                for (t, (tt, at)) in total.iter_mut().zip(&a).enumerate() {
+                    for u in 0..U {
+                        // (S_2 256 + S_1) 256 + S_0
+                        let s = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(at[u][2]),
+                            _mm512_set1_ps(256.0),
+                            _mm512_cvtepi32_ps(at[u][1]),
+                        );
+                        let s =
+                            _mm512_fmadd_ps(s, _mm512_set1_ps(256.0), _mm512_cvtepi32_ps(at[u][0]));
+                        let fv = _mm512_loadu_ps(factor.as_ptr().add(t * wd + j0 + 16 * u));
+                        *tt = _mm512_fmadd_ps(s, _mm512_mul_ps(fv, sc[u]), *tt);
+                    }
+                }
+                j0 += 16 * U;
+            }
+            for (t, tt) in total.iter().enumerate() {
+                acc[t] += _mm512_reduce_add_ps(*tt);
+            }
+        }
     }
 }
 
@@ -900,17 +1160,61 @@ mod tests {
 
     #[test]
     fn planes_product_matches_the_dequantized_product_and_the_shift_path() {
-        // 15 tokens: blocks of 8, 4, 2 and 1; n 80 and 1040: a part of a vector of words, and of a column block
+        // 15 tokens: blocks of 8, 4, 2 and 1; 1 and 2 tokens: the integer kernel where the CPU has VNNI; n 80 and
+        // 1040: a part of a vector of words, and of a column block
         for n in [256, 80, 1040] {
-            planes_product_case(n);
+            for rows in [15, 1, 2] {
+                planes_product_case(n, rows, false);
+            }
+        }
+        // activations over a wide range: each group of 16 scaled by its own power of two (2^-60 .. 2^60), some
+        // groups and single values zero
+        for rows in [1, 2, 15] {
+            planes_product_case(1040, rows, true);
         }
     }
 
-    fn planes_product_case(n: usize) {
-        let (hidden, rows) = (96, 15);
+    /// A NaN or an infinity among one token's activations reaches that token's outputs (the integer kernel
+    /// leaves such calls to the float one).
+    #[test]
+    fn non_finite_activations_stay_non_finite() {
+        let (hidden, n) = (8, 256);
+        let mut rng = Synth::new(9);
+        let w = rng.uniform(hidden * n, -0.05, 0.05);
+        for bad in [f32::NAN, f32::INFINITY] {
+            let mut y = rng.uniform(2 * n, -1.0, 1.0);
+            y[n + 37] = bad;
+            let (buf, lay) = planes_of(&y, 2, n);
+            for p in Packing::ALL {
+                let q = QuantWeights::quantize(&w, hidden, n, p).unwrap();
+                let mut a = vec![0.0f32; 2 * hidden];
+                q.product_planes(&buf, &lay, &mut a).unwrap();
+                assert!(a[..hidden].iter().all(|v| v.is_finite()), "{p:?}: token 0");
+                assert!(
+                    a[hidden..].iter().all(|v| !v.is_finite()),
+                    "{p:?}: token 1 {bad}"
+                );
+            }
+        }
+    }
+
+    fn planes_product_case(n: usize, rows: usize, wide: bool) {
+        let hidden = 96;
         let mut rng = Synth::new(4);
         let w = rng.uniform(hidden * n, -0.05, 0.05);
-        let y = rng.uniform(rows * n, -2.0, 2.0);
+        let mut y = rng.uniform(rows * n, -2.0, 2.0);
+        if wide {
+            for (g, piece) in y.chunks_mut(16).enumerate() {
+                let k = (g * 37 % 121) as i32 - 60;
+                for (i, v) in piece.iter_mut().enumerate() {
+                    *v = if g % 11 == 3 || (g + i) % 13 == 0 {
+                        0.0
+                    } else {
+                        *v * 2f32.powi(k)
+                    };
+                }
+            }
+        }
         let (buf, lay) = planes_of(&y, rows, n);
         for p in Packing::ALL {
             let q = QuantWeights::quantize(&w, hidden, n, p).unwrap();
