@@ -294,9 +294,17 @@ impl QuantWeights {
                         for (i, acc_row) in chunk.chunks_exact_mut(r_n).enumerate() {
                             let o = c * CHUNK + i;
                             // the next weight row fetched into L1 while this one is summed
-                            if o + 1 < hidden {
-                                prefetch_row(o + 1);
-                            }
+                            // the next row's words, scales and zero terms, fetched a slice a step of this one
+                            let next: [&[u8]; 3] = if o + 1 < hidden {
+                                let q = o + 1;
+                                [
+                                    bytes_of(q),
+                                    bytemuck::cast_slice(&self.scale[q * groups..(q + 1) * groups]),
+                                    bytemuck::cast_slice(&self.zs[q * groups..(q + 1) * groups]),
+                                ]
+                            } else {
+                                [&[], &[], &[]]
+                            };
                             let scale = &self.scale[o * groups..(o + 1) * groups];
                             let zs = &self.zs[o * groups..(o + 1) * groups];
                             // SAFETY: the CPU has AVX-512F, VNNI and VBMI (checked above); `bytes_of(o)` is the row's
@@ -310,6 +318,7 @@ impl QuantWeights {
                                     scale,
                                     &digits,
                                     &factor,
+                                    next,
                                     acc_row,
                                 );
                                 for (r, a) in acc_row.iter_mut().enumerate() {
@@ -1024,7 +1033,8 @@ mod vnni {
     ///
     /// # Safety
     /// The CPU has AVX-512F, VNNI and VBMI; `w` is the row's packed bytes (4 a word), `scale` its groups'
-    /// scales, `digits` and `factor` [`layout`]'s for `acc.len()` tokens, this packing and the row's n.
+    /// scales, `digits` and `factor` [`layout`]'s for `acc.len()` tokens, this packing and the row's n; `next`
+    /// slices to prefetch (the next row's), a share a step.
     #[target_feature(enable = "avx512f,avx512vnni,avx512vbmi")]
     pub unsafe fn row(
         p: Packing,
@@ -1032,15 +1042,16 @@ mod vnni {
         scale: &[f32],
         digits: &[i32],
         factor: &[f32],
+        next: [&[u8]; 3],
         acc: &mut [f32],
     ) {
         // SAFETY: forwarded
         unsafe {
             match (per_byte(p), acc.len()) {
-                (4, 1) => row_n::<4, 1, 4>(w, scale, digits, factor, acc),
-                (4, _) => row_n::<4, 2, 2>(w, scale, digits, factor, acc),
-                (_, 1) => row_n::<1, 1, 4>(w, scale, digits, factor, acc),
-                _ => row_n::<1, 2, 2>(w, scale, digits, factor, acc),
+                (4, 1) => row_n::<4, 1, 4>(w, scale, digits, factor, next, acc),
+                (4, _) => row_n::<4, 2, 2>(w, scale, digits, factor, next, acc),
+                (_, 1) => row_n::<1, 1, 4>(w, scale, digits, factor, next, acc),
+                _ => row_n::<1, 2, 2>(w, scale, digits, factor, next, acc),
             }
         }
     }
@@ -1052,9 +1063,11 @@ mod vnni {
         scale: &[f32],
         digits: &[i32],
         factor: &[f32],
+        next: [&[u8]; 3],
         acc: &mut [f32],
     ) {
         let j_n = w.len() / 4;
+        let steps = j_n.div_ceil(16 * U).max(1);
         let groups = scale.len();
         let wd = factor.len() / NB;
         assert!(
@@ -1066,8 +1079,8 @@ mod vnni {
         );
         // SAFETY: words are read under a lane mask that keeps j < j_n (within `w`), scales under one that keeps
         // groups < `groups`; digits and factors at [..][j0 + 16 u .. + 16] with j0 + 16 U <= wd (U divides 4, wd
-        // a multiple of 64), within the slices (checked above); the intrinsics need AVX-512F, VNNI and VBMI,
-        // which the caller guarantees.
+        // a multiple of 64), within the slices (checked above); prefetches at 64 l < a.len(), inside `next`'s
+        // slices; the intrinsics need AVX-512F, VNNI and VBMI, which the caller guarantees.
         unsafe {
             let two_bits = _mm512_set1_epi32(0x0303_0303);
             // multishift controls: output byte i of a qword takes its bits 8 i + 2 e ..
@@ -1079,6 +1092,14 @@ mod vnni {
             let mut total = [_mm512_setzero_ps(); NB];
             let mut j0 = 0;
             while j0 < j_n {
+                // this step's share of the next row's lines into L1 (a sliding prefetch, as the read ceiling's)
+                let step = j0 / (16 * U);
+                for a in next {
+                    let lines = a.len().div_ceil(64);
+                    for l in step * lines / steps..(step + 1) * lines / steps {
+                        _mm_prefetch::<_MM_HINT_T0>(a.as_ptr().add(64 * l).cast());
+                    }
+                }
                 let (wv, sc) = super::avx512::words_and_scales::<U>(w, scale, j0, E == 4);
                 let mut a = [[[_mm512_setzero_si512(); 3]; U]; NB];
                 for (e, ctrl) in fields.iter().enumerate().take(E) {
