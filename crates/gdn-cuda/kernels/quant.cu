@@ -399,13 +399,23 @@ __device__ __forceinline__ void product_one(const u32* __restrict__ words, const
             if (d < chunks) load(d, s * R, d);
     }
     if (INT) {
-        // four lanes a group, a quarter each (whole warps a pass: the group's lanes meet in shuffles)
-        for (int k0 = threadIdx.x & ~31; k0 < 4 * groups; k0 += blockDim.x) {
-            const int k = k0 + lane;
-            const bool live = k < 4 * groups;
-            const float4 f = live ? __ldg(reinterpret_cast<const float4*>(x) + k) : make_float4(0.f, 0.f, 0.f, 0.f);
-            digits<PACK, SHIFT>(f, k & 3, live, reinterpret_cast<unsigned char*>(dg + 3 * (k >> 2)),
-                                fs + (k >> 2));
+        // four lanes a group, a quarter each (whole warps a pass: the group's lanes meet in shuffles), four
+        // passes' loads at once
+        constexpr int PU = 4;
+        for (int k0 = threadIdx.x & ~31; k0 < 4 * groups; k0 += PU * blockDim.x) {
+            float4 f[PU];
+#pragma unroll
+            for (int u = 0; u < PU; u++) {
+                const int k = k0 + u * blockDim.x + lane;
+                f[u] = k < 4 * groups ? __ldg(reinterpret_cast<const float4*>(x) + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int u = 0; u < PU; u++) {
+                const int k = k0 + u * blockDim.x + lane;
+                if (k0 + u * blockDim.x < 4 * groups)
+                    digits<PACK, SHIFT>(f[u], k & 3, k < 4 * groups,
+                                        reinterpret_cast<unsigned char*>(dg + 3 * (k >> 2)), fs + (k >> 2));
+            }
         }
     } else {
         for (int k = threadIdx.x; k < 4 * groups; k += blockDim.x)
