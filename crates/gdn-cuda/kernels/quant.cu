@@ -256,86 +256,6 @@ struct One {
     static constexpr int D = PACK == 0 ? D1_0 : PACK == 1 ? D1_1 : D1_2;
 };
 
-// The integer form of the one-token kernel (`q1i_*`): per group the token's 16 values y (the plane times the
-// inverse of its power of two, exact) are scaled by 2^(21 - E), E the exponent of the largest |y| (at least -127),
-// rounded to integers Y (|Y| <= 2^22) and written as three balanced base-256 digits (-128 .. 127); dp4a sums the
-// fields (unsigned bytes) times each digit exactly in 32 bits, and the group's value sum_d 256^d S_d, times
-// 2^(E - 21), takes the group's scale and zero term in f32 in the usual order. A group holding a NaN or an
-// infinity gets the factor NaN, so the token's outputs are NaN.
-__device__ __forceinline__ int dp4a_us(u32 a, u32 b, int c) {
-    int d;
-    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
-// 2^e as a float, e in -126 .. 127
-__device__ __forceinline__ float pow2i(int e) { return __uint_as_float((u32)(e + 127) << 23); }
-
-// One quarter q (columns 4 q .. 4 q + 3) of a group, on four consecutive lanes (all 32 of a warp call it): the
-// digits into the group's 48 bytes `gd` (digit d of column m: word 3 j + d, byte b, where a field's (word, byte,
-// position) is (m / 4 of the group's 4 words, m % 4, 0) for 8-bit fields and (the one word, m / 4, m % 4) for 2-bit
-// ones, j the position or the word), the factor by the lane of quarter 0.
-template <int PACK, bool SHIFT>
-__device__ __forceinline__ void digits(float4 f, int q, bool live, unsigned char* gd, float* fct) {
-    float v[4] = {f.x, f.y, f.z, f.w};
-    float big = 0.0f;
-    u32 bad = 0u;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int m = 4 * q + i;
-        const int k = SHIFT ? 0 : PACK == 0 ? 2 * (m & 7) : PACK == 1 ? 8 * (m & 3) : 8 * (m & 1);
-        v[i] *= pow2i(k);
-        bad |= !(fabsf(v[i]) <= 3.402823466e38f);
-        big = fmaxf(big, fabsf(v[i]));
-    }
-    big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, 1));
-    big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, 2));
-    bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
-    bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
-    if (!live) return;
-    const int eb = (int)(__float_as_uint(big) >> 23);
-    const int e = eb == 0 ? -127 : eb - 127;
-    // times 2^(21 - e) in two exact steps (each power normal)
-    const int s = 21 - e, s1 = s >> 1;
-    const float p1 = pow2i(s1), p2 = pow2i(s - s1);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        int y = __float2int_rn((v[i] * p1) * p2);
-        const int word = PACK == 0 ? i : q, byte = PACK == 0 ? q : i;
-#pragma unroll
-        for (int d = 0; d < 3; d++) {
-            const int dig = ((y + 128) & 255) - 128;
-            y = (y - dig) >> 8;
-            gd[4 * (3 * word + d) + byte] = (unsigned char)dig;
-        }
-    }
-    if (q == 0) *fct = bad ? __int_as_float(0x7fc00000) : ldexpf(1.0f, e - 21);
-}
-
-// sum_m field_m Y_m of one group of one row (its words w, the group's digits dv), as a float
-template <int PACK>
-__device__ __forceinline__ float int_sum(const u32* w, const u32 dv[12]) {
-    int a[3] = {0, 0, 0};
-    if (PACK == 0) {
-        // the fields at position j of every byte, moved down (each at most 3)
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const u32 x = (w[0] >> (2 * j)) & 0x03030303u;
-#pragma unroll
-            for (int d = 0; d < 3; d++) a[d] = dp4a_us(x, dv[3 * j + d], a[d]);
-        }
-        // |S_d| <= 16 x 3 x 128: the whole value fits 32 bits
-        return __int2float_rn((a[2] * 256 + a[1]) * 256 + a[0]);
-    } else {
-#pragma unroll
-        for (int k = 0; k < 4; k++)
-#pragma unroll
-            for (int d = 0; d < 3; d++) a[d] = dp4a_us(w[k], dv[3 * k + d], a[d]);
-        // |S_d| <= 16 x 255 x 128: the top digit's sum apart
-        return fmaf(__int2float_rn(a[2]), 65536.0f, __int2float_rn(a[1] * 256 + a[0]));
-    }
-}
-
 // One token (the decode step): the sum's order above, on a grid of about one block a multiprocessor. Block b
 // takes row sets (R rows each) b sets / blocks .. (b + 1) sets / blocks, its warps one set at a time in turn.
 // The token's activations and group sums are copied once a block into shared memory, so a row set reads them
@@ -343,7 +263,7 @@ __device__ __forceinline__ float int_sum(const u32* w, const u32 dv[12]) {
 // warp load). A lane's groups of a set come in chunks (chunk c: group 32 c + lane of each of the R rows: word(s),
 // scale, zero term); D chunks' loads are in flight while one is summed, the next set's first ones issued while
 // the last of this set are summed, and the first set's before the shared copy, so that the weights stream.
-template <int PACK, bool SHIFT, bool INT>
+template <int PACK, bool SHIFT>
 __device__ __forceinline__ void product_one(const u32* __restrict__ words, const float* __restrict__ scale,
                                             const float* __restrict__ zs, const float* __restrict__ x,
                                             const float* __restrict__ gsum, float* __restrict__ out, int hidden,
@@ -362,10 +282,7 @@ __device__ __forceinline__ void product_one(const u32* __restrict__ words, const
     // the next set's chunks are loaded into the slots this set's last chunks leave when D divides the chunks
     const bool wrap = chunks % D == 0;
     extern __shared__ float4 xs[];
-    // INT: each group's digits (12 words: 3 pieces of 16 bytes) and its factor 2^(E - 21), in xs's place
-    uint4* const dg = reinterpret_cast<uint4*>(xs);
-    float* const fs = reinterpret_cast<float*>(xs + 3 * groups);
-    float* gss = INT ? fs + groups : reinterpret_cast<float*>(xs + 4 * groups);
+    float* gss = reinterpret_cast<float*>(xs + 4 * groups);
 
     u32 wb[D][R][WPG];
     float sb[D][R], zb[D][R];
@@ -398,29 +315,8 @@ __device__ __forceinline__ void product_one(const u32* __restrict__ words, const
         for (int d = 0; d < D; d++)
             if (d < chunks) load(d, s * R, d);
     }
-    if (INT) {
-        // four lanes a group, a quarter each (whole warps a pass: the group's lanes meet in shuffles), four
-        // passes' loads at once
-        constexpr int PU = 4;
-        for (int k0 = threadIdx.x & ~31; k0 < 4 * groups; k0 += PU * blockDim.x) {
-            float4 f[PU];
-#pragma unroll
-            for (int u = 0; u < PU; u++) {
-                const int k = k0 + u * blockDim.x + lane;
-                f[u] = k < 4 * groups ? __ldg(reinterpret_cast<const float4*>(x) + k) : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-#pragma unroll
-            for (int u = 0; u < PU; u++) {
-                const int k = k0 + u * blockDim.x + lane;
-                if (k0 + u * blockDim.x < 4 * groups)
-                    digits<PACK, SHIFT>(f[u], k & 3, k < 4 * groups,
-                                        reinterpret_cast<unsigned char*>(dg + 3 * (k >> 2)), fs + (k >> 2));
-            }
-        }
-    } else {
-        for (int k = threadIdx.x; k < 4 * groups; k += blockDim.x)
-            xs[slot(k >> 2, k & 3)] = __ldg(reinterpret_cast<const float4*>(x) + k);
-    }
+    for (int k = threadIdx.x; k < 4 * groups; k += blockDim.x)
+        xs[slot(k >> 2, k & 3)] = __ldg(reinterpret_cast<const float4*>(x) + k);
     for (int k = threadIdx.x; k < groups; k += blockDim.x) gss[k] = __ldg(gsum + k);
     __syncthreads();
     bool first = true;
@@ -442,23 +338,7 @@ __device__ __forceinline__ void product_one(const u32* __restrict__ words, const
                 const int c = c0 + d;
                 if (c < chunks) {
                     const int g = 32 * c + lane;
-                    if (INT && g < groups) {
-                        u32 dv[12];
-#pragma unroll
-                        for (int k = 0; k < 3; k++) {
-                            const uint4 q = dg[3 * g + k];
-                            dv[4 * k] = q.x;
-                            dv[4 * k + 1] = q.y;
-                            dv[4 * k + 2] = q.z;
-                            dv[4 * k + 3] = q.w;
-                        }
-                        const float fct = fs[g], gs = gss[g];
-#pragma unroll
-                        for (int r = 0; r < R; r++) {
-                            const float v = int_sum<PACK>(wb[d][r], dv) * fct;
-                            acc[r] = fmaf(-zb[d][r], gs, fmaf(sb[d][r], v, acc[r]));
-                        }
-                    } else if (g < groups) {
+                    if (g < groups) {
                         float xv[16];
 #pragma unroll
                         for (int k = 0; k < 4; k++) {
@@ -503,26 +383,20 @@ __device__ __forceinline__ void product_one(const u32* __restrict__ words, const
     }
 }
 
-#define ENTRY1(name, PACK, SHIFT, INT)                                                                        \
+#define ENTRY1(name, PACK, SHIFT)                                                                             \
     extern "C" __global__ void __launch_bounds__(32 * MAXW1)                                                  \
         name(const u32* __restrict__ words, const float* __restrict__ scale, const float* __restrict__ zs,   \
              const float* __restrict__ x, const float* __restrict__ gsum, float* __restrict__ out, int hidden, \
              int n) {                                                                                         \
-        product_one<PACK, SHIFT, INT>(words, scale, zs, x, gsum, out, hidden, n);                             \
+        product_one<PACK, SHIFT>(words, scale, zs, x, gsum, out, hidden, n);                                  \
     }
 
-ENTRY1(q1_planes_0, 0, false, false)
-ENTRY1(q1_planes_1, 1, false, false)
-ENTRY1(q1_planes_2, 2, false, false)
-ENTRY1(q1_shift_0, 0, true, false)
-ENTRY1(q1_shift_1, 1, true, false)
-ENTRY1(q1_shift_2, 2, true, false)
-ENTRY1(q1i_planes_0, 0, false, true)
-ENTRY1(q1i_planes_1, 1, false, true)
-ENTRY1(q1i_planes_2, 2, false, true)
-ENTRY1(q1i_shift_0, 0, true, true)
-ENTRY1(q1i_shift_1, 1, true, true)
-ENTRY1(q1i_shift_2, 2, true, true)
+ENTRY1(q1_planes_0, 0, false)
+ENTRY1(q1_planes_1, 1, false)
+ENTRY1(q1_planes_2, 2, false)
+ENTRY1(q1_shift_0, 0, true)
+ENTRY1(q1_shift_1, 1, true)
+ENTRY1(q1_shift_2, 2, true)
 #endif
 
 #if TT != 1

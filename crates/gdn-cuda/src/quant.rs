@@ -45,9 +45,6 @@ pub struct QuantTune {
     pub stream_hint: bool,
     /// One-token calls on the `q1_*` kernel (else on the tiled kernel's TT 1 module, as calls of 2 or 3 rows).
     pub one_kernel: bool,
-    /// The one-token kernel in its integer form (`q1i_*`: each group's activations as three 8-bit digits, the
-    /// fields' products summed exactly by dp4a). Unlike the launch shape this changes bits (within SPEC's bound).
-    pub one_integer: bool,
     /// Calls of this many rows or more on the tensor-core kernel `qm_*` (`usize::MAX`: never). Unlike the fields
     /// above this changes bits: `qm_*` sums a group's 16 products on tensor cores, in an order of its own.
     pub mma_from: usize,
@@ -79,7 +76,6 @@ impl QuantTune {
         blocks_per_sm: 2,
         stream_hint: true,
         one_kernel: true,
-        one_integer: false,
         mma_from: 8,
         mma_warps: 4,
         mma_ntiles: 2,
@@ -129,7 +125,7 @@ struct Kernels {
     _module: Arc<CudaModule>,
     planes: [CudaFunction; 3],
     shift: [CudaFunction; 3],
-    /// The TT 1 module's one-token kernels (planes, shift), in the tune's form (float or integer).
+    /// The TT 1 module's one-token kernels (planes, shift).
     one: Option<([CudaFunction; 3], [CudaFunction; 3])>,
     /// The other module's tensor-core kernels (planes, shift) in the tune's block, 4 x 1 and 8 x 4 (`MMA_BLOCKS`).
     mma: Option<[([CudaFunction; 3], [CudaFunction; 3]); 3]>,
@@ -149,11 +145,9 @@ fn kernels(cuda: &Cuda, tt: usize, tune: &QuantTune) -> Result<Kernels> {
         planes: [f("q_planes_0")?, f("q_planes_1")?, f("q_planes_2")?],
         shift: [f("q_shift_0")?, f("q_shift_1")?, f("q_shift_2")?],
         one: if tt == 1 {
-            let q1 = if tune.one_integer { "q1i" } else { "q1" };
-            let g = |kind: &str, i: usize| f(&format!("{q1}_{kind}_{i}"));
             Some((
-                [g("planes", 0)?, g("planes", 1)?, g("planes", 2)?],
-                [g("shift", 0)?, g("shift", 1)?, g("shift", 2)?],
+                [f("q1_planes_0")?, f("q1_planes_1")?, f("q1_planes_2")?],
+                [f("q1_shift_0")?, f("q1_shift_1")?, f("q1_shift_2")?],
             ))
         } else {
             None
@@ -268,10 +262,9 @@ fn mma_grid(
     })
 }
 
-/// Shared bytes of the one-token kernel at n columns: the token's activations (16 floats a group, or the
-/// integer form's 12 digit words and a factor) and group sums.
-fn one_shared(n: usize, integer: bool) -> usize {
-    (n / 16) * (if integer { 48 + 4 } else { 64 } + 4)
+/// Shared bytes of the one-token kernel at n columns: the token's activations and group sums.
+fn one_shared(n: usize) -> usize {
+    (n / 16) * (64 + 4)
 }
 
 /// The one-token kernel's launch: about `blocks_per_sm` blocks a multiprocessor, each a contiguous range of row
@@ -289,7 +282,7 @@ fn one_grid(
     Ok(LaunchConfig {
         grid_dim: (int(blocks, "hidden")? as u32, 1, 1),
         block_dim: ((32 * warps) as u32, 1, 1),
-        shared_mem_bytes: one_shared(n, tune.one_integer) as u32,
+        shared_mem_bytes: one_shared(n) as u32,
     })
 }
 
@@ -451,7 +444,7 @@ impl CudaOutProj {
                 if tokens == 1
                     && self.tune.one_kernel
                     && indexable
-                    && one_shared(n, self.tune.one_integer) <= 48 << 10 =>
+                    && one_shared(n) <= 48 << 10 =>
             {
                 Some(f)
             }
@@ -935,13 +928,11 @@ mod tests {
     use super::*;
 
     /// Widths the seed's shape does not reach: rows of 3 groups (one partial chunk), 130 (5 chunks, the last of 2
-    /// groups), 600 (19 chunks), 800 (past the float one-token kernel's shared memory, within the integer form's)
-    /// and 900 (past both: the tiled kernel at one token too), every packing, both paths, 1 and 9 rows, under the
-    /// default, the default with tensor cores from 4 rows (4-row calls in the 4 x 1 block, 9-row calls in 4 x 2),
-    /// another shape (other rows, depths that do and do not divide the chunks, 8 x 4 blocks from 9 rows), CUDA
-    /// cores only, and the one-token kernel's integer form in the default's shape and in the other: within 1e-5 of
-    /// the dequantized product in f64, planes == shift bitwise, rows 5..9 alone == the same rows inside the 9-row
-    /// call where both take one kernel, and every shape of a kernel the same bits.
+    /// groups), 600 (19 chunks) and 800 (activations past the shared memory: the tiled kernel at one token too),
+    /// every packing, both paths, 1 and 9 rows, under the default, the default with tensor cores from 4 rows
+    /// (4-row calls in the 4 x 1 block, 9-row calls in 4 x 2), another shape (other rows, depths that do and do
+    /// not divide the chunks, 8 x 4 blocks from 9 rows) and CUDA cores only: within 1e-5 of the dequantized product in f64, planes == shift bitwise, rows 5..9 alone ==
+    /// the same rows inside the 9-row call where both take one kernel, and every shape of a kernel the same bits.
     #[test]
     fn odd_widths_padding_and_looping_warps() {
         let cuda = match Cuda::new() {
@@ -965,7 +956,7 @@ mod tests {
             ..QuantTune::DEFAULT
         };
         let mut rng = gdn::synth::Synth::new(17);
-        for h_v in [3usize, 130, 600, 800, 900] {
+        for h_v in [3usize, 130, 600, 800] {
             let sh = gdn::Shape::new(16, 1, h_v).unwrap();
             let (n, hidden) = (sh.n(), 37);
             let w = rng.uniform(hidden * n, -0.05, 0.05);
@@ -996,9 +987,8 @@ mod tests {
                             })
                         })
                         .collect();
-                    // the same bits under every launch shape of one kernel family: [CUDA cores, tensor cores, the
-                    // integer one-token form where it runs]
-                    let mut first: [Option<Vec<u32>>; 3] = [None, None, None];
+                    // the same bits under every launch shape of one kernel family: [CUDA cores, tensor cores]
+                    let mut first: [Option<Vec<u32>>; 2] = [None, None];
                     let tensor = QuantTune {
                         mma_from: 4,
                         ..QuantTune::DEFAULT
@@ -1007,18 +997,7 @@ mod tests {
                         mma_from: usize::MAX,
                         ..QuantTune::DEFAULT
                     };
-                    let int = |t: QuantTune| QuantTune {
-                        one_integer: true,
-                        ..t
-                    };
-                    for tune in [
-                        QuantTune::DEFAULT,
-                        tensor,
-                        other,
-                        cores,
-                        int(QuantTune::DEFAULT),
-                        int(other),
-                    ] {
+                    for tune in [QuantTune::DEFAULT, tensor, other, cores] {
                         let mut prod = cuda.load_out_proj_with(&q, tune).unwrap();
                         let mut a = vec![f32::NAN; rows * hidden];
                         let mut b = vec![f32::NAN; rows * hidden];
@@ -1028,13 +1007,7 @@ mod tests {
                         assert!(e < 1e-5, "{what}: {e:.2e} from the f64 product");
                         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                         assert_eq!(bits(&a), bits(&b), "{what}: planes against shift");
-                        let integer =
-                            rows == 1 && tune.one_integer && one_shared(n, true) <= 48 << 10;
-                        let family = &mut first[if integer {
-                            2
-                        } else {
-                            usize::from(rows >= tune.mma_from)
-                        }];
+                        let family = &mut first[(rows >= tune.mma_from) as usize];
                         match family {
                             None => *family = Some(bits(&a)),
                             Some(f) => assert_eq!(*f, bits(&a), "{what}: launch shapes differ"),
@@ -1055,81 +1028,8 @@ mod tests {
         }
     }
 
-    /// The integer one-token form at n 6144 (every packing, both paths): activations whose groups span 2^-60 ..
-    /// 2^60 with zeros (whole zero groups too) within 1e-5 of the dequantized product in f64, planes == shift
-    /// bitwise; a NaN or an infinity in one column makes every output non-finite (its group's factor is NaN).
-    #[test]
-    fn integer_one_token_form_over_wide_ranges_and_non_finite_values() {
-        let cuda = match Cuda::new() {
-            Ok(c) => c,
-            Err(e) => {
-                eprintln!(
-                    "integer_one_token_form_over_wide_ranges_and_non_finite_values skipped: {e}"
-                );
-                return;
-            }
-        };
-        let tune = QuantTune {
-            one_integer: true,
-            ..QuantTune::DEFAULT
-        };
-        let mut rng = gdn::synth::Synth::new(29);
-        let sh = gdn::Shape::new(16, 1, 384).unwrap();
-        let (n, hidden) = (sh.n(), 37);
-        let w = rng.uniform(hidden * n, -0.05, 0.05);
-        let u = rng.uniform(n, -1.0, 1.0);
-        let y: Vec<f32> = (0..n)
-            .map(|m| {
-                let g = m / 16;
-                match (g % 7, m % 5) {
-                    (3, _) | (_, 2) => 0.0,
-                    _ => u[m] * 2f32.powi((g % 121) as i32 - 60),
-                }
-            })
-            .collect();
-        let lay = OutputLayout::for_rows(&sh, 1, Some(n + 16)).unwrap();
-        let planes = |y: &[f32]| {
-            let mut buf = vec![0.0f32; lay.len()];
-            let p = n + 16;
-            for (i, &v) in y.iter().enumerate() {
-                buf[i] = v;
-                for k in 1..4 {
-                    buf[k * p + i] = v * gdn::plane_scale(k, i);
-                }
-            }
-            let gs = quant::group_sums(y);
-            buf[4 * p..4 * p + gs.len()].copy_from_slice(&gs);
-            buf
-        };
-        for pk in Packing::ALL {
-            let q = QuantWeights::quantize(&w, hidden, n, pk).unwrap();
-            let dq = q.dequantized();
-            let want: Vec<f64> = (0..hidden)
-                .map(|o| (0..n).map(|m| dq[o * n + m] * y[m] as f64).sum::<f64>())
-                .collect();
-            let mut prod = cuda.load_out_proj_with(&q, tune).unwrap();
-            let (mut a, mut b) = (vec![f32::NAN; hidden], vec![f32::NAN; hidden]);
-            prod.product_planes(&planes(&y), &lay, &mut a).unwrap();
-            prod.product_shift(&y, 1, &mut b).unwrap();
-            let e = gdn::relative_error(&a, &want);
-            assert!(e < 1e-5, "{pk:?}: {e:.2e} from the f64 product");
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&a), bits(&b), "{pk:?}: planes against shift");
-            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-                let mut yb = y.clone();
-                yb[1000] = bad;
-                prod.product_planes(&planes(&yb), &lay, &mut a).unwrap();
-                prod.product_shift(&yb, 1, &mut b).unwrap();
-                assert!(
-                    a.iter().chain(&b).all(|v| !v.is_finite()),
-                    "{pk:?}: {bad} among the activations left a finite output"
-                );
-            }
-        }
-    }
-
-    /// A planes product at the seed's out_proj, 2-bit and 8-bit in u32, one token (the one-token kernel, float
-    /// then integer form), two (the tiled kernel) and 64 (the tensor-core kernel), for a profiler (`--ignored`; ncu flushes the caches between
+    /// A planes product at the seed's out_proj, 2-bit and 8-bit in u32, one token (the one-token kernel), two (the
+    /// tiled kernel) and 64 (the tensor-core kernel), for a profiler (`--ignored`; ncu flushes the caches between
     /// the calls it profiles).
     #[test]
     #[ignore]
@@ -1152,16 +1052,7 @@ mod tests {
                 ..QuantTune::DEFAULT
             };
             let prod = cuda.load_out_proj_with(&q, one).unwrap();
-            let int = cuda
-                .load_out_proj_with(
-                    &q,
-                    QuantTune {
-                        one_integer: true,
-                        ..one
-                    },
-                )
-                .unwrap();
-            for (prod, rows) in [(&prod, 1usize), (&int, 1), (&prod, 2), (&prod, 64)] {
+            for rows in [1usize, 2, 64] {
                 let xd = s.clone_htod(&rng.uniform(rows * n, -1.0, 1.0)).unwrap();
                 let gd = s
                     .clone_htod(&rng.uniform(rows * (n / 16), -1.0, 1.0))
@@ -1219,47 +1110,59 @@ mod tests {
             one_kernel: false,
             ..d
         };
-        // the one-token kernel's integer form in several shapes, against its float form (the default's shape) and
-        // the tiled kernel
-        let int = QuantTune {
-            one_integer: true,
-            ..d
+        // the one-token kernel's shapes around its first one (4 rows, depth 4,2,2, one block an SM), against the
+        // tiled kernel
+        let one = QuantTune {
+            rows: [4, 4, 4],
+            depth: [4, 2, 2],
+            blocks_per_sm: 1,
+            stream_hint: true,
+            one_kernel: true,
+            mma_from: 4,
+            ..QuantTune::DEFAULT
         };
         let with = |f: &dyn Fn(&mut QuantTune)| {
-            let mut t = int;
+            let mut t = one;
             f(&mut t);
             t
         };
         let tunes: Vec<(&str, QuantTune)> = vec![
             ("tiled kernel", tiled),
             ("default", d),
-            ("q1i rows 2 depth 4", int),
-            ("q1i rows 2 depth 6", with(&|t| t.depth = [6, 6, 6])),
-            ("q1i rows 2 depth 2", with(&|t| t.depth = [2, 2, 2])),
+            ("q1 rows 4 depth 4,2,2", one),
+            ("q1 2 blocks an SM", with(&|t| t.blocks_per_sm = 2)),
+            ("q1 no stream hint", with(&|t| t.stream_hint = false)),
+            ("q1 depth 6,3,3", with(&|t| t.depth = [6, 3, 3])),
+            ("q1 depth 3,4,4", with(&|t| t.depth = [3, 4, 4])),
             (
-                "q1i rows 4 depth 4",
+                "q1 rows 2 depth 6,4,4",
                 with(&|t| {
-                    t.rows = [4, 4, 4];
+                    t.rows = [2, 2, 2];
+                    t.depth = [6, 4, 4];
+                }),
+            ),
+            (
+                "q1 rows 2 depth 4, 2 blocks",
+                with(&|t| {
+                    t.rows = [2, 2, 2];
                     t.depth = [4, 4, 4];
+                    t.blocks_per_sm = 2;
                 }),
             ),
             (
-                "q1i rows 4 depth 2",
+                "q1 rows 8,2,2 depth 2,6,6",
                 with(&|t| {
-                    t.rows = [4, 4, 4];
-                    t.depth = [2, 2, 2];
+                    t.rows = [8, 2, 2];
+                    t.depth = [2, 6, 6];
                 }),
             ),
             (
-                "q1i rows 1 depth 8",
+                "q1 rows 1 depth 12,6,6",
                 with(&|t| {
                     t.rows = [1, 1, 1];
-                    t.depth = [8, 8, 8];
+                    t.depth = [12, 6, 6];
                 }),
             ),
-            ("q1i 3 blocks an SM", with(&|t| t.blocks_per_sm = 3)),
-            ("q1i 1 block an SM", with(&|t| t.blocks_per_sm = 1)),
-            ("q1i no stream hint", with(&|t| t.stream_hint = false)),
         ];
         let s = cuda.stream.clone();
         let mut table = Vec::new();
@@ -1271,9 +1174,7 @@ mod tests {
                 let xd = s.clone_htod(&xh).unwrap();
                 let gd = s.clone_htod(&gh).unwrap();
                 let mut od = s.alloc_zeros::<f32>(rows * hidden).unwrap();
-                // the bits of each form of the one-token kernel (float, integer), and the float form's values
-                let mut reference: [Option<Vec<u32>>; 2] = [None, None];
-                let mut float_values: Option<Vec<f32>> = None;
+                let mut reference: Option<Vec<u32>> = None;
                 for (name, tune) in &tunes {
                     // the launch shape is the one-token kernel's
                     if *tune != d && rows != 1 {
@@ -1290,29 +1191,13 @@ mod tests {
                         .iter()
                         .map(|v| v.to_bits())
                         .collect();
-                    let values: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
-                    let form = usize::from(tune.one_integer && tune.one_kernel && rows == 1);
-                    match &reference[form] {
-                        None => reference[form] = Some(bits),
+                    match &reference {
+                        None => reference = Some(bits),
                         Some(r) => assert!(
                             *r == bits,
-                            "{p:?} rows {rows}: {name} changes bits against its form's first shape"
+                            "{p:?} rows {rows}: {name} changes bits against the default"
                         ),
                     }
-                    let diff = match &float_values {
-                        None => {
-                            float_values = Some(values);
-                            0.0
-                        }
-                        Some(f) => {
-                            let wide: Vec<f64> = f.iter().map(|&v| v as f64).collect();
-                            gdn::relative_error(&values, &wide)
-                        }
-                    };
-                    assert!(
-                        diff < 1e-5,
-                        "{p:?} rows {rows}: {name} {diff:.2e} from the float form"
-                    );
                     let per = (2 * copies).clamp(8, 64);
                     let t = time_graph(&cuda, per, &mut |i| {
                         qs[i % copies].launch(false, x, g, o, rows)
@@ -1320,7 +1205,7 @@ mod tests {
                     .unwrap();
                     let floor = q.bytes() as f64 / 4.2e12;
                     let line = format!(
-                        "| {} | {rows} | {name} | {:.2} | {:.2} | {diff:.1e} |",
+                        "| {} | {rows} | {name} | {:.2} | {:.2} |",
                         p.name(),
                         t * 1e6,
                         t / floor
@@ -1330,8 +1215,8 @@ mod tests {
                 }
             }
         }
-        println!("| packing | rows | shape | planes us | / floor (4.2 TB/s) | rel. diff to the float form |");
-        println!("|---|---|---|---|---|---|");
+        println!("| packing | rows | shape | planes us | / floor (4.2 TB/s) |");
+        println!("|---|---|---|---|---|");
         for l in table {
             println!("{l}");
         }
