@@ -344,7 +344,16 @@ fn decode_variants(cuda: &Cuda, copy: f64, rows: &mut Vec<Row>) -> gdn::Result<(
         ("ahead0.5", Some(one), tune(1, false)),
         ("ahead1", Some(one), tune(2, false)),
         ("default", None, None),
+        // an f32 state staged through shared memory (Cuda::set_stage_f32), with the planner's hints and without
+        // the prefetch half a wave ahead
+        ("staged", None, None),
+        ("staged-noahead", None, tune(0, false)),
     ];
+    let with_variant = |name: &str| {
+        let mut cu = cuda.clone();
+        cu.set_stage_f32(name.starts_with("staged"));
+        cu
+    };
     let pick: Option<Vec<String>> = std::env::var("GDN_CUDA_VARIANTS")
         .ok()
         .map(|v| v.split(',').map(|x| x.trim().to_string()).collect());
@@ -366,6 +375,11 @@ fn decode_variants(cuda: &Cuda, copy: f64, rows: &mut Vec<Row>) -> gdn::Result<(
             io: DType::Bf16,
             ..base
         },
+        Case {
+            layout: StateLayout::ValueMajor,
+            io: DType::Bf16,
+            ..base
+        },
     ];
     // compile every specialisation the table runs first, in parallel (NVRTC is single-threaded per program)
     let t0 = std::time::Instant::now();
@@ -374,10 +388,10 @@ fn decode_variants(cuda: &Cuda, copy: f64, rows: &mut Vec<Row>) -> gdn::Result<(
     for c in cases {
         for (b, t) in SIZES {
             for (name, plan, tune) in &variants {
-                if skip(name, b, t) {
+                if skip(name, b, t) || (name.starts_with("staged") && c.state != DType::F32) {
                     continue;
                 }
-                let mut cu = cuda.clone();
+                let mut cu = with_variant(name);
                 cu.set_plan_override(*plan);
                 cu.set_tune_override(*tune);
                 let pool = cu.create_cuda_pool(
@@ -440,8 +454,12 @@ fn decode_variants(cuda: &Cuda, copy: f64, rows: &mut Vec<Row>) -> gdn::Result<(
                     continue;
                 }
                 let lens = vec![t; b];
-                let cached = time_rot(cuda, c, &lens, *plan, *tune, 1, Commit::All);
-                let rotated = time_rot(cuda, c, &lens, *plan, *tune, sets, Commit::All);
+                if name.starts_with("staged") && c.state != DType::F32 {
+                    continue;
+                }
+                let cu = with_variant(name);
+                let cached = time_rot(&cu, c, &lens, *plan, *tune, 1, Commit::All);
+                let rotated = time_rot(&cu, c, &lens, *plan, *tune, sets, Commit::All);
                 match (cached, rotated) {
                     (Ok((us, host_us)), Ok((rus, _))) => {
                         let bytes = 2.0 * state_bytes as f64;
@@ -480,9 +498,9 @@ const SIZES: [(usize, usize); 4] = [(1, 1), (32, 1), (256, 1), (1, 8)];
 /// head, timed here as variants in 2026-12-05's run, lost: NOTES.md; `GDN_CUDA_PLAN` still forces one.)
 fn skip(name: &str, b: usize, t: usize) -> bool {
     (name == "prewait" && b > 1)
-        || (name.starts_with("ahead") && b == 1)
+        || ((name.starts_with("ahead") || name.starts_with("staged")) && b == 1)
         || (t > 1 && !matches!(name, "old" | "default"))
-        || (b == 32 && !matches!(name, "old" | "default"))
+        || (b == 32 && !matches!(name, "old" | "default" | "staged"))
 }
 
 /// `bench windows`: windows of 2, 4 and 8 tokens at B 1, 32 and 256, committing all or verifying, through the
