@@ -5,7 +5,7 @@
 # in cache and rotated) of this build and of a baseline build (bench_base, optional), and the out_proj read
 # probe (tools/device/quant_read_probe.cu, built here by nvcc).
 # Prepared on a build machine: `cargo test --release -p gdn-cuda --no-run` (tests/conformance.rs's binary as
-# conformance) and `cargo build --release -p gdn-cuda --example bench` (as bench; a baseline's as bench_base),
+# conformance, tests/external.rs's as external) and `cargo build --release -p gdn-cuda --example bench` (as bench; a baseline's as bench_base),
 # stripped and xz-compressed into .devbin/stage. device run from the repo root, carry [".devbin/stage"]:
 #   bash tools/device/h200_stage.sh   (PROBE=0 skips the probe, SAN=0 the sanitizers)
 set -u
@@ -15,10 +15,12 @@ for f in $B/*.xz; do xz -dkf "$f"; chmod +x "${f%.xz}"; done
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee -a "$S"
 stamp "staged against registers, bitwise"
 timeout 300 $B/conformance device_step_matches_host_step_bitwise memory_hints 2>&1 | grep -E "test |result|panicked" | tee -a "$S"
+timeout 200 $B/external staged_f32 2>&1 | grep -E "test |result|panicked" | tee -a "$S"
 if [ "${SAN:-1}" = 1 ]; then
   for tool in memcheck racecheck; do
     stamp "$tool"
-    timeout 300 compute-sanitizer --tool $tool $B/conformance device_step_matches_host_step_bitwise 2>&1 | grep -E "SUMMARY|test result" | tee -a "$S"
+    timeout 200 compute-sanitizer --tool $tool $B/conformance device_step_matches_host_step_bitwise 2>&1 | grep -E "SUMMARY|test result" | tee -a "$S"
+    timeout 150 compute-sanitizer --tool $tool $B/external staged_f32 2>&1 | grep -E "SUMMARY|test result" | tee -a "$S"
   done
 fi
 stamp "bench decode (this build)"
