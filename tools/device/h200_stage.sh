@@ -16,15 +16,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader |
 stamp "staged against registers, bitwise"
 timeout 300 $B/conformance device_step_matches_host_step_bitwise memory_hints 2>&1 | grep -E "test |result|panicked" | tee -a "$S"
 timeout 200 $B/external staged_f32 2>&1 | grep -E "test |result|panicked" | tee -a "$S"
-if [ "${SAN:-1}" = 1 ]; then
-  for tool in memcheck racecheck; do
-    stamp "$tool"
-    timeout 200 compute-sanitizer --tool $tool $B/conformance device_step_matches_host_step_bitwise 2>&1 | grep -E "SUMMARY|test result" | tee -a "$S"
-    timeout 150 compute-sanitizer --tool $tool $B/external staged_f32 2>&1 | grep -E "SUMMARY|test result" | tee -a "$S"
-  done
-fi
 stamp "bench decode (this build)"
-timeout 300 $B/bench decode >"$OUT/decode_new.txt" 2>&1; echo "rc $?" | tee -a "$S"
+GDN_CUDA_VARIANTS=${VARIANTS:-default,staged,staged-noahead} timeout 300 $B/bench decode >"$OUT/decode_new.txt" 2>&1; echo "rc $?" | tee -a "$S"
 if [ -x $B/bench_base ]; then
   stamp "bench decode (baseline)"
   GDN_CUDA_VARIANTS=default timeout 200 $B/bench_base decode >"$OUT/decode_base.txt" 2>&1; echo "rc $?" | tee -a "$S"
@@ -33,6 +26,14 @@ if [ "${PROBE:-1}" = 1 ]; then
   stamp "out_proj read probe"
   nvcc -O3 -arch=sm_90 -o /tmp/probe tools/device/quant_read_probe.cu 2>&1 | grep -iE "error" | tee -a "$S"
   timeout 120 /tmp/probe >"$OUT/probe.txt" 2>&1; echo "rc $?" | tee -a "$S"
+fi
+if [ "${SAN:-1}" = 1 ]; then
+  stamp "memcheck"
+  timeout 200 compute-sanitizer --tool memcheck $B/conformance device_step_matches_host_step_bitwise 2>&1 | grep -E "SUMMARY|test result" | tee -a "$S"
+  for tool in memcheck racecheck; do
+    stamp "$tool (engine memory)"
+    timeout 150 compute-sanitizer --tool $tool $B/external staged_f32 2>&1 | grep -E "SUMMARY|test result" | tee -a "$S"
+  done
 fi
 stamp done
 cat "$S"
