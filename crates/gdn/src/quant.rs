@@ -1090,14 +1090,18 @@ mod vnni {
                 })))
             });
             let mut total = [_mm512_setzero_ps(); NB];
+            // the next row's lines, a share of each slice a step (no division in the loop)
+            let shares = next.map(|a| {
+                let lines = a.len().div_ceil(64);
+                (a.as_ptr(), lines, lines.div_ceil(steps))
+            });
             let mut j0 = 0;
             while j0 < j_n {
                 // this step's share of the next row's lines into L1 (a sliding prefetch, as the read ceiling's)
                 let step = j0 / (16 * U);
-                for a in next {
-                    let lines = a.len().div_ceil(64);
-                    for l in step * lines / steps..(step + 1) * lines / steps {
-                        _mm_prefetch::<_MM_HINT_T0>(a.as_ptr().add(64 * l).cast());
+                for &(a, lines, per) in &shares {
+                    for l in (step * per).min(lines)..((step + 1) * per).min(lines) {
+                        _mm_prefetch::<_MM_HINT_T0>(a.add(64 * l).cast());
                     }
                 }
                 let (wv, sc) = super::avx512::words_and_scales::<U>(w, scale, j0, E == 4);
