@@ -822,6 +822,26 @@ mod avx512 {
         let quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
         let mut wv = [_mm512_setzero_si512(); U];
         let mut sc = [_mm512_setzero_ps(); U];
+        if j0 + 16 * U <= j_n {
+            // every word of the step is in the row: plain loads, no masks to compute
+            for u in 0..U {
+                let j = j0 + 16 * u;
+                // SAFETY: j + 16 <= j_n words (within `w`); a group a word: j + 16 <= groups = j_n; four words a
+                // group: j / 4 + 4 <= j_n / 4 = groups
+                unsafe {
+                    wv[u] = _mm512_loadu_si512(w.as_ptr().add(4 * j).cast());
+                    sc[u] = if word_groups {
+                        _mm512_loadu_ps(scale.as_ptr().add(j))
+                    } else {
+                        _mm512_permutexvar_ps(
+                            quarter,
+                            _mm512_castps128_ps512(_mm_loadu_ps(scale.as_ptr().add(j / 4))),
+                        )
+                    };
+                }
+            }
+            return (wv, sc);
+        }
         for u in 0..U {
             let j = j0 + 16 * u;
             let k: __mmask16 = if j >= j_n {
