@@ -44,6 +44,18 @@ __global__ void __launch_bounds__(512) pattern(const u32* __restrict__ words, co
     const int s1 = (int)((long long)(blockIdx.x + 1) * sets / gridDim.x);
     const bool wrap = chunks % D == 0;
     u32 wb[D][R][WPG], sb[D][R], zb[D][R];
+    // a group's WPG words (one load)
+    auto load_words = [&](u32* dst, const u32* p) {
+        if (WPG == 1) {
+            dst[0] = ld_w1(p);
+        } else {
+            uint4 q = ld_w4(p);
+            dst[0] = q.x;
+            dst[WPG > 1 ? 1 : 0] = q.y;
+            dst[WPG > 2 ? 2 : 0] = q.z;
+            dst[WPG > 3 ? 3 : 0] = q.w;
+        }
+    };
     // INTER: row o's chunk c is (32 WPG words, 32 scales, 32 zero terms) at (o chunks + c) (32 WPG + 64)
     auto load = [&](int d, int o0, int c) {
         const int g = 32 * c + lane;
@@ -52,28 +64,12 @@ __global__ void __launch_bounds__(512) pattern(const u32* __restrict__ words, co
             for (int r = 0; r < R; r++) {
                 if (INTER) {
                     const u32* b = words + (size_t)((o0 + r) * chunks + c) * (32 * WPG + 64);
-                    if (WPG == 1) {
-                        wb[d][r][0] = ld_w1(b + lane);
-                    } else {
-                        uint4 q = ld_w4(b + 4 * lane);
-                        wb[d][r][0] = q.x;
-                        wb[d][r][WPG > 1 ? 1 : 0] = q.y;
-                        wb[d][r][WPG > 2 ? 2 : 0] = q.z;
-                        wb[d][r][WPG > 3 ? 3 : 0] = q.w;
-                    }
+                    load_words(wb[d][r], b + WPG * lane);
                     sb[d][r] = ld_w1(b + 32 * WPG + lane);
                     zb[d][r] = ld_w1(b + 32 * WPG + 32 + lane);
                 } else {
                     const unsigned at = (unsigned)((o0 + r) * groups + g);
-                    if (WPG == 1) {
-                        wb[d][r][0] = ld_w1(words + at);
-                    } else {
-                        uint4 q = ld_w4(words + 4 * at);
-                        wb[d][r][0] = q.x;
-                        wb[d][r][WPG > 1 ? 1 : 0] = q.y;
-                        wb[d][r][WPG > 2 ? 2 : 0] = q.z;
-                        wb[d][r][WPG > 3 ? 3 : 0] = q.w;
-                    }
+                    load_words(wb[d][r], words + WPG * at);
                     sb[d][r] = ld_w1(scale + at);
                     zb[d][r] = ld_w1(zs + at);
                 }

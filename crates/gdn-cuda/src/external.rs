@@ -948,7 +948,8 @@ impl CudaLayer {
                 &self.cuda,
                 &f,
                 grid,
-                (ck.spec.threads() as u32, ck.spec.dyn_smem() as u32),
+                ck.spec.threads() as u32,
+                ck.spec.dyn_smem() as u32,
                 &mut params,
                 stream,
             )

@@ -765,7 +765,8 @@ impl CudaPool {
                 &self.cuda,
                 &f,
                 grid,
-                (spec.threads() as u32, spec.dyn_smem() as u32),
+                spec.threads() as u32,
+                spec.dyn_smem() as u32,
                 &mut params,
                 self.cuda.stream.cu_stream(),
             )
@@ -929,7 +930,7 @@ pub(crate) fn fault_error(word: u32) -> Error {
     }
 }
 
-/// Launches `f` over `grid` with `threads.0` threads a block and `threads.1` bytes of dynamic shared memory on
+/// Launches `f` over `grid` with `threads` threads a block and `shared` bytes of dynamic shared memory on
 /// `stream`, with programmatic dependent launch where `cuda` has it on.
 ///
 /// # Safety
@@ -942,11 +943,11 @@ pub(crate) unsafe fn launch_kernel(
     cuda: &Cuda,
     f: &CudaFunction,
     grid: (u32, u32, u32),
-    threads: (u32, u32),
+    threads: u32,
+    shared: u32,
     params: &mut [*mut c_void],
     stream: sys::CUstream,
 ) -> Result<()> {
-    let (threads, shared) = threads;
     cuda.ctx.bind_to_thread().map_err(drv)?;
     // SAFETY: all-zero bytes are a valid value of this plain C union of integers and small structs.
     let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
@@ -1637,16 +1638,7 @@ pub fn empty_kernel_time(cuda: &Cuda, blocks: u32, threads: u32) -> Result<Durat
     let pass = || -> Result<()> {
         for _ in 0..per_graph {
             // SAFETY: the kernel takes no parameters and touches no memory; the stream is the backend's own.
-            unsafe {
-                launch_kernel(
-                    cuda,
-                    &f,
-                    (blocks, 1, 1),
-                    (threads, 0),
-                    &mut [],
-                    s.cu_stream(),
-                )?
-            };
+            unsafe { launch_kernel(cuda, &f, (blocks, 1, 1), threads, 0, &mut [], s.cu_stream())? };
         }
         Ok(())
     };
