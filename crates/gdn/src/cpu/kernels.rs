@@ -102,6 +102,21 @@ fn gate_lanes(z: &[f32; LANES], gate: Gate) -> [f32; LANES] {
     }
 }
 
+/// How many tokens ahead the conv and the output gate prefetch their input rows. A head's row of a token is
+/// d floats at a stride of a whole token's row (40 KiB for the seed's qkv), a new page every token, which the
+/// hardware prefetchers do not follow, so without it a long window's conv and gate wait on memory every token.
+const ROWS_AHEAD: usize = 6;
+
+/// Prefetches the cache lines of `x[at..at + len]`, or nothing where that lies past `x`.
+#[inline(always)]
+fn prefetch_row(x: &[f32], at: usize, len: usize) {
+    if let Some(row) = x.get(at..at + len) {
+        for line in row.chunks(LANES) {
+            prefetch(line.as_ptr());
+        }
+    }
+}
+
 /// Position `pos` of a conv block's input sequence (3 history entries, then the window's input rows) from
 /// group 0 on, and the distance between groups of 16 channels: the history is [g][3][16], an input row [g][16].
 #[inline(always)]
@@ -145,6 +160,7 @@ pub fn conv_block(
     // for token tok: the taps come straight from the history or from the input rows (still in cache), so there
     // is no shift register to zero, fill and move. Token by token, each token's inputs being one contiguous row.
     for tok in 0..t {
+        prefetch_row(qkv, (tok + ROWS_AHEAD) * qkv_stride, d);
         // written out rather than `[0, 1, 2, 3].map(..)`: LLVM left those array maps as calls, one per group
         let input = |j| conv_input(hist, qkv, qkv_stride, d, tok + j);
         let taps = [input(0), input(1), input(2), input(3)];
@@ -279,6 +295,9 @@ impl<'a, const N: usize> Owed<'a, N> {
 
 type Lanes = [f32; LANES];
 
+/// Rows of a column block the update loop takes at a time.
+const ROWS: usize = 4;
+
 /// The update of one column block's rows, `S = g S + k delta^T`, for every row in order, reading the rows from
 /// the pool (`FROM_POOL`: the window's first token when no deferred update is owed) or from `work`; with `MORE`
 /// it also accumulates the next token's `S^T k'` and `S^T q'` from the updated rows and keeps them in `work`,
@@ -296,32 +315,45 @@ fn update_rows<E: StateElem, const FROM_POOL: bool, const MORE: bool, const COMM
     qn: &[f32],
 ) -> (Lanes, Lanes) {
     let d = pool.len();
-    let (work, k, kn, qn) = (&mut work[..d], &k[..d], &kn[..d], &qn[..d]);
-    // rows two at a time (d is a multiple of 16) with an accumulator pair each, so consecutive rows do not
-    // wait on one FMA chain; the pairs are added once at the end
+    // rows four at a time (d is a multiple of 16), even rows into one accumulator pair and odd rows into the
+    // other, so consecutive rows do not wait on one FMA chain; the pairs are added once at the end
     let (mut kv, mut sq) = ([[0.0f32; LANES]; 2], [[0.0f32; LANES]; 2]);
-    for i in (0..d).step_by(2) {
+    let quads = pool
+        .as_chunks_mut::<ROWS>()
+        .0
+        .iter_mut()
+        .zip(work[..d].as_chunks_mut::<ROWS>().0)
+        .zip(k[..d].as_chunks::<ROWS>().0)
+        .zip(
+            kn[..d]
+                .as_chunks::<ROWS>()
+                .0
+                .iter()
+                .zip(qn[..d].as_chunks::<ROWS>().0),
+        );
+    for (((prows, wrows), kq), (knq, qnq)) in quads {
         // opaque to the optimizer, so that each row stays one vector of 16 lanes: left to itself, LLVM's loop
         // vectorizer took 16 rows at a time in the AVX-512 clone, with a gather and a scatter per lane
         // (CPU-NOTES.md); the AVX2 clone never did
-        let i = std::hint::black_box(i);
-        for r in 0..2 {
+        let wrows = std::hint::black_box(wrows);
+        for r in 0..ROWS {
             let src = if FROM_POOL {
-                E::load(&pool[i + r])
+                E::load(&prows[r])
             } else {
-                work[i + r]
+                wrows[r]
             };
-            let x = apply_pending(g, &src, k[i + r], delta);
+            let x = apply_pending(g, &src, kq[r], delta);
             if MORE {
-                let (kni, qni) = (kn[i + r], qn[i + r]);
+                let (kni, qni) = (knq[r], qnq[r]);
+                let (kv, sq) = (&mut kv[r % 2], &mut sq[r % 2]);
                 for l in 0..LANES {
-                    kv[r][l] = x[l].mul_add(kni, kv[r][l]);
-                    sq[r][l] = x[l].mul_add(qni, sq[r][l]);
+                    kv[l] = x[l].mul_add(kni, kv[l]);
+                    sq[l] = x[l].mul_add(qni, sq[l]);
                 }
-                work[i + r] = x;
+                wrows[r] = x;
             }
             if COMMIT {
-                pool[i + r] = E::store(&x);
+                prows[r] = E::store(&x);
             }
         }
     }
@@ -438,11 +470,13 @@ fn column_block<E: StateElem, const N: usize>(
         let ot: &mut Lanes = (&mut o[tok * d + c0..tok * d + c0 + LANES])
             .try_into()
             .expect("block");
-        let mut delta = [0.0f32; LANES];
-        for l in 0..LANES {
-            delta[l] = (v[l] - g * kv[l]) * b;
-            ot[l] = g.mul_add(sq[l], delta[l] * kq) * inv_sqrt_d;
-        }
+        // lane-wise array expressions, one operation each: written as one loop over lanes, LLVM scalarized it
+        // (16 extracts and scalar stores a token and block); the same operations in the same order either way
+        let gkv: Lanes = std::array::from_fn(|l| g * kv[l]);
+        let delta: Lanes = std::array::from_fn(|l| (v[l] - gkv[l]) * b);
+        let dkq: Lanes = std::array::from_fn(|l| delta[l] * kq);
+        let read: Lanes = std::array::from_fn(|l| g.mul_add(sq[l], dkq[l]) * inv_sqrt_d);
+        *ot = read;
         let k = &inp.k[tok * d..(tok + 1) * d];
         let (kn, qn) = if tok + 1 < inp.t {
             (
@@ -588,6 +622,7 @@ fn head_window_body<E: StateElem, const N: usize>(
 fn gated_norm(inp: &HeadInputs<'_>, o: &[f32], y: &mut [f32]) {
     let (d, t) = (inp.d, inp.t);
     for tok in 0..t {
+        prefetch_row(inp.z, (tok + ROWS_AHEAD) * inp.z_stride, d);
         let ot = &o[tok * d..(tok + 1) * d];
         let rs = 1.0 / (sum_squares(ot) / d as f32 + inp.eps).sqrt();
         let z = &inp.z[tok * inp.z_stride..tok * inp.z_stride + d];
