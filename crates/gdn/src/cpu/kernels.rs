@@ -111,8 +111,8 @@ const ROWS_AHEAD: usize = 6;
 #[inline(always)]
 fn prefetch_row(x: &[f32], at: usize, len: usize) {
     if let Some(row) = x.get(at..at + len) {
-        for line in row.chunks(LANES) {
-            prefetch(line.as_ptr());
+        for i in (0..len).step_by(LANES) {
+            prefetch(row[i..].as_ptr());
         }
     }
 }
@@ -463,6 +463,9 @@ fn column_block<E: StateElem, const N: usize>(
     };
     let (mut kv, mut sq) = (add_lanes(&kv2[0], &kv2[1]), add_lanes(&sq2[0], &sq2[1]));
     for tok in 0..inp.t {
+        // this block's lanes of v, a line every d floats: a token's delta waits on them, and every update of the
+        // block waits on the delta
+        prefetch_row(inp.v, (tok + ROWS_AHEAD) * d + c0, LANES);
         let (g, b, kq) = (gates[tok], betas[tok], kqs[tok]);
         let v: &Lanes = inp.v[tok * d + c0..tok * d + c0 + LANES]
             .try_into()
