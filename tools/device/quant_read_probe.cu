@@ -32,6 +32,28 @@
         }                                                                           \
     } while (0)
 
+// q1 compiled for two resident blocks of up to 320 threads (the launch's shape at the seed's size): ptxas must fit
+// the registers of both; the crate's q1 asks only for 32 MAXW1 threads, so above 96 registers one block fits
+#define ENTRY1B(name, PACK)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(320, 2)                                                     \
+        name(const u32* __restrict__ words, const float* __restrict__ scale, const float* __restrict__ zs,  \
+             const float* __restrict__ x, const float* __restrict__ gsum, float* __restrict__ out, int hidden, \
+             int n) {                                                                                        \
+        product_one<PACK, false>(words, scale, zs, x, gsum, out, hidden, n);                                 \
+    }
+ENTRY1B(q1_two_0, 0)
+ENTRY1B(q1_two_1, 1)
+
+// registers, local (spill) bytes and resident blocks an SM of a kernel at a launch shape
+static void occupancy(const char* name, const void* f, int threads, size_t shm) {
+    cudaFuncAttributes a;
+    CK(cudaFuncGetAttributes(&a, f));
+    int nb = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, f, threads, shm));
+    printf("  %-26s %3d registers, %4zu local bytes, %d blocks an SM at %d threads + %zu B shared\n", name, a.numRegs,
+           a.localSizeBytes, nb, threads, shm);
+}
+
 // q1's loads (same rows, chunks, slots, depth, refills), each word consumed by one add
 template <int WPG, int R, int D, bool INTER>
 __global__ void __launch_bounds__(512) pattern(const u32* __restrict__ words, const u32* __restrict__ scale,
@@ -224,7 +246,17 @@ int main() {
                 q1<<<blocks, 32 * warps, shm, B.st>>>(w[c], (const float*)s[c], (const float*)z[c], x, gs,
                                                       (float*)out, hidden, n);
             }));
+        auto q2 = wpg == 1 ? q1_two_0 : q1_two_1;
+        CK(cudaFuncSetAttribute(q2, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
+        row("q1, two blocks' registers", B.time([&](int i) {
+                const int c = i % copies;
+                q2<<<blocks, 32 * warps, shm, B.st>>>(w[c], (const float*)s[c], (const float*)z[c], x, gs,
+                                                      (float*)out, hidden, n);
+            }));
         auto pat = wpg == 1 ? pattern<1, 2, 4, false> : pattern<4, 2, 4, false>;
+        occupancy("q1", (const void*)q1, 32 * warps, shm);
+        occupancy("q1, two blocks' registers", (const void*)q2, 32 * warps, shm);
+        occupancy("pattern", (const void*)pat, 32 * warps, 0);
         row("pattern (q1's loads)", B.time([&](int i) {
                 const int c = i % copies;
                 pat<<<blocks, 32 * warps, 0, B.st>>>(w[c], s[c], z[c], out, hidden, groups);

@@ -344,16 +344,7 @@ fn decode_variants(cuda: &Cuda, copy: f64, rows: &mut Vec<Row>) -> gdn::Result<(
         ("ahead0.5", Some(one), tune(1, false)),
         ("ahead1", Some(one), tune(2, false)),
         ("default", None, None),
-        // an f32 state staged through shared memory (Cuda::set_stage_f32), with the planner's hints and without
-        // the prefetch half a wave ahead
-        ("staged", None, None),
-        ("staged-noahead", None, tune(0, false)),
     ];
-    let with_variant = |name: &str| {
-        let mut cu = cuda.clone();
-        cu.set_stage_f32(name.starts_with("staged"));
-        cu
-    };
     let pick: Option<Vec<String>> = std::env::var("GDN_CUDA_VARIANTS")
         .ok()
         .map(|v| v.split(',').map(|x| x.trim().to_string()).collect());
@@ -375,11 +366,6 @@ fn decode_variants(cuda: &Cuda, copy: f64, rows: &mut Vec<Row>) -> gdn::Result<(
             io: DType::Bf16,
             ..base
         },
-        Case {
-            layout: StateLayout::ValueMajor,
-            io: DType::Bf16,
-            ..base
-        },
     ];
     // compile every specialisation the table runs first, in parallel (NVRTC is single-threaded per program)
     let t0 = std::time::Instant::now();
@@ -388,10 +374,10 @@ fn decode_variants(cuda: &Cuda, copy: f64, rows: &mut Vec<Row>) -> gdn::Result<(
     for c in cases {
         for (b, t) in SIZES {
             for (name, plan, tune) in &variants {
-                if skip(name, b, t, c.state) {
+                if skip(name, b, t) {
                     continue;
                 }
-                let mut cu = with_variant(name);
+                let mut cu = cuda.clone();
                 cu.set_plan_override(*plan);
                 cu.set_tune_override(*tune);
                 let pool = cu.create_cuda_pool(
@@ -450,13 +436,12 @@ fn decode_variants(cuda: &Cuda, copy: f64, rows: &mut Vec<Row>) -> gdn::Result<(
                 if pick.as_ref().is_some_and(|p| !p.iter().any(|x| x == name)) {
                     continue;
                 }
-                if skip(name, b, t, c.state) {
+                if skip(name, b, t) {
                     continue;
                 }
                 let lens = vec![t; b];
-                let cu = with_variant(name);
-                let cached = time_rot(&cu, c, &lens, *plan, *tune, 1, Commit::All);
-                let rotated = time_rot(&cu, c, &lens, *plan, *tune, sets, Commit::All);
+                let cached = time_rot(cuda, c, &lens, *plan, *tune, 1, Commit::All);
+                let rotated = time_rot(cuda, c, &lens, *plan, *tune, sets, Commit::All);
                 match (cached, rotated) {
                     (Ok((us, host_us)), Ok((rus, _))) => {
                         let bytes = 2.0 * state_bytes as f64;
@@ -491,15 +476,13 @@ fn decode_variants(cuda: &Cuda, copy: f64, rows: &mut Vec<Row>) -> gdn::Result<(
 const SIZES: [(usize, usize); 4] = [(1, 1), (32, 1), (256, 1), (1, 8)];
 
 /// Whether `decode` leaves variant `name` out at B `b`, T `t`: what prefetches before the wait only at B 1, what
-/// works across waves only above it, at T 8 and B 32 only the old kernel and the default (and staging at B 32),
-/// staging only for an f32 state (a bf16 one always stages). (Other splits of a
+/// works across waves only above it, at T 8 and B 32 only the old kernel and the default. (Other splits of a
 /// head, timed here as variants in 2026-12-05's run, lost: NOTES.md; `GDN_CUDA_PLAN` still forces one.)
-fn skip(name: &str, b: usize, t: usize, state: DType) -> bool {
+fn skip(name: &str, b: usize, t: usize) -> bool {
     (name == "prewait" && b > 1)
-        || (name.starts_with("staged") && state != DType::F32)
-        || ((name.starts_with("ahead") || name.starts_with("staged")) && b == 1)
+        || (name.starts_with("ahead") && b == 1)
         || (t > 1 && !matches!(name, "old" | "default"))
-        || (b == 32 && !matches!(name, "old" | "default" | "staged"))
+        || (b == 32 && !matches!(name, "old" | "default"))
 }
 
 /// `bench windows`: windows of 2, 4 and 8 tokens at B 1, 32 and 256, committing all or verifying, through the

@@ -14,7 +14,7 @@
 //                           0 f32, 1 bf16, 2 f16. Inputs widen exactly; outputs round once, to nearest even.
 //   GDN_STATE_DT            0: S in f32; 1: S in bf16 (widened at the window start, updated in f32, rounded
 //                           to nearest even once, at the commit token)
-//   GDN_STAGE               1: a state at T 1 goes through shared memory (see STAGE below)
+//   GDN_STAGE               1: a bf16 state at T 1 goes through shared memory (see STAGE below)
 //   GDN_VMAJOR              0: S[i][h][j] at (i * HV + h) * D + j (key-major, SPEC.md); 1: at (h * D + j) * D + i
 //                           (value-major, keys contiguous)
 //   GDN_NCB                 column blocks per value head = thread-block cluster size (1, 2, 4, 8)
@@ -219,9 +219,9 @@ static_assert(GDN_EXT && GDN_COMMIT && !GDN_SPEC && GDN_NCB == 1 && GDN_RCL == H
               "the readers' cluster is for external commit steps with one block a head");
 #endif
 
-// With GDN_STAGE (the host sets it for calls that fill the device), a state at T 1 with one block a head
+// With GDN_STAGE (the host sets it for calls that fill the device), a bf16 state at T 1 with one block a head
 // (STAGE) is not held in registers: the block copies its head's
-// state into shared memory (an f32 head's 68 KiB in dynamic shared memory) with cp.async as soon as the slot is known, computes the conv and the norms while
+// state into shared memory with cp.async as soon as the slot is known, computes the conv and the norms while
 // the copies are in flight, and both sweeps read the state from there; the updated state is rounded and
 // stored straight from the update sweep. No registers hold data in flight, so more blocks fit on a
 // multiprocessor and each block's load overlaps its own prologue. The arithmetic (values, operations and
@@ -229,7 +229,7 @@ static_assert(GDN_EXT && GDN_COMMIT && !GDN_SPEC && GDN_NCB == 1 && GDN_RCL == H
 #ifndef GDN_STAGE
 #define GDN_STAGE 0
 #endif
-#define STAGE (GDN_STAGE && !GDN_SPEC && GDN_T == 1 && GDN_NCB == 1 && D <= 128 && RPT % 8 == 0)
+#define STAGE (GDN_STAGE && !GDN_SPEC && GDN_STATE_DT == 1 && GDN_T == 1 && GDN_NCB == 1 && D <= 128 && RPT % 8 == 0)
 // With GDN_PHASED (the host sets it for a constant window of 2 tokens or more), the window runs in
 // three phases with block barriers only between them, instead of three barriers a token: A, every token's conv,
 // SiLU, gates and L2 norms (a thread's channels carry their history in registers from token to token, all rows'
@@ -252,10 +252,7 @@ static_assert(GDN_EXT && GDN_COMMIT && !GDN_SPEC && GDN_NCB == 1 && GDN_RCL == H
 #if PHASED && GDN_RCL
 #error "the readers' cluster is for T 1"
 #endif
-// bytes of one staged row (16-byte aligned; the skew spreads a warp's loads: an f32 value-major column's RG lanes
-// read RG adjacent 16-byte chunks, so its rows are 16 RG bytes apart in bank quads)
-#define SBYTES (GDN_STATE_DT == 0 ? 4 : 2)
-#define SPITCH (SBYTES * D + (GDN_STATE_DT == 0 && GDN_VMAJOR ? 16 * RG : 16))
+#define SPITCH (2 * D + 16)  // bytes of one staged row (16-byte aligned; the skew spreads a warp's loads)
 // Which keys a thread holds. Key-major: row group g holds the keys g * RPT .. + RPT (a warp's load of one
 // register row reads CPW consecutive columns of RG rows). Value-major (a column's keys contiguous): the keys
 // are dealt in chunks of VCH (16 bytes) round the RG row groups, so the RG lanes of a column read RG adjacent
@@ -352,22 +349,7 @@ __device__ __forceinline__ int kidx(int i) { return (i / RPT) * KPAD + (i % RPT)
 #if STAGE
 // register rows r .. r + 7 of row group rg of column j from the staged state, widened
 __device__ __forceinline__ void staged8(const unsigned char* sst, int rg, int j, int r, float f[8]) {
-#if GDN_STATE_DT == 0 && GDN_VMAJOR
-    // chunks of VCH = 4 keys: rows r .. r + 3 and r + 4 .. r + 7 are two chunks of this row group
-    const float4 a = *reinterpret_cast<const float4*>(sst + j * SPITCH + KEY(rg, r) * 4);
-    const float4 b = *reinterpret_cast<const float4*>(sst + j * SPITCH + KEY(rg, r + 4) * 4);
-    f[0] = a.x;
-    f[1] = a.y;
-    f[2] = a.z;
-    f[3] = a.w;
-    f[4] = b.x;
-    f[5] = b.y;
-    f[6] = b.z;
-    f[7] = b.w;
-#elif GDN_STATE_DT == 0
-#pragma unroll
-    for (int q = 0; q < 8; ++q) f[q] = *reinterpret_cast<const float*>(sst + KEY(rg, r + q) * SPITCH + j * 4);
-#elif GDN_VMAJOR
+#if GDN_VMAJOR
     const uint4 w = *reinterpret_cast<const uint4*>(sst + j * SPITCH + KEY(rg, r) * 2);
     const unsigned u[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
@@ -441,11 +423,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
 #endif
 #if STAGE
     // row = key i (key-major) or value column j (value-major) of this head: D bf16 and a skew
-#if GDN_STATE_DT == 0
-    extern __shared__ __align__(16) unsigned char sst[];  // D * SPITCH bytes (the host's Spec::dyn_smem)
-#else
     __shared__ __align__(16) unsigned char sst[D * SPITCH];
-#endif
 #endif
 
     const int tid = threadIdx.x;
@@ -720,18 +698,18 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
     {
         const char* gbase = reinterpret_cast<const char*>(state + SLOT_OFF(slot));
         const unsigned sbase = (unsigned)__cvta_generic_to_shared(sst);
-        constexpr int PER_ROW = SBYTES * D / 16;
+        constexpr int PER_ROW = 2 * D / 16;
         // a pass of the block copies ROWS_STEP whole rows, so every copy is the first one plus a constant: the
         // addresses once, not a 64-bit computation a copy (ncu: those made 1.8 instructions a state element)
         constexpr int ROWS_STEP = NT / PER_ROW;
         static_assert(NT % PER_ROW == 0 && (D * PER_ROW) % NT == 0, "the staging copies whole rows a pass");
         const int row0 = tid / PER_ROW, part = tid % PER_ROW;
 #if GDN_VMAJOR
-        const char* src = gbase + (size_t)(h * D + row0) * D * SBYTES + part * 16;
-        constexpr size_t GSTEP = (size_t)ROWS_STEP * D * SBYTES;
+        const char* src = gbase + (size_t)(h * D + row0) * D * 2 + part * 16;
+        constexpr size_t GSTEP = (size_t)ROWS_STEP * D * 2;
 #else
-        const char* src = gbase + ((size_t)row0 * HV + h) * D * SBYTES + part * 16;
-        constexpr size_t GSTEP = (size_t)ROWS_STEP * HV * D * SBYTES;
+        const char* src = gbase + ((size_t)row0 * HV + h) * D * 2 + part * 16;
+        constexpr size_t GSTEP = (size_t)ROWS_STEP * HV * D * 2;
 #endif
         const unsigned dst = sbase + row0 * SPITCH + part * 16;
 #pragma unroll
@@ -1453,10 +1431,7 @@ gdn_step(ES::T* __restrict__ state, float* __restrict__ hist, const EQ::T* __res
             }
 #if GDN_COMMIT
             if (commit_now) {
-#if GDN_VMAJOR && GDN_STATE_DT == 0
-                *reinterpret_cast<float4*>(st_base + SOFF(r)) = make_float4(n[0], n[1], n[2], n[3]);
-                *reinterpret_cast<float4*>(st_base + SOFF(r + 4)) = make_float4(n[4], n[5], n[6], n[7]);
-#elif GDN_VMAJOR
+#if GDN_VMAJOR
                 unsigned u[4];
 #pragma unroll
                 for (int c = 0; c < 4; ++c) u[c] = (unsigned)ES::st(n[2 * c]) | ((unsigned)ES::st(n[2 * c + 1]) << 16);

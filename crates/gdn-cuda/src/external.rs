@@ -100,7 +100,7 @@ use cudarc::driver::{sys, CudaSlice, DevicePtr};
 use gdn::{DType, Error, Layer, OutputLayout, PoolOptions, Result, StateLayout};
 
 use crate::chunk::{ChunkCall, ChunkScratch, ChunkSpec};
-use crate::pool::{fault_error, launch_kernel};
+use crate::pool::{fault_error, launch_kernel, STAGE_MIN_BLOCKS};
 use crate::spec::{Io, Spec};
 use crate::{drv, Cuda};
 
@@ -462,7 +462,7 @@ impl CudaLayer {
         )
         .with_io(kind.io)
         .with_pool(kind.state)
-        .with_stage(self.cuda.stages(kind.state.state, heads))
+        .with_stage(heads >= STAGE_MIN_BLOCKS * self.cuda.sms)
         .with_ext(kind.conv)
         .with_tune(
             self.cuda.tune(),
@@ -949,7 +949,6 @@ impl CudaLayer {
                 &f,
                 grid,
                 ck.spec.threads() as u32,
-                ck.spec.dyn_smem() as u32,
                 &mut params,
                 stream,
             )

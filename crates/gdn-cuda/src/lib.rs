@@ -128,9 +128,6 @@ pub struct Cuda {
     pub(crate) pool_chunk: Arc<std::sync::Mutex<chunk::ChunkScratch>>,
     /// Windows in [`spec::window_range`] run in the window kernel ([`Cuda::set_window_kernel`]; off by default).
     pub(crate) window: bool,
-    /// An f32 state at T 1 is staged through shared memory in calls that fill the device, as a bf16 one is
-    /// ([`Cuda::set_stage_f32`]).
-    pub(crate) stage_f32: bool,
 }
 
 impl Cuda {
@@ -201,7 +198,6 @@ impl Cuda {
             ext_chunk: Default::default(),
             pool_chunk: Default::default(),
             window: false,
-            stage_f32: false,
         })
     }
 
@@ -296,19 +292,6 @@ impl Cuda {
         self.window = on;
     }
 
-    /// Stage an f32 state at T 1 through shared memory (68 KiB a head at d 128, three blocks a multiprocessor)
-    /// in calls of at least [`pool::STAGE_MIN_BLOCKS`] blocks a multiprocessor, as a bf16 state always is;
-    /// else it stays in registers (two blocks). Same bits either way.
-    pub fn set_stage_f32(&mut self, on: bool) {
-        self.stage_f32 = on;
-    }
-
-    /// Whether a T 1 call of `heads` blocks with a `state` pool stages the state (the kernel's `STAGE`, where
-    /// the specialisation allows it: [`Spec::staged`]).
-    pub(crate) fn stages(&self, state: gdn::DType, heads: usize) -> bool {
-        heads >= pool::STAGE_MIN_BLOCKS * self.sms && (state == gdn::DType::Bf16 || self.stage_f32)
-    }
-
     /// The CUDA context this backend runs in (the device's primary context, the one torch and most engines
     /// use): an engine's memory and streams for [`CudaLayer::step_raw`] belong to it.
     pub fn context(&self) -> &Arc<CudaContext> {
@@ -350,15 +333,6 @@ impl Cuda {
             .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin.clone()))
             .map_err(drv)?;
         let f = module.load_function("gdn_step").map_err(drv)?;
-        // a staged f32 state takes more dynamic shared memory than a launch gets without asking
-        let dynamic = spec.dyn_smem();
-        if dynamic > 48 * 1024 {
-            f.set_attribute(
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                i32::try_from(dynamic).map_err(|_| Error::Backend("shared memory size".into()))?,
-            )
-            .map_err(drv)?;
-        }
         lock()?.insert(*spec, f.clone());
         Ok(f)
     }

@@ -440,7 +440,7 @@ impl CudaPool {
         )
         .with_io(kind.io)
         .with_pool(self.options)
-        .with_stage(self.cuda.stages(self.options.state, heads))
+        .with_stage(heads >= STAGE_MIN_BLOCKS * self.cuda.sms)
         .with_tune(
             self.cuda.tune(),
             heads.saturating_mul(plan.ncb),
@@ -766,7 +766,6 @@ impl CudaPool {
                 &f,
                 grid,
                 spec.threads() as u32,
-                spec.dyn_smem() as u32,
                 &mut params,
                 self.cuda.stream.cu_stream(),
             )
@@ -930,21 +929,19 @@ pub(crate) fn fault_error(word: u32) -> Error {
     }
 }
 
-/// Launches `f` over `grid` with `threads` threads a block and `shared` bytes of dynamic shared memory on
-/// `stream`, with programmatic dependent launch where `cuda` has it on.
+/// Launches `f` over `grid` with `threads` threads a block on `stream`, with programmatic dependent launch
+/// where `cuda` has it on.
 ///
 /// # Safety
 /// `params` are the kernel's parameters in order and type, each pointing to a value that lives across the
 /// call, every device pointer among them valid for what the kernel indexes; `stream` is a live stream of
-/// `cuda`'s context; the dynamic shared memory is what the kernel indexes there (the driver refuses a size
-/// above the function's limit). Programmatic serialisation is sound because the kernel executes griddepcontrol.wait
+/// `cuda`'s context. Programmatic serialisation is sound because the kernel executes griddepcontrol.wait
 /// before it touches anything an earlier kernel may write.
 pub(crate) unsafe fn launch_kernel(
     cuda: &Cuda,
     f: &CudaFunction,
     grid: (u32, u32, u32),
     threads: u32,
-    shared: u32,
     params: &mut [*mut c_void],
     stream: sys::CUstream,
 ) -> Result<()> {
@@ -964,7 +961,7 @@ pub(crate) unsafe fn launch_kernel(
         blockDimX: threads,
         blockDimY: 1,
         blockDimZ: 1,
-        sharedMemBytes: shared,
+        sharedMemBytes: 0,
         hStream: stream,
         attrs: attrs.as_mut_ptr(),
         numAttrs: if cuda.pdl { 1 } else { 0 },
@@ -1638,7 +1635,7 @@ pub fn empty_kernel_time(cuda: &Cuda, blocks: u32, threads: u32) -> Result<Durat
     let pass = || -> Result<()> {
         for _ in 0..per_graph {
             // SAFETY: the kernel takes no parameters and touches no memory; the stream is the backend's own.
-            unsafe { launch_kernel(cuda, &f, (blocks, 1, 1), threads, 0, &mut [], s.cu_stream())? };
+            unsafe { launch_kernel(cuda, &f, (blocks, 1, 1), threads, &mut [], s.cu_stream())? };
         }
         Ok(())
     };

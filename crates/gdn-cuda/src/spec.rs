@@ -494,51 +494,30 @@ impl Spec {
     }
 
     /// Whether the kernel stages the state through shared memory instead of registers (the kernel's `STAGE`:
-    /// asked for, T 1, one block a head, d <= 128).
+    /// asked for, a bf16 state at T 1, one block a head, d <= 128).
     pub fn staged(&self) -> bool {
         let d = self.shape.d;
         self.stage
             && !self.speculative
+            && self.pool.state == DType::Bf16
             && self.t == 1
             && self.plan.ncb == 1
             && d <= 128
             && (d / self.plan.rg.max(1)).is_multiple_of(8)
     }
 
-    /// Dynamic shared memory of a launch in bytes: a staged f32 state (the kernel's `D * SPITCH`; a bf16 one is
-    /// static), else none.
-    pub fn dyn_smem(&self) -> usize {
-        if !self.staged() || self.pool.state != DType::F32 {
-            return 0;
-        }
-        let d = self.shape.d;
-        let skew = if self.pool.layout == StateLayout::ValueMajor {
-            16 * self.plan.rg
-        } else {
-            16
-        };
-        d * (4 * d + skew)
-    }
-
     /// The register budget compiled in: the plan's, and for a staged state (no registers hold it) more blocks
-    /// a multiprocessor, as many as measured best on the H200 (B 256 T 1, NOTES.md): a bf16 state six
-    /// key-major (2-byte shared loads, so more blocks to cover them), four value-major; an f32 state two more
-    /// than the plan's, at most as many as its shared memory lets a multiprocessor hold (three at d 128). Only
-    /// the register allocation changes with it, not the arithmetic.
+    /// a multiprocessor, as many as measured best on the H200 (B 256 T 1, NOTES.md): six key-major (2-byte
+    /// shared loads, so more blocks to cover them), four value-major. Only the register allocation changes
+    /// with it, not the arithmetic.
     pub fn minb(&self) -> usize {
         if self.staged() {
-            let extra =
-                if self.pool.state == DType::F32 || self.pool.layout == StateLayout::ValueMajor {
-                    2
-                } else {
-                    4
-                };
-            let mut m = (self.plan.minb + extra).min((2048 / self.threads().max(1)).max(1));
-            if self.pool.state == DType::F32 {
-                // an SM's 228 KiB, less 1 KiB the driver keeps a block and the kernel's static ~3 KiB
-                m = m.min((228 * 1024 / (self.dyn_smem() + 4096)).max(1));
-            }
-            m
+            let extra = if self.pool.layout == StateLayout::KeyMajor {
+                4
+            } else {
+                2
+            };
+            (self.plan.minb + extra).min((2048 / self.threads().max(1)).max(1))
         } else {
             self.plan.minb
         }

@@ -137,24 +137,24 @@ fn const_length_and_run_time_kernels_agree_bitwise() {
 }
 
 /// The device-native step: the same call through `step_device` with and without the uniform-length hint,
-/// and through `step_varlen`, gives the same bits (bf16 and f32 states, both layouts, bf16 activations, T 1
-/// and 4). At T 1 the call is large enough (7 sequences x 48 heads) that the hinted kernel stages the state
-/// through shared memory (an f32 state too: `set_stage_f32`), so this also checks the staged path against the
-/// register path of the run-time length.
+/// and through `step_varlen`, gives the same bits (bf16 state, both layouts, bf16 activations, T 1 and 4). At
+/// T 1 the call is large enough (7 sequences x 48 heads) that the hinted kernel stages the state through
+/// shared memory, so this also checks the staged path against the register path of the run-time length.
 #[test]
 fn device_step_matches_host_step_bitwise() {
-    let Some(mut cuda) = cuda_or_skip("device_step_matches_host_step_bitwise") else {
+    let Some(cuda) = cuda_or_skip("device_step_matches_host_step_bitwise") else {
         return;
     };
-    cuda.set_stage_f32(true);
-    for state in [DType::Bf16, DType::F32] {
-        for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
-            device_step_case(&cuda, PoolOptions { state, layout });
-        }
+    for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
+        device_step_case(&cuda, layout);
     }
 }
 
-fn device_step_case(cuda: &Cuda, opts: PoolOptions) {
+fn device_step_case(cuda: &Cuda, layout: StateLayout) {
+    let opts = PoolOptions {
+        state: DType::Bf16,
+        layout,
+    };
     for t in [1usize, 4] {
         let b = 8;
         let s = setup(Shape::SEED, b, b * t, DType::Bf16, 5 + t as u64);
@@ -217,15 +217,11 @@ fn device_step_case(cuda: &Cuda, opts: PoolOptions) {
             dev.step_device(&ds, &mut DeviceTensorMut::F32(&mut out.as_view_mut()))
                 .unwrap();
             let y = st.clone_dtoh(&out).unwrap();
-            assert_eq!(
-                bits(&y),
-                y_host,
-                "{opts:?} T {t} hint {hint:?}: outputs differ"
-            );
+            assert_eq!(bits(&y), y_host, "T {t} hint {hint:?}: outputs differ");
             assert_eq!(
                 slot_bits(&mut dev),
                 st_host,
-                "{opts:?} T {t} hint {hint:?}: states differ"
+                "T {t} hint {hint:?}: states differ"
             );
         }
     }

@@ -761,20 +761,9 @@ fn cases() -> Vec<Case> {
 }
 
 fn run_case(cuda: &Cuda, s: &Arc<CudaStream>, c: &Case, seed: u64) -> (Result3, Result3) {
-    run_case_on(cuda, cuda, s, c, seed)
-}
-
-/// `run_case` with the pool on `pool_cuda` and the external step on `ext_cuda` (two option sets of one context).
-fn run_case_on(
-    pool_cuda: &Cuda,
-    ext_cuda: &Cuda,
-    s: &Arc<CudaStream>,
-    c: &Case,
-    seed: u64,
-) -> (Result3, Result3) {
     let inp = inputs(c, seed);
-    let reference = pool_run(pool_cuda, c, &inp);
-    let layer = CudaLayer::new(ext_cuda, &inp.layer, c.seqs.len().max(1)).unwrap();
+    let reference = pool_run(cuda, c, &inp);
+    let layer = CudaLayer::new(cuda, &inp.layer, c.seqs.len().max(1)).unwrap();
     let e = engine(s, c, &inp);
     layer.prepare(&e.step.kind()).unwrap();
     // SAFETY: every address in the step is a live allocation of this context on `s`, sized by `engine` for
@@ -813,32 +802,6 @@ fn external_step_matches_the_pool_bitwise() {
         let (reference, ext) = run_case(&cuda, &s, c, 100 + k as u64);
         assert_same(c, &reference, &ext);
         eprintln!("ok: {}", c.name);
-    }
-}
-
-/// An f32 state staged through shared memory on engine memory (`Cuda::set_stage_f32`, a decode call of 8 x 48
-/// blocks) gives the bits of the pool's register path, in both layouts.
-#[test]
-fn staged_f32_external_decode_equals_the_register_path() {
-    let Some(cuda) = cuda_or_skip("staged_f32_external_decode_equals_the_register_path") else {
-        return;
-    };
-    let mut staged = cuda.clone();
-    staged.set_stage_f32(true);
-    let s = cuda.context().new_stream().unwrap();
-    for layout in [StateLayout::KeyMajor, StateLayout::ValueMajor] {
-        let c = Case {
-            state: PoolOptions {
-                state: DType::F32,
-                layout,
-            },
-            io: DType::Bf16,
-            conv_kind: ConvKind::Hf4,
-            row_pad: 16,
-            ..decode(base("decode B 8, f32 staged on engine memory, HF conv"), 8)
-        };
-        let (reference, ext) = run_case_on(&cuda, &staged, &s, &c, 31);
-        assert_same(&c, &reference, &ext);
     }
 }
 
