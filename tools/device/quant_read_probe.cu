@@ -32,8 +32,9 @@
         }                                                                           \
     } while (0)
 
-// q1 compiled for two resident blocks of up to 320 threads (the launch's shape at the seed's size): ptxas must fit
-// the registers of both; the crate's q1 asks only for 32 MAXW1 threads, so above 96 registers one block fits
+// q1 compiled for two resident blocks of up to 320 threads (the launch's shape at the seed's size). nvcc gives the
+// 8-bit q1 98 registers, so one block of the two fits; the crate's NVRTC build of the same code takes 96 and fits
+// both (tests/nvrtc.rs's quant_kernels_compile prints it), so this row, not "q1", is the crate's kernel
 #define ENTRY1B(name, PACK)                                                                                  \
     extern "C" __global__ void __launch_bounds__(320, 2)                                                     \
         name(const u32* __restrict__ words, const float* __restrict__ scale, const float* __restrict__ zs,  \
