@@ -319,7 +319,7 @@ fn update_rows<E: StateElem, const FROM_POOL: bool, const MORE: bool, const COMM
     // rows eight at a time (d is a multiple of 16), even rows into one accumulator pair and odd rows into the
     // other, so consecutive rows do not wait on one FMA chain; the pairs are added once at the end
     let (mut kv, mut sq) = ([[0.0f32; LANES]; 2], [[0.0f32; LANES]; 2]);
-    let quads = pool
+    let steps = pool
         .as_chunks_mut::<ROWS>()
         .0
         .iter_mut()
@@ -332,7 +332,7 @@ fn update_rows<E: StateElem, const FROM_POOL: bool, const MORE: bool, const COMM
                 .iter()
                 .zip(qn[..d].as_chunks::<ROWS>().0),
         );
-    for (((prows, wrows), kq), (knq, qnq)) in quads {
+    for (((prows, wrows), kq), (knq, qnq)) in steps {
         // opaque to the optimizer, so that each row stays one vector of 16 lanes: left to itself, LLVM's loop
         // vectorizer took 16 rows at a time in the AVX-512 clone, with a gather and a scatter per lane
         // (CPU-NOTES.md); the AVX2 clone never did
