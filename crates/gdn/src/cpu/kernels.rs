@@ -258,9 +258,15 @@ pub fn apply_pending(g: f32, src: &[f32; LANES], ki: f32, delta: &[f32; LANES]) 
     std::array::from_fn(|l| g.mul_add(src[l], ki * delta[l]))
 }
 
+/// Tokens of a window that run through every column block before the next ones do: a segment's q, k and v rows
+/// and its readouts stay in L2 while the head's blocks take their turns (each block re-reads them), where a whole
+/// long window's would come from memory once a block.
+pub const SEGMENT: usize = 256;
+
 /// Floats of scratch `head_window` needs for a window of `t` tokens.
 pub fn head_scratch_len(d: usize, t: usize) -> usize {
-    d * LANES + t * d + 3 * t + t * d
+    let work_rows = if t <= SEGMENT { d } else { d * d / LANES };
+    work_rows * LANES + 2 * (d / LANES) * LANES + t.min(SEGMENT) * d + 3 * t + t * d
 }
 
 /// Deferred updates of one column block: (gate, k [d], the block's 16 lanes of delta), at most `N` (1 for
@@ -446,24 +452,31 @@ fn column_block<E: StateElem, const N: usize>(
     c0: usize,
     pending: &[f32],
     new_delta: &mut [f32],
+    toks: std::ops::Range<usize>,
+    carry: &mut (Lanes, Lanes),
 ) {
     let d = inp.d;
     let inv_sqrt_d = 1.0 / (d as f32).sqrt();
+    let seg = toks.start;
     // the window's first read: the block's rows with the deferred updates applied when some are owed (kept in
     // `work` for the window's later tokens, and written back where this window replaces the pending updates:
     // a one-token commit that defers its own, or a held window)
     let deferred = defers_update(inp.t, inp.commit_at);
     let owed = Owed::<N>::of(pending, inp.owed, d, c0);
     let replaces = deferred || inp.hold;
-    let (kv2, sq2) = match (inp.owed > 0, replaces, inp.t > 1) {
-        (false, _, _) => first_read::<E, N, false, false, false>(inp, pool, work, &owed),
-        (true, false, false) => first_read::<E, N, true, false, false>(inp, pool, work, &owed),
-        (true, true, false) => first_read::<E, N, true, true, false>(inp, pool, work, &owed),
-        (true, false, true) => first_read::<E, N, true, false, true>(inp, pool, work, &owed),
-        (true, true, true) => first_read::<E, N, true, true, true>(inp, pool, work, &owed),
+    let (mut kv, mut sq) = if seg == 0 {
+        let (kv2, sq2) = match (inp.owed > 0, replaces, inp.t > 1) {
+            (false, _, _) => first_read::<E, N, false, false, false>(inp, pool, work, &owed),
+            (true, false, false) => first_read::<E, N, true, false, false>(inp, pool, work, &owed),
+            (true, true, false) => first_read::<E, N, true, true, false>(inp, pool, work, &owed),
+            (true, false, true) => first_read::<E, N, true, false, true>(inp, pool, work, &owed),
+            (true, true, true) => first_read::<E, N, true, true, true>(inp, pool, work, &owed),
+        };
+        (add_lanes(&kv2[0], &kv2[1]), add_lanes(&sq2[0], &sq2[1]))
+    } else {
+        *carry
     };
-    let (mut kv, mut sq) = (add_lanes(&kv2[0], &kv2[1]), add_lanes(&sq2[0], &sq2[1]));
-    for tok in 0..inp.t {
+    for tok in toks {
         // this block's lanes of v, a line every d floats: a token's delta waits on them, and every update of the
         // block waits on the delta
         prefetch_row(inp.v, (tok + ROWS_AHEAD) * d + c0, LANES);
@@ -471,7 +484,7 @@ fn column_block<E: StateElem, const N: usize>(
         let v: &Lanes = inp.v[tok * d + c0..tok * d + c0 + LANES]
             .try_into()
             .expect("block");
-        let ot: &mut Lanes = (&mut o[tok * d + c0..tok * d + c0 + LANES])
+        let ot: &mut Lanes = (&mut o[(tok - seg) * d + c0..(tok - seg) * d + c0 + LANES])
             .try_into()
             .expect("block");
         // lane-wise array expressions, one operation each: written as one loop over lanes, LLVM scalarized it
@@ -513,6 +526,7 @@ fn column_block<E: StateElem, const N: usize>(
             (false, false, true) => update_rows::<E, false, false, true>(pool, w, g, dl, k, kn, qn),
         };
     }
+    *carry = (kv, sq);
 }
 
 /// SPEC.md steps 3 to 7 for one value head over a window. `pool` is the head's state in the CPU pool's
@@ -580,8 +594,9 @@ fn head_window_body<E: StateElem, const N: usize>(
     y: &mut [f32],
 ) {
     let (d, t) = (inp.d, inp.t);
-    let (work, rest) = scratch.split_at_mut(d * LANES);
-    let (o, rest) = rest.split_at_mut(t * d);
+    let (work, rest) = scratch.split_at_mut(if t <= SEGMENT { d * LANES } else { d * d });
+    let (carry, rest) = rest.split_at_mut(2 * (d / LANES) * LANES);
+    let (o, rest) = rest.split_at_mut(t.min(SEGMENT) * d);
     let (gates, rest) = rest.split_at_mut(t);
     let (betas, rest) = rest.split_at_mut(t);
     let (kqs, rest) = rest.split_at_mut(t);
@@ -595,11 +610,37 @@ fn head_window_body<E: StateElem, const N: usize>(
         );
     }
     let work = work.as_chunks_mut::<LANES>().0;
-    for (cb, block) in pool.chunks_exact_mut(d).enumerate() {
-        let c0 = cb * LANES;
-        column_block::<E, N>(
-            inp, gates, betas, kqs, block, work, o, c0, pending, new_delta,
-        );
+    let carry = carry.as_chunks_mut::<LANES>().0;
+    // a window of one segment runs each block to its end before the next starts, so the blocks share one work
+    // copy (8 KiB, in L1); a longer one keeps each block's rows between its segments
+    let one_segment = t <= SEGMENT;
+    for seg in (0..t).step_by(SEGMENT) {
+        let toks = seg..t.min(seg + SEGMENT);
+        for (cb, (block, carry)) in pool
+            .chunks_exact_mut(d)
+            .zip(carry.chunks_exact_mut(2))
+            .enumerate()
+        {
+            let w = if one_segment { 0 } else { cb * d };
+            let work = &mut work[w..w + d];
+            let mut kv_sq = (carry[0], carry[1]);
+            column_block::<E, N>(
+                inp,
+                gates,
+                betas,
+                kqs,
+                block,
+                work,
+                o,
+                cb * LANES,
+                pending,
+                new_delta,
+                toks.clone(),
+                &mut kv_sq,
+            );
+            (carry[0], carry[1]) = kv_sq;
+        }
+        gated_norm(inp, toks, o, y);
     }
     // the updates this window leaves pending (after every block has read the ones it owed)
     let kept = if inp.hold {
@@ -618,21 +659,21 @@ fn head_window_body<E: StateElem, const N: usize>(
         k.copy_from_slice(&inp.k[tok * d..(tok + 1) * d]);
         delta.copy_from_slice(&new_delta[tok * d..(tok + 1) * d]);
     }
-    gated_norm(inp, o, y);
 }
 
-/// SPEC.md step 7 for every token of a head's window: y [t][d] from the readout `o` [t][d].
+/// SPEC.md step 7 for the tokens `toks` of a head's window: their rows of y [t][d] from their readouts `o`
+/// ([toks.len()][d]).
 #[inline(always)]
-fn gated_norm(inp: &HeadInputs<'_>, o: &[f32], y: &mut [f32]) {
-    let (d, t) = (inp.d, inp.t);
-    for tok in 0..t {
+fn gated_norm(inp: &HeadInputs<'_>, toks: std::ops::Range<usize>, o: &[f32], y: &mut [f32]) {
+    let d = inp.d;
+    for tok in toks.clone() {
         prefetch_row(inp.z, (tok + ROWS_AHEAD) * inp.z_stride, d);
-        let ot = &o[tok * d..(tok + 1) * d];
+        let ot = &o[(tok - toks.start) * d..(tok - toks.start + 1) * d];
         let rs = 1.0 / (sum_squares(ot) / d as f32 + inp.eps).sqrt();
         let z = &inp.z[tok * inp.z_stride..tok * inp.z_stride + d];
         let yt = &mut y[tok * d..(tok + 1) * d];
         // whole 16-lane chunks (d is a multiple of 16), so the loop vectorizes with no bounds checks
-        debug_assert!(ot.len() == d && z.len() == d && inp.gamma.len() == d && d % LANES == 0);
+        debug_assert!(ot.len() == d && z.len() == d && inp.gamma.len() == d && d.is_multiple_of(LANES));
         for (((yc, oc), gc), zc) in yt
             .as_chunks_mut::<LANES>()
             .0
