@@ -673,7 +673,9 @@ fn gated_norm(inp: &HeadInputs<'_>, toks: std::ops::Range<usize>, o: &[f32], y: 
         let z = &inp.z[tok * inp.z_stride..tok * inp.z_stride + d];
         let yt = &mut y[tok * d..(tok + 1) * d];
         // whole 16-lane chunks (d is a multiple of 16), so the loop vectorizes with no bounds checks
-        debug_assert!(ot.len() == d && z.len() == d && inp.gamma.len() == d && d.is_multiple_of(LANES));
+        debug_assert!(
+            ot.len() == d && z.len() == d && inp.gamma.len() == d && d.is_multiple_of(LANES)
+        );
         for (((yc, oc), gc), zc) in yt
             .as_chunks_mut::<LANES>()
             .0

@@ -1,0 +1,192 @@
+# chunk_chain_probe.py: what the chunked prefill's sequential part (the state kernel's chain of chunks) costs when
+# its products are Hopper's wgmma, written in Triton (which emits wgmma for tl.dot on sm_90), beside gdn's own
+# mma.sync state kernel (`prefill_bench` in the same call). Issue 14: gdn's state kernel spends ~13 us a chunk at
+# B 1 T 8192 against ~2.5 us of tensor work; this asks what a wgmma chain of the same products takes, in 3xTF32
+# (the default 2e-6 accuracy), one TF32 and bf16, before a CUDA wgmma kernel is written.
+#
+# The chain per (value head, BV value columns), chunks of 64 tokens in order (SPEC.md "Chunked windows", the state
+# kernel's P1-P3 with the prep kernel's outputs as inputs):
+#   delta = U - W S;  o = (gamma Q) S + M delta;  S = g S + Kd^T delta
+# W, U, gamma Q, M, Kd (keys decayed to the chunk's end) and g (the chunk's decay) are random here; the products
+# and their order of dependence are the state kernel's. "split" leaves o off the chain (FLA's layout): the chain
+# stores each chunk's initial S, and a parallel kernel does the readout.
+#
+# Run on the device: python3 tools/device/chunk_chain_probe.py  (prints a table last)
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+H, K, V, BT = 48, 128, 128, 64
+
+
+@triton.jit
+def chain(W, U, Q, M, Kd, G, O, S0, ST, SC, T, NT,
+          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+          READOUT: tl.constexpr, STORE_SC: tl.constexpr, PREC: tl.constexpr, BF16: tl.constexpr):
+    iv = tl.program_id(0)
+    ih = tl.program_id(1)
+    p_s = tl.make_block_ptr(S0 + ih * K * V, (K, V), (V, 1), (0, iv * BV), (K, BV), (1, 0))
+    s = tl.load(p_s)
+    for c in range(NT):
+        t0 = c * BT
+        if STORE_SC:
+            p_sc = tl.make_block_ptr(SC + (c * H + ih) * K * V, (K, V), (V, 1), (0, iv * BV), (K, BV), (1, 0))
+            tl.store(p_sc, s)
+        p_w = tl.make_block_ptr(W + ih * K, (T, K), (H * K, 1), (t0, 0), (BT, K), (1, 0))
+        p_u = tl.make_block_ptr(U + ih * V, (T, V), (H * V, 1), (t0, iv * BV), (BT, BV), (1, 0))
+        p_k = tl.make_block_ptr(Kd + ih * K, (K, T), (1, H * K), (0, t0), (K, BT), (0, 1))
+        w = tl.load(p_w, boundary_check=(0,))
+        u = tl.load(p_u, boundary_check=(0,))
+        kt = tl.load(p_k, boundary_check=(1,))
+        g = tl.load(G + c * H + ih)
+        if BF16:
+            sb = s.to(tl.bfloat16)
+            d = u - tl.dot(w.to(tl.bfloat16), sb)
+        else:
+            d = u - tl.dot(w, s, input_precision=PREC)
+        if READOUT:
+            p_q = tl.make_block_ptr(Q + ih * K, (T, K), (H * K, 1), (t0, 0), (BT, K), (1, 0))
+            p_m = tl.make_block_ptr(M + ih * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
+            q = tl.load(p_q, boundary_check=(0,))
+            m = tl.load(p_m, boundary_check=(0,))
+            if BF16:
+                o = tl.dot(q.to(tl.bfloat16), sb) + tl.dot(m.to(tl.bfloat16), d.to(tl.bfloat16))
+            else:
+                o = tl.dot(q, s, input_precision=PREC) + tl.dot(m, d, input_precision=PREC)
+            p_o = tl.make_block_ptr(O + ih * V, (T, V), (H * V, 1), (t0, iv * BV), (BT, BV), (1, 0))
+            tl.store(p_o, o, boundary_check=(0,))
+        else:
+            # the split layout's readout needs each chunk's delta
+            p_o = tl.make_block_ptr(O + ih * V, (T, V), (H * V, 1), (t0, iv * BV), (BT, BV), (1, 0))
+            tl.store(p_o, d, boundary_check=(0,))
+        if BF16:
+            s = g * s + tl.dot(kt.to(tl.bfloat16), d.to(tl.bfloat16))
+        else:
+            s = g * s + tl.dot(kt, d, input_precision=PREC)
+    p_st = tl.make_block_ptr(ST + ih * K * V, (K, V), (V, 1), (0, iv * BV), (K, BV), (1, 0))
+    tl.store(p_st, s)
+
+
+@triton.jit
+def readout(Q, M, D, SC, O, T,
+            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+            PREC: tl.constexpr):
+    # o = (gamma Q) S_c + M delta for one (chunk, head, BV columns): every chunk at once
+    iv = tl.program_id(0)
+    c = tl.program_id(1)
+    ih = tl.program_id(2)
+    t0 = c * BT
+    p_sc = tl.make_block_ptr(SC + (c * H + ih) * K * V, (K, V), (V, 1), (0, iv * BV), (K, BV), (1, 0))
+    p_q = tl.make_block_ptr(Q + ih * K, (T, K), (H * K, 1), (t0, 0), (BT, K), (1, 0))
+    p_m = tl.make_block_ptr(M + ih * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
+    p_d = tl.make_block_ptr(D + ih * V, (T, V), (H * V, 1), (t0, iv * BV), (BT, BV), (1, 0))
+    o = tl.dot(tl.load(p_q, boundary_check=(0,)), tl.load(p_sc), input_precision=PREC)
+    o += tl.dot(tl.load(p_m, boundary_check=(0,)), tl.load(p_d, boundary_check=(0,)), input_precision=PREC)
+    p_o = tl.make_block_ptr(O + ih * V, (T, V), (H * V, 1), (t0, iv * BV), (BT, BV), (1, 0))
+    tl.store(p_o, o, boundary_check=(0,))
+
+
+def inputs(T, h, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s, sc=1.0: torch.randn(*s, device="cuda", generator=g, dtype=torch.float32) * sc
+    nt = (T + BT - 1) // BT
+    # sizes like a real chunk's: W and Kd rows of norm ~1, M lower-triangular with decays
+    m = r(T, h, BT, sc=0.1)
+    mask = torch.tril(torch.ones(BT, BT, device="cuda"))
+    m = (m.view(nt, BT, h, BT) * mask.view(1, BT, 1, BT)).view(T, h, BT)
+    return dict(W=r(T, h, K, sc=K ** -0.5), U=r(T, h, V), Q=r(T, h, K, sc=K ** -0.5), M=m,
+                Kd=r(T, h, K, sc=0.5 * K ** -0.5),
+                G=torch.rand(nt, h, device="cuda", generator=g) * 0.2 + 0.8, S0=r(h, K, V, sc=0.1))
+
+
+def reference(x, T, h):
+    f = {k: v.double() for k, v in x.items()}
+    s = f["S0"].clone()
+    o = torch.zeros(T, h, V, dtype=torch.float64, device="cuda")
+    for c in range(0, T, BT):
+        sl = slice(c, c + BT)
+        for i in range(h):
+            d = f["U"][sl, i] - f["W"][sl, i] @ s[i]
+            o[sl, i] = f["Q"][sl, i] @ s[i] + f["M"][sl, i] @ d
+            s[i] = f["G"][c // BT, i] * s[i] + f["Kd"][sl, i].T @ d
+    return o, s
+
+
+def run(x, T, h, bv, prec, warps, stages, split=False, bf16=False):
+    nt = T // BT
+    o = torch.empty(T, h, V, device="cuda")
+    st = torch.empty(h, K, V, device="cuda")
+    sc = torch.empty(nt, h, K, V, device="cuda") if split else st
+    d = torch.empty(T, h, V, device="cuda") if split else o
+    kw = dict(H=h, K=K, V=V, BT=BT, BV=bv, num_warps=warps, num_stages=stages)
+
+    def go():
+        chain[(V // bv, h)](x["W"], x["U"], x["Q"], x["M"], x["Kd"], x["G"], d, x["S0"], st, sc, T, nt,
+                            READOUT=not split, STORE_SC=split, PREC=prec, BF16=bf16, **kw)
+        if split:
+            readout[(V // bv, nt, h)](x["Q"], x["M"], d, sc, o, T, PREC=prec, **kw)
+    return go, o, st
+
+
+def rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def main():
+    print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
+    # correctness first: a small case against float64
+    T, h = 1024, 4
+    x = inputs(T, h, seed=1)
+    want_o, want_s = reference(x, T, h)
+    for prec, bf16 in (("tf32x3", False), ("tf32", False), ("ieee", False), ("tf32", True)):
+        for split in (False, True):
+            go, o, st = run(x, T, h, 32, prec, 4, 2, split=split, bf16=bf16 and not split)
+            if bf16 and split:
+                continue
+            go()
+            torch.cuda.synchronize()
+            tag = "bf16" if bf16 else prec
+            print(f"check {tag:7s} split={split}: o {rel(o, want_o):.2e} S {rel(st, want_s):.2e}", flush=True)
+    rows = []
+    for T in (512, 8192, 32768):
+        x = inputs(T, H, seed=2)
+        configs = []
+        for prec in ("tf32x3", "tf32"):
+            for bv in (16, 32, 64):
+                for warps in (4, 8):
+                    for stages in (2, 3):
+                        configs.append((prec, bv, warps, stages, False, False))
+            configs.append((prec, 32, 4, 2, True, False))
+            configs.append((prec, 64, 4, 2, True, False))
+        configs.append(("tf32", 32, 4, 2, False, True))
+        configs.append(("tf32", 64, 4, 2, False, True))
+        best = {}
+        for prec, bv, warps, stages, split, bf16 in configs:
+            try:
+                go, _, _ = run(x, T, H, bv, prec, warps, stages, split=split, bf16=bf16)
+                go()
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench_cudagraph(go, rep=200)
+            except Exception as e:  # a config Triton cannot compile (shared memory, registers)
+                print(f"T {T} {prec} bv {bv} w {warps} s {stages} split {split} bf16 {bf16}: {type(e).__name__}",
+                      flush=True)
+                continue
+            tag = "bf16" if bf16 else prec
+            key = (T, tag, split)
+            print(f"T {T:6d} {tag:7s} bv {bv:3d} warps {warps} stages {stages} split {split}: {ms * 1e3:9.1f} us",
+                  flush=True)
+            if key not in best or ms < best[key][0]:
+                best[key] = (ms, bv, warps, stages)
+        for (t, tag, split), (ms, bv, warps, stages) in sorted(best.items()):
+            rows.append((t, tag, split, ms * 1e3, ms * 1e3 / (t // BT), bv, warps, stages))
+    print("\n| T | products | o | us | us a chunk | BV | warps | stages |")
+    print("|---|---|---|---|---|---|---|---|")
+    for t, tag, split, us, per, bv, warps, stages in rows:
+        print(f"| {t} | {tag} | {'split' if split else 'in chain'} | {us:.1f} | {per:.2f} | {bv} | {warps} | {stages} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
