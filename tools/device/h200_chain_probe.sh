@@ -16,5 +16,5 @@ timeout 150 /tmp/probe >"$OUT/quant_probe.txt" 2>&1
 echo "rc $?" | tee -a "$S"
 grep -E "q1|pattern|stream|empty" "$OUT/quant_probe.txt" | tee -a "$S"
 stamp "gdn prefill"
-PF_BINS=".devbin/s22/prefill_bench" PF_CASES="1 512;1 8192;1 32768" PF_NCU="1 8192" bash tools/device/h200_prefill.sh
+PF_BINS=".devbin/s22/prefill_bench" PF_CASES="1 512;1 8192;1 32768" PF_NCU="${PF_NCU:-}" bash tools/device/h200_prefill.sh
 stamp "done"
