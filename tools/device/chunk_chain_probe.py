@@ -155,9 +155,8 @@ def main():
         configs = []
         for prec in ("tf32x3", "tf32"):
             for bv in (16, 32, 64):
-                for warps in (4, 8):
-                    for stages in (2, 3):
-                        configs.append((prec, bv, warps, stages, False, False))
+                for warps, stages in ((4, 2), (8, 2), (4, 3)):
+                    configs.append((prec, bv, warps, stages, False, False))
             configs.append((prec, 32, 4, 2, True, False))
             configs.append((prec, 64, 4, 2, True, False))
         configs.append(("tf32", 32, 4, 2, False, True))
