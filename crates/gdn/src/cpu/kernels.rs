@@ -806,6 +806,8 @@ fn dot(x: &[f32], y: &[f32]) -> f32 {
             acc[l] = a[l].mul_add(b[l], acc[l]);
         }
     }
+    // opaque, so that the reduction below does not make LLVM build the loop's 16 lanes from two-lane pieces
+    let mut acc = std::hint::black_box(acc);
     let mut w = LANES;
     while w > 1 {
         w /= 2;
