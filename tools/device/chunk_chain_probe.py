@@ -150,7 +150,7 @@ def main():
             tag = "bf16" if bf16 else prec
             print(f"check {tag:7s} split={split}: o {rel(o, want_o):.2e} S {rel(st, want_s):.2e}", flush=True)
     rows = []
-    for T in (512, 8192, 32768):
+    for T in (8192, 512, 32768):
         x = inputs(T, H, seed=2)
         configs = []
         for prec in ("tf32x3", "tf32"):
@@ -180,6 +180,8 @@ def main():
                 best[key] = (ms, bv, warps, stages)
         for (t, tag, split), (ms, bv, warps, stages) in sorted(best.items()):
             rows.append((t, tag, split, ms * 1e3, ms * 1e3 / (t // BT), bv, warps, stages))
+            print(f"best T {t} {tag} split={split}: {ms * 1e3:.1f} us ({ms * 1e3 / (t // BT):.2f} a chunk), bv {bv}, "
+                  f"warps {warps}, stages {stages}", flush=True)
     print("\n| T | products | o | us | us a chunk | BV | warps | stages |")
     print("|---|---|---|---|---|---|---|---|")
     for t, tag, split, us, per, bv, warps, stages in rows:

@@ -9,12 +9,12 @@ nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader | t
 stamp "chain probe (Triton)"
 PYTHONUNBUFFERED=1 timeout ${CP_TIMEOUT:-200} python3 tools/device/chunk_chain_probe.py >"$OUT/chain_probe.txt" 2>&1
 echo "rc $?" | tee -a "$S"
-grep -E "^(\||check)" "$OUT/chain_probe.txt" | tee -a "$S"
+grep -E "^(\||check|best)" "$OUT/chain_probe.txt" | tee -a "$S"
 stamp "out_proj read probe"
 nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/probe tools/device/quant_read_probe.cu 2>&1 | grep -v "^$" | head -20
 timeout 100 /tmp/probe >"$OUT/quant_probe.txt" 2>&1
 echo "rc $?" | tee -a "$S"
 grep -E "q1|pattern|stream|empty" "$OUT/quant_probe.txt" | tee -a "$S"
 stamp "gdn prefill"
-PF_BINS=".devbin/s22/prefill_bench" PF_CASES="1 512;1 8192;1 32768" PF_NCU="${PF_NCU:-}" bash tools/device/h200_prefill.sh
+PF_BINS=".devbin/s22/prefill_bench" PF_CASES="1 8192;1 512;1 32768" PF_NCU="${PF_NCU:-}" bash tools/device/h200_prefill.sh
 stamp "done"
