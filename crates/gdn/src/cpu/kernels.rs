@@ -266,7 +266,10 @@ pub const SEGMENT: usize = 256;
 /// Floats of scratch `head_window` needs for a window of `t` tokens.
 pub fn head_scratch_len(d: usize, t: usize) -> usize {
     let work_rows = if t <= SEGMENT { d } else { d * d / LANES };
-    work_rows * LANES + 2 * (d / LANES) * LANES + t.min(SEGMENT) * d + 3 * t + t * d
+    // a held or deferring window's deltas (such a window has at most `MAX_HELD` tokens); growing with t, so that
+    // a scratch sized for a call's longest window fits its shorter ones
+    let held = t.min(MAX_HELD) * d;
+    work_rows * LANES + 2 * (d / LANES) * LANES + t.min(SEGMENT) * d + 3 * t + held
 }
 
 /// Deferred updates of one column block: (gate, k [d], the block's 16 lanes of delta), at most `N` (1 for
@@ -600,7 +603,8 @@ fn head_window_body<E: StateElem, const N: usize>(
     let (gates, rest) = rest.split_at_mut(t);
     let (betas, rest) = rest.split_at_mut(t);
     let (kqs, rest) = rest.split_at_mut(t);
-    let new_delta = &mut rest[..t * d];
+    // written only by a one-token commit or a held window (at most `MAX_HELD` tokens)
+    let new_delta = &mut rest[..if t <= MAX_HELD { t * d } else { 0 }];
     for tok in 0..t {
         gates[tok] = decay(inp.alpha[tok * inp.gate_stride], inp.dt, inp.a);
         betas[tok] = sigmoid(inp.beta[tok * inp.gate_stride]);
