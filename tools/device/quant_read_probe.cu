@@ -52,6 +52,17 @@ ENTRY1B(q1_two_1, 1)
 // warp's set (R rows x 32 lanes: the words, the scale, the zero term), each lane copying (cp.async) and reading back
 // only its own group's entries, so a wait on its own copies (cp.async.wait_group) is all the ordering it needs. The
 // warp's (set, chunk) pairs form one sequence; pair j + S - 1 is issued before pair j is summed.
+// a warp's R row sums (lane l's part each) met in a butterfly and stored by lane 0, rows past hidden dropped
+template <int R, class T>
+__device__ __forceinline__ void store_rows(T (&acc)[R], T* out, int o0, int hidden, int lane) {
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        T a = acc[r];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
+        if (lane == 0 && o0 + r < hidden) out[o0 + r] = a;
+    }
+}
 __device__ __forceinline__ void cp4(u32 dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
 }
@@ -151,16 +162,7 @@ __global__ void __launch_bounds__(512) q1c(const u32* __restrict__ words, const 
                 acc[r] = fmaf(-zt, gs, fmaf(sc, a + b, acc[r]));
             }
         }
-        if (c == chunks - 1) {
-            const int o0 = (s0 + warp + (j / chunks) * nw) * R;
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                float a = acc[r];
-#pragma unroll
-                for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
-                if (lane == 0 && o0 + r < hidden) out[o0 + r] = a;
-            }
-        }
+        if (c == chunks - 1) store_rows<R>(acc, out, (s0 + warp + (j / chunks) * nw) * R, hidden, lane);
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
@@ -268,13 +270,7 @@ __global__ void __launch_bounds__(512) pattern(const u32* __restrict__ words, co
                 }
             }
         }
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            u32 a = acc[r];
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
-            if (lane == 0 && o0 + r < hidden) out[o0 + r] = a;
-        }
+        store_rows<R>(acc, out, o0, hidden, lane);
     }
 }
 
