@@ -456,7 +456,8 @@ fn column_block<E: StateElem, const N: usize>(
     pending: &[f32],
     new_delta: &mut [f32],
     toks: std::ops::Range<usize>,
-    carry: &mut (Lanes, Lanes),
+    // the block's S^T k and S^T q for the segment's first token, left there for the next segment's
+    carry: &mut [Lanes],
 ) {
     let d = inp.d;
     let inv_sqrt_d = 1.0 / (d as f32).sqrt();
@@ -477,7 +478,7 @@ fn column_block<E: StateElem, const N: usize>(
         };
         (add_lanes(&kv2[0], &kv2[1]), add_lanes(&sq2[0], &sq2[1]))
     } else {
-        *carry
+        (carry[0], carry[1])
     };
     for tok in toks {
         // this block's lanes of v, a line every d floats: a token's delta waits on them, and every update of the
@@ -529,7 +530,7 @@ fn column_block<E: StateElem, const N: usize>(
             (false, false, true) => update_rows::<E, false, false, true>(pool, w, g, dl, k, kn, qn),
         };
     }
-    *carry = (kv, sq);
+    (carry[0], carry[1]) = (kv, sq);
 }
 
 /// SPEC.md steps 3 to 7 for one value head over a window. `pool` is the head's state in the CPU pool's
@@ -627,7 +628,6 @@ fn head_window_body<E: StateElem, const N: usize>(
         {
             let w = if one_segment { 0 } else { cb * d };
             let work = &mut work[w..w + d];
-            let mut kv_sq = (carry[0], carry[1]);
             column_block::<E, N>(
                 inp,
                 gates,
@@ -640,9 +640,8 @@ fn head_window_body<E: StateElem, const N: usize>(
                 pending,
                 new_delta,
                 toks.clone(),
-                &mut kv_sq,
+                carry,
             );
-            (carry[0], carry[1]) = kv_sq;
         }
         gated_norm(inp, toks, o, y);
     }
