@@ -159,6 +159,7 @@ pub fn conv_block(
     // The conv reads the sequence x = [history (3 entries), the window's inputs (t rows)] at positions tok..tok + 4
     // for token tok: the taps come straight from the history or from the input rows (still in cache), so there
     // is no shift register to zero, fill and move. Token by token, each token's inputs being one contiguous row.
+    let inv_sqrt_d = 1.0 / (d as f32).sqrt();
     for tok in 0..t {
         prefetch_row(qkv, (tok + ROWS_AHEAD) * qkv_stride, d);
         // written out rather than `[0, 1, 2, 3].map(..)`: LLVM left those array maps as calls, one per group
@@ -181,6 +182,15 @@ pub fn conv_block(
             }
             out[tok * d + g * LANES..tok * d + (g + 1) * LANES].copy_from_slice(&silu_lanes(&s));
         }
+        // the L2 norm of the token's row while it is in L1 (after the whole window it came back from memory at
+        // long windows: 2 MB a block at T 4096)
+        if let Some(eps) = normalize {
+            let row = &mut out[tok * d..(tok + 1) * d];
+            let r = 1.0 / (sum_squares(row) / d as f32 + eps / d as f32).sqrt();
+            for x in row.iter_mut() {
+                *x = (r * *x) * inv_sqrt_d;
+            }
+        }
     }
     // the history after `commit_at` tokens is x at positions commit_at..commit_at + 3; written in increasing
     // order, each entry reads a position past the one it overwrites, so no old entry is lost too early
@@ -189,15 +199,6 @@ pub fn conv_block(
             for m in 0..3 {
                 let e = *group(conv_input(hist, qkv, qkv_stride, d, commit_at + m), g);
                 hist[(g * 3 + m) * LANES..(g * 3 + m + 1) * LANES].copy_from_slice(&e);
-            }
-        }
-    }
-    if let Some(eps) = normalize {
-        let inv_sqrt_d = 1.0 / (d as f32).sqrt();
-        for row in out[..t * d].chunks_exact_mut(d) {
-            let r = 1.0 / (sum_squares(row) / d as f32 + eps / d as f32).sqrt();
-            for x in row.iter_mut() {
-                *x = (r * *x) * inv_sqrt_d;
             }
         }
     }
