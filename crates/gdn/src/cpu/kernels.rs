@@ -607,14 +607,6 @@ fn head_window_body<E: StateElem, const N: usize>(
     let (kqs, rest) = rest.split_at_mut(t);
     // written only by a one-token commit or a held window (at most `MAX_HELD` tokens)
     let new_delta = &mut rest[..if t <= MAX_HELD { t * d } else { 0 }];
-    for tok in 0..t {
-        gates[tok] = decay(inp.alpha[tok * inp.gate_stride], inp.dt, inp.a);
-        betas[tok] = sigmoid(inp.beta[tok * inp.gate_stride]);
-        kqs[tok] = dot(
-            &inp.k[tok * d..(tok + 1) * d],
-            &inp.q[tok * d..(tok + 1) * d],
-        );
-    }
     let work = work.as_chunks_mut::<LANES>().0;
     let carry = carry.as_chunks_mut::<LANES>().0;
     // a window of one segment runs each block to its end before the next starts, so the blocks share one work
@@ -622,6 +614,16 @@ fn head_window_body<E: StateElem, const N: usize>(
     let one_segment = t <= SEGMENT;
     for seg in (0..t).step_by(SEGMENT) {
         let toks = seg..t.min(seg + SEGMENT);
+        // a segment's gates and k . q just before its blocks: its k and q rows then come from memory once, for
+        // these dots, and stay in L2 for the blocks (a whole window's first, 4 MB at T 4096, were read twice)
+        for tok in toks.clone() {
+            gates[tok] = decay(inp.alpha[tok * inp.gate_stride], inp.dt, inp.a);
+            betas[tok] = sigmoid(inp.beta[tok * inp.gate_stride]);
+            kqs[tok] = dot(
+                &inp.k[tok * d..(tok + 1) * d],
+                &inp.q[tok * d..(tok + 1) * d],
+            );
+        }
         for (cb, (block, carry)) in pool
             .chunks_exact_mut(d)
             .zip(carry.chunks_exact_mut(2))
