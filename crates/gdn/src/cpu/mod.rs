@@ -15,6 +15,9 @@ use crate::{Backend, Error, Layer, LayerPool, OutputLayout, Result};
 use aligned::LineVec;
 use kernels::{Bf16, HeadInputs, StateElem, LANES};
 
+/// Elements of a 16-bit input a thread widens at a time (a decode step's qkv is one piece).
+const WIDEN_PIECE: usize = 1 << 15;
+
 /// The CPU backend. By default it uses rayon's global thread pool (or, called from a thread of another rayon
 /// pool, that pool).
 #[derive(Clone, Default)]
@@ -445,7 +448,12 @@ impl CpuPool {
         for (t, buf) in tensors.iter().zip(widened.iter_mut()) {
             if t.as_f32().is_none() {
                 Work::fit(buf, t.len());
-                t.widen_into(0, buf);
+                // in pieces over the pool's threads: on one thread a long window's widening left the others
+                // idle (9% of a bf16 T 4096 step's samples)
+                buf[..t.len()]
+                    .par_chunks_mut(WIDEN_PIECE)
+                    .enumerate()
+                    .for_each(|(i, piece)| t.widen_into(i * WIDEN_PIECE, piece));
             }
         }
         // f32 views: the caller's slices where they are f32, else the widened copies
