@@ -8,9 +8,6 @@
 //   inter    the same loads from a layout with each row's chunk (32 groups: fields, scales, zero terms) contiguous;
 //   stream   the same bytes as one contiguous array, 16-byte loads, 4 in flight a thread, at several grids;
 //   empty    an empty kernel (the graph node's own cost);
-//   q1c      q1's sums in q1's order, its weights staged through shared memory by cp.async, S chunks ahead, each
-//            refill issued before the chunk's sums (not after, as q1's register slots must be): the loads never
-//            wait on a warp's arithmetic and hold no registers. Its outputs are checked bitwise against q1's.
 // Build and run on the device: nvcc -O3 -arch=sm_90 -o probe tools/device/quant_read_probe.cu && ./probe
 #define TT 1
 #define R1_0 2
@@ -48,10 +45,6 @@
 ENTRY1B(q1_two_0, 0)
 ENTRY1B(q1_two_1, 1)
 
-// q1's sums with its weights staged through shared memory: per warp a ring of S stages, a stage one chunk of the
-// warp's set (R rows x 32 lanes: the words, the scale, the zero term), each lane copying (cp.async) and reading back
-// only its own group's entries, so a wait on its own copies (cp.async.wait_group) is all the ordering it needs. The
-// warp's (set, chunk) pairs form one sequence; pair j + S - 1 is issued before pair j is summed.
 // a warp's R row sums (lane l's part each) met in a butterfly and stored by lane 0, rows past hidden dropped
 template <int R, class T>
 __device__ __forceinline__ void store_rows(T (&acc)[R], T* out, int o0, int hidden, int lane) {
@@ -61,121 +54,6 @@ __device__ __forceinline__ void store_rows(T (&acc)[R], T* out, int o0, int hidd
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
         if (lane == 0 && o0 + r < hidden) out[o0 + r] = a;
-    }
-}
-__device__ __forceinline__ void cp4(u32 dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp16(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-template <int PACK, int R, int S>
-__global__ void __launch_bounds__(512) q1c(const u32* __restrict__ words, const float* __restrict__ scale,
-                                           const float* __restrict__ zs, const float* __restrict__ x,
-                                           const float* __restrict__ gsum, float* __restrict__ out, int hidden,
-                                           int n) {
-    constexpr int WPG = PACK == 0 ? 1 : 4;
-    constexpr int E = R * (WPG + 2);  // u32 entries a lane a stage
-    const int groups = n / 16;
-    const int chunks = (groups + 31) >> 5;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int sets = (hidden + R - 1) / R;
-    const int s0 = (int)((long long)blockIdx.x * sets / gridDim.x);
-    const int s1 = (int)((long long)(blockIdx.x + 1) * sets / gridDim.x);
-    extern __shared__ float4 xs[];
-    float* gss = reinterpret_cast<float*>(xs + 4 * groups);
-    // the rings after the activations: warp w's stage st holds [row][lane] words (uint4 a lane for 8-bit), then
-    // [row][lane] scales and [row][lane] zero terms, so a warp's reads of one kind are consecutive (no conflict)
-    u32* ring = reinterpret_cast<u32*>(gss + ((groups + 3) & ~3)) + (size_t)warp * S * 32 * E;
-    auto stage = [&](int st) { return ring + st * 32 * E; };
-    auto wof = [&](int r) { return (r * 32 + lane) * WPG; };
-    auto sof = [&](int r) { return R * WPG * 32 + r * 32 + lane; };
-    auto zof = [&](int r) { return R * WPG * 32 + R * 32 + r * 32 + lane; };
-    const int mine = s0 + warp < s1 ? (s1 - s0 - warp + nw - 1) / nw : 0;  // this warp's sets
-    const int pairs = mine * chunks;
-    auto issue = [&](int j) {
-        if (j < pairs) {
-            const int o0 = (s0 + warp + (j / chunks) * nw) * R;
-            const int g = 32 * (j % chunks) + lane;
-            if (g < groups) {
-                const u32 base = (u32)__cvta_generic_to_shared(stage(j % S));
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    const unsigned at = (unsigned)((o0 + r) * groups + g);
-                    if (WPG == 1)
-                        cp4(base + 4 * wof(r), words + at);
-                    else
-                        cp16(base + 4 * wof(r), words + 4 * at);
-                    cp4(base + 4 * sof(r), scale + at);
-                    cp4(base + 4 * zof(r), zs + at);
-                }
-            }
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    };
-#pragma unroll
-    for (int j = 0; j < S - 1; j++) issue(j);
-    for (int k = threadIdx.x; k < 4 * groups; k += blockDim.x)
-        xs[slot(k >> 2, k & 3)] = __ldg(reinterpret_cast<const float4*>(x) + k);
-    for (int k = threadIdx.x; k < groups; k += blockDim.x) gss[k] = __ldg(gsum + k);
-    __syncthreads();
-    float acc[R];
-    for (int j = 0; j < pairs; j++) {
-        const int c = j % chunks;
-        if (c == 0)
-#pragma unroll
-            for (int r = 0; r < R; r++) acc[r] = 0.0f;
-        issue(j + S - 1);
-        asm volatile("cp.async.wait_group %0;" ::"n"(S - 1) : "memory");
-        const int g = 32 * c + lane;
-        if (g < groups) {
-            const u32* e = stage(j % S);
-            float xv[16];
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                float4 f = xs[slot(g, k)];
-                xv[4 * k] = f.x;
-                xv[4 * k + 1] = f.y;
-                xv[4 * k + 2] = f.z;
-                xv[4 * k + 3] = f.w;
-            }
-            const float gs = gss[g];
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                u32 w[4];
-                if (WPG == 1) {
-                    w[0] = e[wof(r)];
-                    w[1] = w[2] = w[3] = 0u;
-                } else {
-                    uint4 q = *reinterpret_cast<const uint4*>(e + wof(r));
-                    w[0] = q.x, w[1] = q.y, w[2] = q.z, w[3] = q.w;
-                }
-                float v[16];
-                unpack<PACK, false>(w[0], w[1], w[2], w[3], v);
-                float a = 0.0f, b = 0.0f;
-#pragma unroll
-                for (int q = 0; q < 16; q += 2) {
-                    a = fmaf(v[q], xv[q], a);
-                    b = fmaf(v[q + 1], xv[q + 1], b);
-                }
-                const float sc = __uint_as_float(e[sof(r)]), zt = __uint_as_float(e[zof(r)]);
-                acc[r] = fmaf(-zt, gs, fmaf(sc, a + b, acc[r]));
-            }
-        }
-        if (c == chunks - 1) store_rows<R>(acc, out, (s0 + warp + (j / chunks) * nw) * R, hidden, lane);
-    }
-    asm volatile("cp.async.wait_all;" ::: "memory");
-}
-
-// fills n u32 with a hash of their index (weights, scales of either sign, activations): a bit check's inputs
-__global__ void fill(u32* p, size_t n, u32 seed, int kind) {
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        u32 h = (u32)i * 2654435761u ^ seed;
-        h ^= h >> 15;
-        h *= 2246822519u;
-        h ^= h >> 13;
-        // kind 0: any bits (fields); 1: floats in +-[0.5, 1) x 2^-4 .. 2^3
-        p[i] = kind == 0 ? h : (h & 0x807FFFFFu) | ((123u + (h >> 23) % 8u) << 23);
     }
 }
 
@@ -381,61 +259,6 @@ int main() {
         };
         one("q1 (planes)", q1);
         one("q1, two blocks' registers", q2);
-        // q1c: bits against q1 on hashed inputs, then timed at several depths and warps
-        {
-            float *xr, *gr, *o1, *o2;
-            CK(cudaMalloc(&xr, 4 * n));
-            CK(cudaMalloc(&gr, 4 * groups));
-            CK(cudaMalloc(&o1, 4 * hidden));
-            CK(cudaMalloc(&o2, 4 * hidden));
-            fill<<<264, 256>>>(w[0], rows * groups * wpg, 1u, 0);
-            fill<<<264, 256>>>(s[0], rows * groups, 2u, 1);
-            fill<<<264, 256>>>(z[0], rows * groups, 3u, 1);
-            fill<<<264, 256>>>(reinterpret_cast<u32*>(xr), n, 4u, 1);
-            fill<<<264, 256>>>(reinterpret_cast<u32*>(gr), groups, 5u, 1);
-            CK(cudaDeviceSynchronize());
-            auto check = [&](const char* name, auto k, int st, int wps) {
-                const size_t ring = (size_t)wps * st * 32 * 2 * (wpg + 2) * 4;
-                const size_t shc = groups * 64 + ((groups + 3) & ~3) * 4 + ring;
-                CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shc));
-                CK(cudaMemset(o2, 0xff, 4 * hidden));
-                k<<<blocks, 32 * wps, shc, B.st>>>(w[0], (const float*)s[0], (const float*)z[0], xr, gr, o2, hidden, n);
-                CK(cudaStreamSynchronize(B.st));
-                std::vector<u32> a(hidden), b(hidden);
-                CK(cudaMemcpy(a.data(), o1, 4 * hidden, cudaMemcpyDeviceToHost));
-                CK(cudaMemcpy(b.data(), o2, 4 * hidden, cudaMemcpyDeviceToHost));
-                int bad = 0;
-                for (int i = 0; i < hidden; i++) bad += a[i] != b[i];
-                char label[96];
-                snprintf(label, sizeof label, "%s S %d, %d warps%s", name, st, wps, bad ? " BITS DIFFER" : "");
-                occupancy(label, (const void*)k, 32 * wps, shc);
-                row(label, B.time([&](int i) {
-                        const int c = i % copies;
-                        k<<<blocks, 32 * wps, shc, B.st>>>(w[c], (const float*)s[c], (const float*)z[c], x, gs,
-                                                           (float*)out, hidden, n);
-                    }));
-            };
-            CK(cudaFuncSetAttribute(q1, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
-            q1<<<blocks, 32 * warps, shm, B.st>>>(w[0], (const float*)s[0], (const float*)z[0], xr, gr, o1, hidden, n);
-            CK(cudaStreamSynchronize(B.st));
-            if (wpg == 1) {
-                check("q1c", q1c<0, 2, 4>, 4, warps);
-                check("q1c", q1c<0, 2, 6>, 6, warps);
-                check("q1c", q1c<0, 2, 8>, 8, warps);
-                check("q1c", q1c<0, 2, 12>, 12, warps);
-                check("q1c", q1c<0, 2, 6>, 6, 16);
-                check("q1c", q1c<0, 2, 4>, 4, 16);
-            } else {
-                check("q1c", q1c<1, 2, 4>, 4, warps);
-                check("q1c", q1c<1, 2, 6>, 6, warps);
-                check("q1c", q1c<1, 2, 8>, 8, warps);
-                check("q1c", q1c<1, 2, 4>, 4, 16);
-            }
-            CK(cudaFree(xr));
-            CK(cudaFree(gr));
-            CK(cudaFree(o1));
-            CK(cudaFree(o2));
-        }
         auto pat = wpg == 1 ? pattern<1, 2, 4, false> : pattern<4, 2, 4, false>;
         occupancy("q1", (const void*)q1, 32 * warps, shm);
         occupancy("q1, two blocks' registers", (const void*)q2, 32 * warps, shm);
