@@ -490,12 +490,12 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
                 }
             }
             workgroupBarrier();
-            for (var m = 0u; m < RO; m++) {
-                let r = rt + m * (NT / BV);
-                if (r < nl) {
-                    for (var ii = 0u; ii < TI; ii++) {
-                        if (i0 + ii < D) {
-                            let s = sv[(i0 + ii) * BV + j];
+            for (var ii = 0u; ii < TI; ii++) {
+                if (i0 + ii < D) {
+                    let s = sv[(i0 + ii) * BV + j];
+                    for (var m = 0u; m < RO; m++) {
+                        let r = rt + m * (NT / BV);
+                        if (r < nl) {
                             ws[m] = fma(stg[r * TI + ii], s, ws[m]);
                             qs[m] = fma(stg[L * TI + r * TI + ii], s, qs[m]);
                         }
