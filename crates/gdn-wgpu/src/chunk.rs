@@ -86,28 +86,12 @@ pub fn tb(d: usize, l: usize) -> usize {
     (2048 / (2 * d)).clamp(1, l)
 }
 
-/// Key columns of W and q that `chunk_run` stages a tile at a time: 2 L TI floats, 1024 at L 32 and 64.
-pub fn ti(l: usize) -> usize {
-    (512 / l).clamp(1, 16)
-}
-
-/// Tokens of keys that `chunk_run` stages a tile at a time: TS d floats, at most 1024 (a power of two, at most L).
-pub fn ts(d: usize, l: usize) -> usize {
-    let most = (1024 / d).max(1);
-    (1usize << most.ilog2()).min(l)
-}
-
-/// Floats of `chunk_run`'s staging tile.
-pub fn stg(d: usize, l: usize) -> usize {
-    (2 * l * ti(l)).max(ts(d, l) * d)
-}
-
 /// Bytes of workgroup memory the largest entry point uses (each counts only the variables it uses).
 pub fn workgroup_bytes(d: usize, g: Geom) -> usize {
     let (l, bv) = (g.l, g.bv);
     let pre = tb(d, l) * (2 * d + 2 * d / 16);
     let wy = l * l + 3 * l;
-    let run = d * bv + l * bv + 3 * l + stg(d, l);
+    let run = d * bv + l * bv + 3 * l;
     let out = tb(d, l) * (2 * d + d / 16);
     4 * pre.max(wy).max(run).max(out)
 }
@@ -117,7 +101,7 @@ pub fn workgroup_bytes(d: usize, g: Geom) -> usize {
 pub fn source(key: &KernelKey, g: Geom) -> String {
     let d = key.d;
     let (l, bv) = (g.l, g.bv);
-    let consts: [(&str, usize); 18] = [
+    let consts: [(&str, usize); 13] = [
         ("D", d),
         ("L", l),
         ("BV", bv),
@@ -131,11 +115,6 @@ pub fn source(key: &KernelKey, g: Geom) -> String {
         ("GW", key.group_width()),
         ("PB", g.pb()),
         ("TB", tb(d, l)),
-        ("TI", ti(l)),
-        ("TS", ts(d, l)),
-        ("STG", stg(d, l)),
-        ("CNT1", (2 * l * ti(l)).div_ceil(NT)),
-        ("CNT3", (ts(d, l) * d).div_ceil(NT)),
     ];
     let mut header = String::new();
     for (name, v) in consts {

@@ -350,10 +350,6 @@ var<workgroup> dl: array<f32, L * BV>;
 var<workgroup> rgam: array<f32, L>;
 var<workgroup> rend: array<f32, L>;
 var<workgroup> rendc: array<f32, L>;
-// the chunk's rows staged a tile at a time: W and q [L][TI] (TI key columns) for delta and q S, then k [TS][D] (TS
-// tokens) for the update. Each tile is loaded by all threads at once (coalesced, every load in flight) and then
-// read from here: the sums read their rows straight from the scratch before, one dependent load a term.
-var<workgroup> stg: array<f32, STG>;
 
 // index of S[i][h][j] in the pool (elements)
 fn s_index(slot: u32, h: u32, i: u32, j: u32) -> u32 {
@@ -461,53 +457,22 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
                 rendc[tid] = cs[pbase + L * L + 2u * L + tid];
             }
         }
-        // delta = U - W S and q S for this thread's rows, TI key columns at a time (the sums in order of i, as one
-        // loop over i would take them)
-        let wb0 = prm.o_w + (tokb * h_v + h) * D;
-        let qb0 = prm.o_qh + (tokb * h_k + g) * D;
-        var ws: array<f32, RO>;
+        // delta = U - W S and q S for this thread's rows
         var qs: array<f32, RO>;
-        for (var m = 0u; m < RO; m++) {
-            ws[m] = 0.0;
-            qs[m] = 0.0;
-        }
-        for (var i0 = 0u; i0 < D; i0 += TI) {
-            for (var m = 0u; m < CNT1; m++) {
-                let e = tid + m * NT;
-                let half = e / (L * TI);
-                let r = (e / TI) % L;
-                let i = i0 + e % TI;
-                var x = 0.0;
-                if (e < 2u * L * TI && r < nl && i < D) {
-                    if (half == 0u) {
-                        x = cs[wb0 + r * h_v * D + i];
-                    } else {
-                        x = cs[qb0 + r * h_k * D + i];
-                    }
-                }
-                if (e < 2u * L * TI) {
-                    stg[e] = x;
-                }
-            }
-            workgroupBarrier();
-            for (var ii = 0u; ii < TI; ii++) {
-                if (i0 + ii < D) {
-                    let s = sv[(i0 + ii) * BV + j];
-                    for (var m = 0u; m < RO; m++) {
-                        let r = rt + m * (NT / BV);
-                        if (r < nl) {
-                            ws[m] = fma(stg[r * TI + ii], s, ws[m]);
-                            qs[m] = fma(stg[L * TI + r * TI + ii], s, qs[m]);
-                        }
-                    }
-                }
-            }
-            workgroupBarrier();
-        }
         for (var m = 0u; m < RO; m++) {
             let r = rt + m * (NT / BV);
             if (r < nl) {
-                dl[r * BV + j] = cs[prm.o_u + ((tokb + r) * h_v + h) * D + jj] - ws[m];
+                let wb = prm.o_w + ((tokb + r) * h_v + h) * D;
+                let qb = prm.o_qh + ((tokb + r) * h_k + g) * D;
+                var ws = 0.0;
+                var q = 0.0;
+                for (var i = 0u; i < D; i++) {
+                    let s = sv[i * BV + j];
+                    ws = fma(cs[wb + i], s, ws);
+                    q = fma(cs[qb + i], s, q);
+                }
+                qs[m] = q;
+                dl[r * BV + j] = cs[prm.o_u + ((tokb + r) * h_v + h) * D + jj] - ws;
             }
         }
         workgroupBarrier();
@@ -534,43 +499,31 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         var csv: array<f32, RSN>;
         let inner = has_commit && pe + 1u < nl;
         let i0 = tid / BV;
+        let kb0 = prm.o_kh + (tokb * h_k + g) * D + i0;
         for (var m = 0u; m < RSN; m++) {
             nsv[m] = rgam[nl - 1u] * sv[tid + m * NT];
+        }
+        for (var s = 0u; s < L; s++) {
+            if (s < nl) {
+                let dv = dl[s * BV + j];
+                let ge = rend[s];
+                let kb = kb0 + s * h_k * D;
+                for (var m = 0u; m < RSN; m++) {
+                    nsv[m] = fma(ge * cs[kb + m * (NT / BV)], dv, nsv[m]);
+                }
+            }
         }
         if (inner) {
             for (var m = 0u; m < RSN; m++) {
                 csv[m] = rgam[pe] * sv[tid + m * NT];
             }
-        }
-        // the keys TS tokens at a time; each element's sums over s in order, the commit row's beside the chunk's
-        for (var s0 = 0u; s0 < L; s0 += TS) {
-            workgroupBarrier();
-            for (var m = 0u; m < CNT3; m++) {
-                let e = tid + m * NT;
-                let s = s0 + e / D;
-                var x = 0.0;
-                if (e < TS * D && s < nl) {
-                    x = cs[prm.o_kh + ((tokb + s) * h_k + g) * D + e % D];
-                }
-                if (e < TS * D) {
-                    stg[e] = x;
-                }
-            }
-            workgroupBarrier();
-            for (var ss = 0u; ss < TS; ss++) {
-                let s = s0 + ss;
-                if (s < nl) {
+            for (var s = 0u; s < L; s++) {
+                if (s <= pe) {
                     let dv = dl[s * BV + j];
-                    let ge = rend[s];
-                    let kb = ss * D + i0;
+                    let ge = rendc[s];
+                    let kb = kb0 + s * h_k * D;
                     for (var m = 0u; m < RSN; m++) {
-                        nsv[m] = fma(ge * stg[kb + m * (NT / BV)], dv, nsv[m]);
-                    }
-                    if (inner && s <= pe) {
-                        let gc = rendc[s];
-                        for (var m = 0u; m < RSN; m++) {
-                            csv[m] = fma(gc * stg[kb + m * (NT / BV)], dv, csv[m]);
-                        }
+                        csv[m] = fma(ge * cs[kb + m * (NT / BV)], dv, csv[m]);
                     }
                 }
             }
