@@ -4,14 +4,15 @@
 //!
 //! `cargo run --release -p gdn-wgpu --example prefill [-- --t 16,32,64,128,256,512,4096] [--columns 8,16,32]
 //! [--len 32,64] [--crossover 16,24,32,48,64,96,128]
-//! [--io f32|bf16] [--state f32|bf16] [--oracle-t 512] [--budget 20000]` (tokens a timed round: iterations
-//! are budget / T, 1 to 50). `GDN_WGPU_ADAPTER=nvidia` picks an adapter by name (read
+//! [--io f32|bf16] [--state f32|bf16] [--oracle-t 512] [--budget 20000] [--kernels 1]` (tokens a timed round:
+//! iterations are budget / T, 1 to 50; `--kernels 1` adds each chunked kernel's share of every variant's time,
+//! `WgpuPool::time_chunked_kernels`). `GDN_WGPU_ADAPTER=nvidia` picks an adapter by name (read
 //! here and passed in: the library reads no environment).
 
 use gdn::oracle::{self, SeqState};
 use gdn::step::{RowsData, Seq, Step, TensorData};
 use gdn::synth::Synth;
-use gdn::{Backend, Commit, Config, DType, OutputLayout, PoolOptions, Shape};
+use gdn::{Backend, Commit, Config, DType, LayerPool, OutputLayout, PoolOptions, Shape};
 use gdn_wgpu::{Options, Wgpu};
 
 fn main() {
@@ -36,6 +37,7 @@ fn run() -> gdn::Result<()> {
     let mut oracle_t = 512usize;
     let mut budget = 20000usize;
     let mut crossover: Vec<usize> = Vec::new();
+    let mut kernels = false;
     let mut i = 1;
     while i < args.len() {
         let v = args.get(i + 1);
@@ -50,6 +52,7 @@ fn run() -> gdn::Result<()> {
             "--oracle-t" => oracle_t = list(v).first().copied().unwrap_or(0),
             // tokens per timed round (iterations = budget / T, 2 to 50)
             "--budget" => budget = list(v).first().copied().unwrap_or(budget),
+            "--kernels" => kernels = list(v).first().is_some_and(|&k| k != 0),
             other => {
                 return Err(gdn::Error::Param {
                     name: "argument",
@@ -94,6 +97,10 @@ fn run() -> gdn::Result<()> {
     }
     header.push_str("  chunked vs serial y, vs oracle y / S");
     let mut table = vec![header];
+    let mut split = vec![format!(
+        "{:>6} {:>9} {:>10} {:>10} {:>10} {:>10}",
+        "T", "L/BV", "pre us", "wy us", "run us", "out us"
+    )];
     for &t in &ts {
         // the first t rows
         let cut = |x: &[f32], w: usize| x[..t * w].to_vec();
@@ -151,11 +158,29 @@ fn run() -> gdn::Result<()> {
                 }
             }
         }
+        if kernels {
+            for &(l, c) in &variants {
+                let mut pool = make(1, l, c)?.pool(&layer, 1, options)?;
+                pool.write_slot(0, &st, &h)?;
+                let k = pool.time_chunked_kernels(&step, io, iters)?;
+                let mut row = format!("{t:>6} {:>9}", format!("{l}/{c}"));
+                for x in k {
+                    row.push_str(&format!(" {:>10.1}", x * 1e6));
+                }
+                split.push(row);
+            }
+        }
         line.push_str(&errs);
         println!("{line}");
         table.push(line);
     }
     println!("\n{}", table.join("\n"));
+    if kernels {
+        println!(
+            "\neach chunked kernel's time (a pass up to it less the pass up to the one before)"
+        );
+        println!("{}", split.join("\n"));
+    }
     if !crossover.is_empty() {
         let c = serial.measure_crossover(&layer, &crossover, 10)?;
         for (t, a, b) in &c.points {

@@ -836,11 +836,14 @@ impl WgpuPool {
     }
 
     /// Records round `r`'s four dispatches (its uniforms must be written before the submit).
+    /// Records round `r`'s chunked kernels, the first `kernels` of the four (all of them but in
+    /// `time_chunked_kernels`).
     fn record_chunked(
         &self,
         pass: &mut wgpu::ComputePass<'_>,
         pipelines: &[Arc<wgpu::ComputePipeline>; 4],
         r: usize,
+        kernels: usize,
     ) {
         let sh = self.layer.shape();
         let round = &self.chunked.rounds[r];
@@ -856,7 +859,7 @@ impl WgpuPool {
             (h_v * blocks, windows),
             (h_v, chunks),
         ];
-        for (p, (x, y)) in pipelines.iter().zip(grid) {
+        for (p, (x, y)) in pipelines.iter().zip(grid).take(kernels) {
             pass.set_pipeline(p);
             pass.dispatch_workgroups(x, y, 1);
         }
@@ -1022,7 +1025,7 @@ impl WgpuPool {
                         label: Some("gdn chunked step"),
                         timestamp_writes: None,
                     });
-                    self.record_chunked(&mut pass, cp, r);
+                    self.record_chunked(&mut pass, cp, r, 4);
                 }
                 gpu.queue.submit([enc.finish()]);
                 enc = gpu
@@ -1321,6 +1324,19 @@ impl LayerPool for WgpuPool {
         out_dtype: DType,
         iters: usize,
     ) -> Result<StepTiming> {
+        self.time_kernels(step, out_dtype, iters, 4)
+    }
+}
+
+impl WgpuPool {
+    /// `time_varlen` of a pass that runs the token-serial kernel and the first `kernels` chunked kernels.
+    fn time_kernels(
+        &mut self,
+        step: &Step<'_>,
+        out_dtype: DType,
+        iters: usize,
+        kernels: usize,
+    ) -> Result<StepTiming> {
         // the output buffer is ours here: validate against the length the layout asks for
         let sh = *self.layer.shape();
         let len = step.layout(&sh)?.len();
@@ -1355,7 +1371,7 @@ impl LayerPool for WgpuPool {
                     pass.dispatch_workgroups(sh.h_v as u32, live, 1);
                 }
                 if let Some(cp) = &cpipes {
-                    this.record_chunked(&mut pass, cp, 0);
+                    this.record_chunked(&mut pass, cp, 0, kernels);
                 }
             }
         });
@@ -1367,9 +1383,27 @@ impl LayerPool for WgpuPool {
             method: format!("{method}; {}", gpu.info.name),
         })
     }
-}
 
-impl WgpuPool {
+    /// Where a chunked step's time goes: for each chunked kernel in dispatch order (`chunk_pre`, `chunk_wy`,
+    /// `chunk_run`, `chunk_out`), the time of a pass running the kernels up to it less that of the pass up to the
+    /// one before (each `time_varlen`'s way; the first pass holds the token-serial kernel alone, or nothing). A
+    /// difference of two medians: noisy where a kernel is short, possibly below zero.
+    pub fn time_chunked_kernels(
+        &mut self,
+        step: &Step<'_>,
+        out_dtype: DType,
+        iters: usize,
+    ) -> Result<[f64; 4]> {
+        let mut prefix = [0.0f64; 5];
+        for (k, p) in prefix.iter_mut().enumerate() {
+            *p = self
+                .time_kernels(step, out_dtype, iters, k)?
+                .per_call
+                .as_secs_f64();
+        }
+        Ok(std::array::from_fn(|k| prefix[k + 1] - prefix[k]))
+    }
+
     /// The crossover this pool uses: `usize::MAX` where the adapter cannot run the chunked kernels (or never
     /// chunking was asked for).
     pub fn chunk_from(&self) -> usize {
