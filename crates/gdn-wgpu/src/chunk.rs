@@ -90,7 +90,7 @@ pub fn tb(d: usize, l: usize) -> usize {
 pub fn workgroup_bytes(d: usize, g: Geom) -> usize {
     let (l, bv) = (g.l, g.bv);
     let pre = tb(d, l) * (2 * d + 2 * d / 16);
-    let wy = 2 * l * l + 3 * l;
+    let wy = l * l + 3 * l;
     let run = d * bv + l * bv + 3 * l;
     let out = tb(d, l) * (2 * d + d / 16);
     4 * pre.max(wy).max(run).max(out)

@@ -225,8 +225,6 @@ fn chunk_pre(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
 
 // k_r . k_s, then A in place
 var<workgroup> wam: array<f32, L * L>;
-// q_r . k_s, decayed in place, then copied to P in the scratch (the decays' read-modify-writes stay on chip)
-var<workgroup> wpq: array<f32, L * L>;
 var<workgroup> wgs: array<f32, L>;
 var<workgroup> wbs: array<f32, L>;
 var<workgroup> wgam: array<f32, L>;
@@ -265,9 +263,11 @@ fn chunk_wy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
                 qd = fma(cs[qr + i], kv, qd);
             }
             wam[idx] = kd;
-            wpq[idx] = qd;
+            cs[pbase + idx] = qd;
         }
     }
+    // the products in the scratch are read back by other threads of the workgroup
+    storageBarrier();
     workgroupBarrier();
     // the decays: column s walks down its rows, G = g_{s+1} ... g_r; gamma_r = g_0 ... g_r
     if (tid < nl) {
@@ -276,7 +276,7 @@ fn chunk_wy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
         for (var r = s + 1u; r < nl; r++) {
             gd = gd * wgs[r];
             let bs = wbs[r];
-            wpq[r * L + s] = gd * wpq[r * L + s];
+            cs[pbase + r * L + s] = gd * cs[pbase + r * L + s];
             wam[r * L + s] = bs * (gd * wam[r * L + s]);
         }
     }
@@ -312,58 +312,29 @@ fn chunk_wy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
         }
     }
     workgroupBarrier();
-    // P to the scratch: the entries s <= r of the chunk's rows, as the dots and decays left them
-    for (var idx = tid; idx < L * L; idx += NT) {
-        if (idx / L < nl && idx % L <= idx / L) {
-            cs[pbase + idx] = wpq[idx];
-        }
-    }
-    // forward substitution, one column of [W | U] a thread: x_r = x0_r - sum_{s<r} A[r][s] x_s, in place of v for U;
-    // eight rows at a time: the rows before the block taken once for all eight (each row's terms still in order of
-    // s, so the same sums as one row after another), then the block's own triangle
+    // forward substitution, one column of [W | U] a thread: x_r = x0_r - sum_{s<r} A[r][s] x_s, in place of v for U
     for (var m = 0u; m < CP2; m++) {
         let col = tid + m * NT;
         if (col < 2u * D) {
             var xs: array<f32, L>;
             let is_w = col < D;
             let e = col % D;
-            var base = prm.o_u;
-            if (is_w) {
-                base = prm.o_w;
-            }
-            for (var tb = 0u; tb < L; tb += 8u) {
-                var acc: array<f32, 8>;
-                for (var i = 0u; i < 8u; i++) {
-                    let r = tb + i;
-                    acc[i] = 0.0;
-                    if (r < nl) {
-                        if (is_w) {
-                            acc[i] = (wbs[r] * wgam[r]) * cs[prm.o_kh + ((tokb + r) * h_k + g) * D + e];
-                        } else {
-                            acc[i] = wbs[r] * cs[prm.o_u + ((tokb + r) * h_v + h) * D + e];
-                        }
-                    }
+            for (var r = 0u; r < nl; r++) {
+                var acc: f32;
+                if (is_w) {
+                    acc = (wbs[r] * wgam[r]) * cs[prm.o_kh + ((tokb + r) * h_k + g) * D + e];
+                } else {
+                    acc = wbs[r] * cs[prm.o_u + ((tokb + r) * h_v + h) * D + e];
                 }
-                for (var s = 0u; s < L; s++) {
-                    if (s < tb) {
-                        let xv = xs[s];
-                        for (var i = 0u; i < 8u; i++) {
-                            acc[i] = fma(-wam[(tb + i) * L + s], xv, acc[i]);
-                        }
-                    }
+                for (var s = 0u; s < r; s++) {
+                    acc = fma(-wam[r * L + s], xs[s], acc);
                 }
-                for (var i = 0u; i < 8u; i++) {
-                    let r = tb + i;
-                    for (var j = 0u; j < 8u; j++) {
-                        if (j < i) {
-                            acc[i] = fma(-wam[r * L + tb + j], xs[tb + j], acc[i]);
-                        }
-                    }
-                    xs[r] = acc[i];
-                    if (r < nl) {
-                        cs[base + ((tokb + r) * h_v + h) * D + e] = acc[i];
-                    }
+                xs[r] = acc;
+                var base = prm.o_u;
+                if (is_w) {
+                    base = prm.o_w;
                 }
+                cs[base + ((tokb + r) * h_v + h) * D + e] = acc;
             }
         }
     }
