@@ -835,9 +835,8 @@ impl WgpuPool {
         ])
     }
 
-    /// Records round `r`'s four dispatches (its uniforms must be written before the submit).
-    /// Records round `r`'s chunked kernels, the first `kernels` of the four (all of them but in
-    /// `time_chunked_kernels`).
+    /// Records round `r`'s chunked dispatches, the first `kernels` of the four (all of them but in
+    /// `time_chunked_kernels`); its uniforms must be written before the submit.
     fn record_chunked(
         &self,
         pass: &mut wgpu::ComputePass<'_>,
