@@ -86,16 +86,11 @@ pub fn tb(d: usize, l: usize) -> usize {
     (2048 / (2 * d)).clamp(1, l)
 }
 
-/// Key columns `chunk_wy` stages at a time (k and q rows of the chunk: 1024 floats).
-pub fn kt(l: usize) -> usize {
-    512 / l
-}
-
 /// Bytes of workgroup memory the largest entry point uses (each counts only the variables it uses).
 pub fn workgroup_bytes(d: usize, g: Geom) -> usize {
     let (l, bv) = (g.l, g.bv);
     let pre = tb(d, l) * (2 * d + 2 * d / 16);
-    let wy = 2 * l * l + 3 * l + 2 * l * kt(l);
+    let wy = l * l + 3 * l;
     let run = d * bv + l * bv + 3 * l;
     let out = tb(d, l) * (2 * d + d / 16);
     4 * pre.max(wy).max(run).max(out)
@@ -106,9 +101,7 @@ pub fn workgroup_bytes(d: usize, g: Geom) -> usize {
 pub fn source(key: &KernelKey, g: Geom) -> String {
     let d = key.d;
     let (l, bv) = (g.l, g.bv);
-    let consts: [(&str, usize); 15] = [
-        ("KT", kt(l)),
-        ("EPT", (l * l).div_ceil(NT)),
+    let consts: [(&str, usize); 13] = [
         ("D", d),
         ("L", l),
         ("BV", bv),
