@@ -8,10 +8,11 @@ use gdn::oracle::{self, SeqState};
 use gdn::step::{RowsData, Seq, Step, TensorData};
 use gdn::synth::Synth;
 use gdn::{
-    Backend, Commit, Config, DType, Error, Layer, LayerPool, OutputLayout, PoolOptions, Shape,
-    StateLayout,
+    Backend, Commit, Config, DType, Layer, LayerPool, OutputLayout, PoolOptions, Shape, StateLayout,
 };
 use gdn_wgpu::{Options, Wgpu};
+
+mod common;
 
 fn backend(chunk_from: usize) -> Option<Wgpu> {
     backend_with(
@@ -25,36 +26,14 @@ fn backend_with(chunk_from: usize, chunk_len: usize, chunk_columns: usize) -> Op
     let options = Options {
         chunk_len,
         chunk_columns,
-        adapter: std::env::var("GDN_WGPU_ADAPTER")
-            .ok()
-            .filter(|s| !s.is_empty()),
-        runtime_checks: std::env::var("GDN_WGPU_CHECKS").is_ok_and(|v| v == "1"),
         chunk_from: Some(chunk_from),
-        ..Options::default()
+        ..common::env_options()
     };
-    match Wgpu::with_options(options) {
-        Ok(b) => Some(b),
-        Err(Error::Unavailable(why)) => {
-            assert!(
-                !std::env::var("GDN_WGPU_REQUIRE").is_ok_and(|v| v == "1"),
-                "GDN_WGPU_REQUIRE=1, but {why}"
-            );
-            use std::io::Write;
-            let _ = writeln!(std::io::stderr(), "SKIPPED a chunked wgpu test: {why}");
-            None
-        }
-        Err(e) => panic!("{e}"),
-    }
+    common::backend_or_skip(options, "chunked wgpu test")
 }
 
 fn backend_default() -> Wgpu {
-    Wgpu::with_options(Options {
-        adapter: std::env::var("GDN_WGPU_ADAPTER")
-            .ok()
-            .filter(|s| !s.is_empty()),
-        ..Options::default()
-    })
-    .unwrap()
+    Wgpu::with_options(common::env_options()).unwrap()
 }
 
 /// The bound on f32 outputs and an f32 state against the float64 oracle (issue 14).
@@ -459,12 +438,9 @@ fn rounds_split_the_scratch_and_a_window_too_long_is_refused() {
     // one 100-token window's scratch: 100 (2 h_k d + 2 h_v d + 2 h_v) + 4 chunks h_v (L^2 + 3 L) floats
     let one = 4 * (100 * (2 * 16 + 2 * 2 * 16 + 4) + 4 * 2 * (32 * 32 + 96)) as u64;
     let capped = Wgpu::with_options(Options {
-        adapter: std::env::var("GDN_WGPU_ADAPTER")
-            .ok()
-            .filter(|s| !s.is_empty()),
         chunk_from: Some(1),
         chunk_scratch_bytes: Some(2 * one + 64),
-        ..Options::default()
+        ..common::env_options()
     })
     .unwrap();
     let c = case(9, shape, 400, 4, [DType::F32; 4]);

@@ -4,6 +4,8 @@
 //! `GDN_WGPU_ADAPTER` (a part of the adapter's name) and `GDN_WGPU_CHECKS=1` (wgpu's runtime checks kept in the
 //! kernel) are read here and passed in as options: the library reads no environment.
 
+mod common;
+
 fn make(
     subgroups: gdn_wgpu::Subgroups,
     chunk_from: Option<usize>,
@@ -19,26 +21,11 @@ fn make_wgpu(
     subgroups: gdn_wgpu::Subgroups,
     chunk_from: Option<usize>,
 ) -> gdn::Result<gdn_wgpu::Wgpu> {
-    let options = gdn_wgpu::Options {
+    common::make(gdn_wgpu::Options {
         subgroups,
         chunk_from,
-        adapter: std::env::var("GDN_WGPU_ADAPTER")
-            .ok()
-            .filter(|s| !s.is_empty()),
-        runtime_checks: std::env::var("GDN_WGPU_CHECKS").is_ok_and(|v| v == "1"),
-        ..Default::default()
-    };
-    match gdn_wgpu::Wgpu::with_options(options) {
-        Ok(b) => Ok(b),
-        Err(gdn::Error::Unavailable(why))
-            if std::env::var("GDN_WGPU_REQUIRE").is_ok_and(|v| v == "1") =>
-        {
-            Err(gdn::Error::Backend(format!(
-                "GDN_WGPU_REQUIRE=1, but {why}"
-            )))
-        }
-        Err(e) => Err(e),
-    }
+        ..common::env_options()
+    })
 }
 
 mod subgroups {

@@ -14,31 +14,17 @@ use gdn::{
 };
 use gdn_wgpu::{Options, Subgroups, Wgpu};
 
+mod common;
+
 fn backends() -> Vec<Wgpu> {
     [Subgroups::Require, Subgroups::Off]
         .into_iter()
         .filter_map(|subgroups| {
             let options = Options {
                 subgroups,
-                adapter: std::env::var("GDN_WGPU_ADAPTER")
-                    .ok()
-                    .filter(|s| !s.is_empty()),
-                runtime_checks: std::env::var("GDN_WGPU_CHECKS").is_ok_and(|v| v == "1"),
-                ..Options::default()
+                ..common::env_options()
             };
-            match Wgpu::with_options(options) {
-                Ok(b) => Some(b),
-                Err(Error::Unavailable(why)) => {
-                    assert!(
-                        !std::env::var("GDN_WGPU_REQUIRE").is_ok_and(|v| v == "1"),
-                        "GDN_WGPU_REQUIRE=1, but {why}"
-                    );
-                    use std::io::Write;
-                    let _ = writeln!(std::io::stderr(), "SKIPPED a wgpu spec test: {why}");
-                    None
-                }
-                Err(e) => panic!("{e}"),
-            }
+            common::backend_or_skip(options, "wgpu spec test")
         })
         .collect()
 }

@@ -13,30 +13,15 @@ use gdn::{
 };
 use gdn_wgpu::{Options, Subgroups, Wgpu};
 
+mod common;
+
 fn backend(subgroups: Subgroups, keep_bytes: u64) -> Option<Wgpu> {
     let options = Options {
         subgroups,
-        adapter: std::env::var("GDN_WGPU_ADAPTER")
-            .ok()
-            .filter(|s| !s.is_empty()),
-        runtime_checks: std::env::var("GDN_WGPU_CHECKS").is_ok_and(|v| v == "1"),
         keep_bytes,
-        ..Options::default()
+        ..common::env_options()
     };
-    match Wgpu::with_options(options) {
-        Ok(b) => Some(b),
-        Err(Error::Unavailable(why)) => {
-            assert!(
-                !std::env::var("GDN_WGPU_REQUIRE").is_ok_and(|v| v == "1"),
-                "GDN_WGPU_REQUIRE=1, but {why}"
-            );
-            // past the test harness's capture, so that CI counts the test as skipped
-            use std::io::Write;
-            let _ = writeln!(std::io::stderr(), "SKIPPED a wgpu varlen test: {why}");
-            None
-        }
-        Err(e) => panic!("{e}"),
-    }
+    common::backend_or_skip(options, "wgpu varlen test")
 }
 
 fn backends() -> Vec<Wgpu> {
@@ -412,10 +397,7 @@ fn sizes_beyond_32_bit_indices_are_errors() {
     // a row-block count whose products overflow is lowered to one that fits, not wrapped
     let odd = Wgpu::with_options(Options {
         row_blocks: usize::MAX,
-        adapter: std::env::var("GDN_WGPU_ADAPTER")
-            .ok()
-            .filter(|s| !s.is_empty()),
-        ..Options::default()
+        ..common::env_options()
     });
     if let Ok(odd) = odd {
         let pool = odd.create_pool_with(&layer, 2, PoolOptions::default());
