@@ -606,7 +606,8 @@ impl ChunkScratch {
                 cuda,
                 &fns.out,
                 (grid_ent, sh.h_v as u32),
-                128,
+                // NT_OUT in gdn_chunk.cu
+                512,
                 0,
                 &mut p,
                 stream,

@@ -29,7 +29,8 @@ impl Geom {
             DEFAULT_LEN
         };
         let ok = |bv: usize| {
-            bv >= 2
+            bv >= 4
+                && bv.is_multiple_of(4)
                 && d.is_multiple_of(bv)
                 && (d * bv).is_multiple_of(NT)
                 && (l * bv).is_multiple_of(NT)
@@ -101,13 +102,15 @@ pub fn workgroup_bytes(d: usize, g: Geom) -> usize {
 pub fn source(key: &KernelKey, g: Geom) -> String {
     let d = key.d;
     let (l, bv) = (g.l, g.bv);
-    let consts: [(&str, usize); 13] = [
+    let consts: [(&str, usize); 15] = [
         ("D", d),
         ("L", l),
         ("BV", bv),
         ("NCB", d / bv),
         ("NT", NT),
-        ("RO", l * bv / NT),
+        ("CG", bv / 4),
+        ("IP1", (l * bv / 2).div_ceil(NT)),
+        ("UI", (d * bv / 4).div_ceil(NT)),
         ("RSN", d * bv / NT),
         ("CP1", (2 * d).div_ceil(NT)),
         ("CP2", (2 * d).div_ceil(NT)),

@@ -1,6 +1,6 @@
 // The chunked (WY / UT) form of the GDN window step, for long windows (NOTES.md "Chunked windows").
 //
-// A template like gdn_step.wgsl: `chunk.rs` prepends the constants (D, L, BV, NCB, NT, RO, RSN, CP1, CP2, CPE, GW,
+// A template like gdn_step.wgsl: `chunk.rs` prepends the constants (D, L, BV, NCB, NT, CG, IP1, UI, RSN, CP1, CP2, CPE, GW,
 // SCALE), the input loaders and the scalar helpers of gdn_step.wgsl (decay, sigmoid, the bf16 / f16 conversions),
 // and expands the same directives (SBF16, VMAJOR, OUT16). Four entry points, dispatched in this order by the pool,
 // each a pass over every chunk of every chunked window of the call:
@@ -343,13 +343,18 @@ fn chunk_wy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
 // ---------------------------------------------------------------------------------------------------------------
 // chunk_run
 
-// the state's column block: S[i][cb BV + j] at i BV + j
-var<workgroup> sv: array<f32, D * BV>;
-// delta of the chunk's rows, [L][BV]
-var<workgroup> dl: array<f32, L * BV>;
+// the state's column block, four columns a vector: S[i][cb BV + 4 c + x] at [i CG + c][x]
+var<workgroup> sv: array<vec4<f32>, D * CG>;
+// delta of the chunk's rows, [L][CG] vectors
+var<workgroup> dl: array<vec4<f32>, L * CG>;
 var<workgroup> rgam: array<f32, L>;
 var<workgroup> rend: array<f32, L>;
 var<workgroup> rendc: array<f32, L>;
+
+// element e = i BV + j of the column block
+fn sv_at(e: u32) -> f32 {
+    return sv[e / 4u][e % 4u];
+}
 
 // index of S[i][h][j] in the pool (elements)
 fn s_index(slot: u32, h: u32, i: u32, j: u32) -> u32 {
@@ -371,19 +376,22 @@ fn store_block(slot: u32, h: u32, cb: u32, tid: u32) {
 //#if SBF16
 //#if VMAJOR
         if ((i & 1u) == 0u) {
-            state[at >> 1u] = bf16_bits(sv[i * BV + j]) | (bf16_bits(sv[(i + 1u) * BV + j]) << 16u);
+            state[at >> 1u] = bf16_bits(sv_at(e)) | (bf16_bits(sv_at(e + BV)) << 16u);
         }
 //#else
         if ((j & 1u) == 0u) {
-            state[at >> 1u] = bf16_bits(sv[i * BV + j]) | (bf16_bits(sv[i * BV + j + 1u]) << 16u);
+            state[at >> 1u] = bf16_bits(sv_at(e)) | (bf16_bits(sv_at(e + 1u)) << 16u);
         }
 //#endif
 //#else
-        state[at] = sv[i * BV + j];
+        state[at] = sv_at(e);
 //#endif
     }
 }
 
+// The chunk's three products as register tiles: a thread takes four adjacent columns of a row (one state vector
+// from workgroup memory for four FMAs, one scratch element for four), where a thread a column issued a load per
+// FMA; each element's sums run over the same terms in the same order as one column at a time.
 @compute @workgroup_size(NT)
 fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
     let k = prm.seq0 + wg.y;
@@ -398,18 +406,15 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
     let h_k = prm.h_k;
     let h_v = prm.h_v;
     let g = qk_head(h);
-    let j = tid % BV;
-    let jj = cb * BV + j;
-    let rt = tid / BV;
     // the column block, widened: thread tid owns elements tid + m NT (row e / BV, column e % BV)
     for (var m = 0u; m < RSN; m++) {
         let e = tid + m * NT;
         let at = s_index(slot, h, e / BV, cb * BV + e % BV);
 //#if SBF16
         let w = state[at >> 1u];
-        sv[e] = select(bf16_lo(w), bf16_hi(w), (at & 1u) != 0u);
+        sv[e / 4u][e % 4u] = select(bf16_lo(w), bf16_hi(w), (at & 1u) != 0u);
 //#else
-        sv[e] = state[at];
+        sv[e / 4u][e % 4u] = state[at];
 //#endif
     }
     // the committed history (column block 0): the three raw inputs before the commit point, from the old history
@@ -440,6 +445,9 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         }
     }
     workgroupBarrier();
+    // the update's elements: rows ui0 + m NT / CG, column vector uc
+    let uc = tid % CG;
+    let ui0 = tid / CG;
     let nchunks = (len + L - 1u) / L;
     for (var c = 0u; c < nchunks; c++) {
         let t0 = c * L;
@@ -457,88 +465,116 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
                 rendc[tid] = cs[pbase + L * L + 2u * L + tid];
             }
         }
-        // delta = U - W S and q S for this thread's rows
-        var qs: array<f32, RO>;
-        for (var m = 0u; m < RO; m++) {
-            let r = rt + m * (NT / BV);
-            if (r < nl) {
-                let wb = prm.o_w + ((tokb + r) * h_v + h) * D;
-                let qb = prm.o_qh + ((tokb + r) * h_k + g) * D;
-                var ws = 0.0;
-                var q = 0.0;
-                for (var i = 0u; i < D; i++) {
-                    let s = sv[i * BV + j];
-                    ws = fma(cs[wb + i], s, ws);
-                    q = fma(cs[qb + i], s, q);
+        // delta = U - W S (items e < L CG) and q S (items L CG <= e < 2 L CG): row (e / CG) % L, column vector
+        // e % CG; q S stays in the thread for its readout
+        var qs: array<vec4<f32>, IP1>;
+        for (var m = 0u; m < IP1; m++) {
+            let e = tid + m * NT;
+            let is_q = e >= L * CG;
+            let r = (e / CG) % L;
+            let c4 = e % CG;
+            if (e < 2u * L * CG && r < nl) {
+                var base = prm.o_w + ((tokb + r) * h_v + h) * D;
+                if (is_q) {
+                    base = prm.o_qh + ((tokb + r) * h_k + g) * D;
                 }
-                qs[m] = q;
-                dl[r * BV + j] = cs[prm.o_u + ((tokb + r) * h_v + h) * D + jj] - ws;
+                var acc = vec4<f32>(0.0);
+                for (var i = 0u; i < D; i++) {
+                    acc = fma(vec4<f32>(cs[base + i]), sv[i * CG + c4], acc);
+                }
+                if (is_q) {
+                    qs[m] = acc;
+                } else {
+                    let ub = prm.o_u + ((tokb + r) * h_v + h) * D + cb * BV + 4u * c4;
+                    dl[r * CG + c4] = vec4<f32>(cs[ub], cs[ub + 1u], cs[ub + 2u], cs[ub + 3u]) - acc;
+                }
             }
         }
+        // the readouts below overwrite U elements other threads read above
+        storageBarrier();
         workgroupBarrier();
-        // the readouts o_r = scale (gamma_r q_r S + sum_{s <= r} P[r][s] delta_s)
-        for (var m = 0u; m < RO; m++) {
-            let r = rt + m * (NT / BV);
-            if (r < nl) {
+        // the readouts o_r = scale (gamma_r q_r S + sum_{s <= r} P[r][s] delta_s), by the q S items' threads
+        for (var m = 0u; m < IP1; m++) {
+            let e = tid + m * NT;
+            let r = (e / CG) % L;
+            let c4 = e % CG;
+            if (e >= L * CG && e < 2u * L * CG && r < nl) {
                 var o = rgam[r] * qs[m];
                 // constant trip counts here and below (a guard inside): lavapipe limits each loop of an
                 // invocation to 65535 iterations in all, counted across re-entries, unless it is unrolled
                 for (var s = 0u; s < L; s++) {
                     if (s <= r) {
-                        o = fma(cs[pbase + r * L + s], dl[s * BV + j], o);
+                        o = fma(vec4<f32>(cs[pbase + r * L + s]), dl[s * CG + c4], o);
                     }
                 }
-                cs[prm.o_o + ((tokb + r) * h_v + h) * D + jj] = o * SCALE;
+                let ob = prm.o_o + ((tokb + r) * h_v + h) * D + cb * BV + 4u * c4;
+                let os = o * SCALE;
+                cs[ob] = os.x;
+                cs[ob + 1u] = os.y;
+                cs[ob + 2u] = os.z;
+                cs[ob + 3u] = os.w;
             }
         }
         // the state after the chunk (and after the commit row, where it lies inside the chunk):
-        // gamma_e S + sum_{s <= e} (G[e][s] k_s) delta_s
-        // this thread's elements tid + m NT: rows i0 + m NT / BV, column j (NT is a multiple of BV); the sums over
-        // s run in order for every element, the elements side by side
-        var nsv: array<f32, RSN>;
-        var csv: array<f32, RSN>;
+        // gamma_e S + sum_{s <= e} (G[e][s] k_s) delta_s, each element's sum over s in order
+        var nsv: array<vec4<f32>, UI>;
+        var csv: array<vec4<f32>, UI>;
         let inner = has_commit && pe + 1u < nl;
-        let i0 = tid / BV;
-        let kb0 = prm.o_kh + (tokb * h_k + g) * D + i0;
-        for (var m = 0u; m < RSN; m++) {
-            nsv[m] = rgam[nl - 1u] * sv[tid + m * NT];
-        }
-        for (var s = 0u; s < L; s++) {
-            if (s < nl) {
-                let dv = dl[s * BV + j];
-                let ge = rend[s];
-                let kb = kb0 + s * h_k * D;
-                for (var m = 0u; m < RSN; m++) {
-                    nsv[m] = fma(ge * cs[kb + m * (NT / BV)], dv, nsv[m]);
+        let kb0 = prm.o_kh + (tokb * h_k + g) * D + ui0;
+        for (var m = 0u; m < UI; m++) {
+            let i = ui0 + m * (NT / CG);
+            if (i < D) {
+                nsv[m] = rgam[nl - 1u] * sv[i * CG + uc];
+                if (inner) {
+                    csv[m] = rgam[pe] * sv[i * CG + uc];
                 }
             }
         }
-        if (inner) {
-            for (var m = 0u; m < RSN; m++) {
-                csv[m] = rgam[pe] * sv[tid + m * NT];
+        for (var s = 0u; s < L; s++) {
+            if (s < nl) {
+                let dv = dl[s * CG + uc];
+                let ge = rend[s];
+                let kb = kb0 + s * h_k * D;
+                for (var m = 0u; m < UI; m++) {
+                    if (ui0 + m * (NT / CG) < D) {
+                        nsv[m] = fma(vec4<f32>(ge * cs[kb + m * (NT / CG)]), dv, nsv[m]);
+                    }
+                }
             }
+        }
+        // the commit row's sums in a loop of their own: one loop with both (the second under a guard) was not
+        // unrolled by lavapipe, whose loop limit then cut a 65536-token window short
+        if (inner) {
             for (var s = 0u; s < L; s++) {
                 if (s <= pe) {
-                    let dv = dl[s * BV + j];
-                    let ge = rendc[s];
+                    let dv = dl[s * CG + uc];
+                    let gc = rendc[s];
                     let kb = kb0 + s * h_k * D;
-                    for (var m = 0u; m < RSN; m++) {
-                        csv[m] = fma(ge * cs[kb + m * (NT / BV)], dv, csv[m]);
+                    for (var m = 0u; m < UI; m++) {
+                        if (ui0 + m * (NT / CG) < D) {
+                            csv[m] = fma(vec4<f32>(gc * cs[kb + m * (NT / CG)]), dv, csv[m]);
+                        }
                     }
                 }
             }
         }
         workgroupBarrier();
         if (inner) {
-            for (var m = 0u; m < RSN; m++) {
-                sv[tid + m * NT] = csv[m];
+            for (var m = 0u; m < UI; m++) {
+                let i = ui0 + m * (NT / CG);
+                if (i < D) {
+                    sv[i * CG + uc] = csv[m];
+                }
             }
             workgroupBarrier();
             store_block(slot, h, cb, tid);
             workgroupBarrier();
         }
-        for (var m = 0u; m < RSN; m++) {
-            sv[tid + m * NT] = nsv[m];
+        for (var m = 0u; m < UI; m++) {
+            let i = ui0 + m * (NT / CG);
+            if (i < D) {
+                sv[i * CG + uc] = nsv[m];
+            }
         }
         workgroupBarrier();
         if (has_commit && !inner) {
