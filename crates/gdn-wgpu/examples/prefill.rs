@@ -3,7 +3,7 @@
 //! the token-serial one and (at `--oracle-t`) against the float64 oracle.
 //!
 //! `cargo run --release -p gdn-wgpu --example prefill [-- --t 16,32,64,128,256,512,4096] [--columns 8,16,32]
-//! [--len 32,64] [--crossover 16,24,32,48,64,96,128]
+//! [--len 16,32] [--crossover 16,24,32,48,64,96,128]
 //! [--io f32|bf16] [--state f32|bf16] [--oracle-t 512] [--budget 20000] [--kernels 1]` (tokens a timed round:
 //! iterations are budget / T, 1 to 50; `--kernels 1` adds each chunked kernel's share of every variant's time,
 //! `WgpuPool::time_chunked_kernels`). `GDN_WGPU_ADAPTER=nvidia` picks an adapter by name (read

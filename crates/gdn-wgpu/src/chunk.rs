@@ -8,7 +8,7 @@ use crate::kernel::{expand, paste_includes, wgsl_f32, KernelKey};
 /// The template (see the comment at its top).
 pub const TEMPLATE: &str = include_str!("chunk.wgsl");
 
-/// Tokens of a chunk by default (`Options::chunk_len`: 16, 32 or 64).
+/// Tokens of a chunk by default (`Options::chunk_len`: 16 or 32).
 pub const DEFAULT_LEN: usize = 32;
 
 /// A pool's chunk geometry: tokens a chunk (L) and state columns a `chunk_run` workgroup (BV).
@@ -19,11 +19,11 @@ pub struct Geom {
 }
 
 impl Geom {
-    /// The geometry for head dim d from the caller's preferences: L one of 16, 32, 64 (else 32); BV the preferred
+    /// The geometry for head dim d from the caller's preferences: L 16 or 32 (else 32; 64 was dropped: slowest at every length measured, and its `chunk_wy` needs 37.6 KB of workgroup memory); BV the preferred
     /// count where it divides d and fills whole thread rows (L BV and d BV multiples of NT), else the first of 16,
     /// 32, 8 that does.
     pub fn new(d: usize, len: usize, columns: usize) -> Geom {
-        let l = if [16, 32, 64].contains(&len) {
+        let l = if [16, 32].contains(&len) {
             len
         } else {
             DEFAULT_LEN
@@ -53,9 +53,9 @@ impl Geom {
 pub const NT: usize = 256;
 
 /// Windows of at least this many tokens (counted to the commit point where the window commits) run chunked by
-/// default on a GPU adapter: never (`usize::MAX`), because the one GPU measured (an H200 through NVIDIA's Vulkan
-/// driver, NOTES.md "Chunked windows") ran the chunked form at 0.35-0.75x the token-serial speed at every length
-/// from 16 to 4096 tokens. `Wgpu::measure_crossover` measures the crossover on the adapter at hand.
+/// default on a GPU adapter: never (`usize::MAX`): on the H200 through NVIDIA's Vulkan driver (NOTES.md "Chunked
+/// windows") the chunked form ran slower than the token-serial kernel at every length from 32 to 1024 tokens and
+/// won only at 4096 (1.05x). `Wgpu::measure_crossover` measures the crossover on the adapter at hand.
 pub const DEFAULT_CHUNK_FROM: usize = usize::MAX;
 
 /// The four entry points, in dispatch order.
@@ -87,11 +87,16 @@ pub fn tb(d: usize, l: usize) -> usize {
     (2048 / (2 * d)).clamp(1, l)
 }
 
+/// Key columns `chunk_wy` stages at a time (k and q rows of the chunk: 1024 floats).
+pub fn kt(l: usize) -> usize {
+    512 / l
+}
+
 /// Bytes of workgroup memory the largest entry point uses (each counts only the variables it uses).
 pub fn workgroup_bytes(d: usize, g: Geom) -> usize {
     let (l, bv) = (g.l, g.bv);
     let pre = tb(d, l) * (2 * d + 2 * d / 16);
-    let wy = l * l + 3 * l;
+    let wy = 2 * l * l + 3 * l + 2 * l * kt(l);
     let run = d * bv + l * bv + 3 * l;
     let out = tb(d, l) * (2 * d + d / 16);
     4 * pre.max(wy).max(run).max(out)
@@ -102,7 +107,9 @@ pub fn workgroup_bytes(d: usize, g: Geom) -> usize {
 pub fn source(key: &KernelKey, g: Geom) -> String {
     let d = key.d;
     let (l, bv) = (g.l, g.bv);
-    let consts: [(&str, usize); 15] = [
+    let consts: [(&str, usize); 17] = [
+        ("KT", kt(l)),
+        ("EPT", (l * l).div_ceil(NT)),
         ("D", d),
         ("L", l),
         ("BV", bv),
@@ -279,7 +286,7 @@ mod tests {
                     inputs: [DType::Bf16, DType::F32, DType::F16, DType::F32],
                     ..KernelKey::plain(d)
                 };
-                let src = source(&key, Geom::new(d, 64, 8));
+                let src = source(&key, Geom::new(d, 16, 8));
                 let module = naga::front::wgsl::parse_str(&src)
                     .unwrap_or_else(|e| panic!("d {d}: {}", e.emit_to_string(&src)));
                 naga::valid::Validator::new(
@@ -307,7 +314,7 @@ mod tests {
         let g = Geom::new(16, 32, 16);
         assert_eq!(g, Geom { l: 32, bv: 16 });
         assert_eq!(Geom::new(16, 16, 8), Geom { l: 16, bv: 16 });
-        assert_eq!(Geom::new(128, 64, 8), Geom { l: 64, bv: 8 });
+        assert_eq!(Geom::new(128, 64, 8), Geom { l: 32, bv: 8 });
         assert_eq!(Geom::new(48, 7, 32), Geom { l: 32, bv: 16 });
         let one = scratch_floats(&sh, g, 100).unwrap();
         let r = plan(&sh, g, &[100, 100, 100], 2 * one + 10, 65535).unwrap();

@@ -225,6 +225,11 @@ fn chunk_pre(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
 
 // k_r . k_s, then A in place
 var<workgroup> wam: array<f32, L * L>;
+// q_r . k_s, decayed in place, then copied to P in the scratch (the decays' read-modify-writes stay on chip)
+var<workgroup> wpq: array<f32, L * L>;
+// the chunk's k and q rows, KT columns at a time
+var<workgroup> wkt: array<f32, L * KT>;
+var<workgroup> wqt: array<f32, L * KT>;
 var<workgroup> wgs: array<f32, L>;
 var<workgroup> wbs: array<f32, L>;
 var<workgroup> wgam: array<f32, L>;
@@ -247,27 +252,51 @@ fn chunk_wy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
         wgs[tid] = cs[prm.o_g + at];
         wbs[tid] = cs[prm.o_b + at];
     }
-    // k_r . k_s (s < r) into wam; q_r . k_s (s <= r) straight into P in the scratch, decayed below
-    for (var idx = tid; idx < L * L; idx += NT) {
-        let r = idx / L;
-        let s = idx % L;
-        if (r < nl && s <= r) {
-            let kr = prm.o_kh + ((tokb + r) * h_k + g) * D;
-            let qr = prm.o_qh + ((tokb + r) * h_k + g) * D;
-            let ks = prm.o_kh + ((tokb + s) * h_k + g) * D;
-            var kd = 0.0;
-            var qd = 0.0;
-            for (var i = 0u; i < D; i++) {
-                let kv = cs[ks + i];
-                kd = fma(cs[kr + i], kv, kd);
-                qd = fma(cs[qr + i], kv, qd);
+    // k_r . k_s (s < r) into wam, q_r . k_s (s <= r) into wpq: the chunk's k and q rows staged KT columns at a
+    // time, each entry's sum over i in order (the same sums as one row pair at a time from the scratch)
+    var kd: array<f32, EPT>;
+    var qd: array<f32, EPT>;
+    for (var m = 0u; m < EPT; m++) {
+        kd[m] = 0.0;
+        qd[m] = 0.0;
+    }
+    for (var i0 = 0u; i0 < D; i0 += KT) {
+        for (var e = tid; e < L * KT; e += NT) {
+            let r = e / KT;
+            let i = i0 + e % KT;
+            var kv = 0.0;
+            var qv = 0.0;
+            if (r < nl && i < D) {
+                kv = cs[prm.o_kh + ((tokb + r) * h_k + g) * D + i];
+                qv = cs[prm.o_qh + ((tokb + r) * h_k + g) * D + i];
             }
-            wam[idx] = kd;
-            cs[pbase + idx] = qd;
+            wkt[e] = kv;
+            wqt[e] = qv;
+        }
+        workgroupBarrier();
+        for (var m = 0u; m < EPT; m++) {
+            let idx = tid + m * NT;
+            let r = idx / L;
+            let s = idx % L;
+            if (idx < L * L && r < nl && s <= r) {
+                for (var i = 0u; i < KT; i++) {
+                    if (i0 + i < D) {
+                        let kv = wkt[s * KT + i];
+                        kd[m] = fma(wkt[r * KT + i], kv, kd[m]);
+                        qd[m] = fma(wqt[r * KT + i], kv, qd[m]);
+                    }
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var m = 0u; m < EPT; m++) {
+        let idx = tid + m * NT;
+        if (idx < L * L && idx / L < nl && idx % L <= idx / L) {
+            wam[idx] = kd[m];
+            wpq[idx] = qd[m];
         }
     }
-    // the products in the scratch are read back by other threads of the workgroup
-    storageBarrier();
     workgroupBarrier();
     // the decays: column s walks down its rows, G = g_{s+1} ... g_r; gamma_r = g_0 ... g_r
     if (tid < nl) {
@@ -276,7 +305,7 @@ fn chunk_wy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
         for (var r = s + 1u; r < nl; r++) {
             gd = gd * wgs[r];
             let bs = wbs[r];
-            cs[pbase + r * L + s] = gd * cs[pbase + r * L + s];
+            wpq[r * L + s] = gd * wpq[r * L + s];
             wam[r * L + s] = bs * (gd * wam[r * L + s]);
         }
     }
@@ -312,29 +341,58 @@ fn chunk_wy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
         }
     }
     workgroupBarrier();
-    // forward substitution, one column of [W | U] a thread: x_r = x0_r - sum_{s<r} A[r][s] x_s, in place of v for U
+    // P to the scratch: the entries s <= r of the chunk's rows, as the dots and decays left them
+    for (var idx = tid; idx < L * L; idx += NT) {
+        if (idx / L < nl && idx % L <= idx / L) {
+            cs[pbase + idx] = wpq[idx];
+        }
+    }
+    // forward substitution, one column of [W | U] a thread: x_r = x0_r - sum_{s<r} A[r][s] x_s, in place of v for U;
+    // eight rows at a time: the rows before the block taken once for all eight (each row's terms still in order of
+    // s, so the same sums as one row after another), then the block's own triangle
     for (var m = 0u; m < CP2; m++) {
         let col = tid + m * NT;
         if (col < 2u * D) {
             var xs: array<f32, L>;
             let is_w = col < D;
             let e = col % D;
-            for (var r = 0u; r < nl; r++) {
-                var acc: f32;
-                if (is_w) {
-                    acc = (wbs[r] * wgam[r]) * cs[prm.o_kh + ((tokb + r) * h_k + g) * D + e];
-                } else {
-                    acc = wbs[r] * cs[prm.o_u + ((tokb + r) * h_v + h) * D + e];
+            var base = prm.o_u;
+            if (is_w) {
+                base = prm.o_w;
+            }
+            for (var tb = 0u; tb < L; tb += 8u) {
+                var acc: array<f32, 8>;
+                for (var i = 0u; i < 8u; i++) {
+                    let r = tb + i;
+                    acc[i] = 0.0;
+                    if (r < nl) {
+                        if (is_w) {
+                            acc[i] = (wbs[r] * wgam[r]) * cs[prm.o_kh + ((tokb + r) * h_k + g) * D + e];
+                        } else {
+                            acc[i] = wbs[r] * cs[prm.o_u + ((tokb + r) * h_v + h) * D + e];
+                        }
+                    }
                 }
-                for (var s = 0u; s < r; s++) {
-                    acc = fma(-wam[r * L + s], xs[s], acc);
+                for (var s = 0u; s < L; s++) {
+                    if (s < tb) {
+                        let xv = xs[s];
+                        for (var i = 0u; i < 8u; i++) {
+                            acc[i] = fma(-wam[(tb + i) * L + s], xv, acc[i]);
+                        }
+                    }
                 }
-                xs[r] = acc;
-                var base = prm.o_u;
-                if (is_w) {
-                    base = prm.o_w;
+                for (var i = 0u; i < 8u; i++) {
+                    let r = tb + i;
+                    for (var j = 0u; j < 8u; j++) {
+                        if (j < i) {
+                            acc[i] = fma(-wam[r * L + tb + j], xs[tb + j], acc[i]);
+                        }
+                    }
+                    xs[r] = acc[i];
+                    if (r < nl) {
+                        cs[base + ((tokb + r) * h_v + h) * D + e] = acc[i];
+                    }
                 }
-                cs[base + ((tokb + r) * h_v + h) * D + e] = acc;
             }
         }
     }

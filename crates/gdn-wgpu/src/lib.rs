@@ -78,7 +78,7 @@ pub struct Options {
     /// State columns one workgroup of the chunked recurrence carries (8, 16 or 32; lowered or raised to one that
     /// divides d): fewer columns, more workgroups in flight a window. [`DEFAULT_CHUNK_COLUMNS`] by default.
     pub chunk_columns: usize,
-    /// Tokens of a chunk (16, 32 or 64; another value means 32). [`DEFAULT_CHUNK_LEN`] by default.
+    /// Tokens of a chunk (16 or 32; another value means 32). [`DEFAULT_CHUNK_LEN`] by default.
     pub chunk_len: usize,
     /// The most bytes of scratch one round of chunked windows binds (`None`: the adapter's binding limit). A call's
     /// chunked windows are grouped into rounds under it; a window that alone needs more is refused.

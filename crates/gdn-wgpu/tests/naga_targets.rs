@@ -452,7 +452,7 @@ fn msl_hlsl_chunked_kernels() {
     let mut n = 0;
     for d in DIMS {
         let mut blocks: Vec<String> = Vec::new();
-        for (len, columns) in [16, 32, 64]
+        for (len, columns) in [16, 32]
             .into_iter()
             .flat_map(|l| [8, 16, 32].map(|c| (l, c)))
         {
