@@ -1,10 +1,10 @@
-//! Long windows (prefill) at the seed's shape, B 1, commit all: the token-serial kernel beside the chunked form
+//! Long windows (prefill) at the seed's shape, B windows of T tokens (`--seqs B`, 1 by default), commit all: the token-serial kernel beside the chunked form
 //! (per column block), per window length, through `LayerPool::time_varlen`; the chunked output checked against
 //! the token-serial one and (at `--oracle-t`) against the float64 oracle.
 //!
 //! `cargo run --release -p gdn-wgpu --example prefill [-- --t 16,32,64,128,256,512,4096] [--columns 8,16,32]
 //! [--len 16,32] [--crossover 16,24,32,48,64,96,128]
-//! [--io f32|bf16] [--state f32|bf16] [--oracle-t 512] [--budget 20000] [--kernels 1]` (tokens a timed round:
+//! [--io f32|bf16] [--state f32|bf16] [--oracle-t 512] [--budget 20000] [--kernels 1] [--seqs 1]` (tokens a timed round:
 //! iterations are budget / T, 1 to 50; `--kernels 1` adds each chunked kernel's share of every variant's time,
 //! `WgpuPool::time_chunked_kernels`). `GDN_WGPU_ADAPTER=nvidia` picks an adapter by name (read
 //! here and passed in: the library reads no environment).
@@ -38,6 +38,7 @@ fn run() -> gdn::Result<()> {
     let mut budget = 20000usize;
     let mut crossover: Vec<usize> = Vec::new();
     let mut kernels = false;
+    let mut nseq = 1usize;
     let mut i = 1;
     while i < args.len() {
         let v = args.get(i + 1);
@@ -53,6 +54,8 @@ fn run() -> gdn::Result<()> {
             // tokens per timed round (iterations = budget / T, 2 to 50)
             "--budget" => budget = list(v).first().copied().unwrap_or(budget),
             "--kernels" => kernels = list(v).first().is_some_and(|&k| k != 0),
+            // windows of T tokens in one call (the same rows each, a slot each)
+            "--seqs" => nseq = list(v).first().copied().unwrap_or(1).max(1),
             other => {
                 return Err(gdn::Error::Param {
                     name: "argument",
@@ -80,7 +83,7 @@ fn run() -> gdn::Result<()> {
         .flat_map(|&l| columns.iter().map(move |&c| (l, c)))
         .collect();
     println!(
-        "{}; seed shape, B 1, commit all, {} state, {} activations and output",
+        "{}; seed shape, B {nseq}, commit all, {} state, {} activations and output",
         serial.name(),
         options.state.name(),
         io.name()
@@ -102,8 +105,8 @@ fn run() -> gdn::Result<()> {
         "T", "L/BV", "pre us", "wy us", "run us", "out us"
     )];
     for &t in &ts {
-        // the first t rows
-        let cut = |x: &[f32], w: usize| x[..t * w].to_vec();
+        // the first t rows, once a window
+        let cut = |x: &[f32], w: usize| x[..t * w].repeat(nseq);
         let n = shape.n();
         let rows = RowsData::from_f32(
             &cut(&b.qkv, shape.channels()),
@@ -112,27 +115,32 @@ fn run() -> gdn::Result<()> {
             &cut(&b.z, n),
             [io; 4],
         );
-        let seqs = [Seq {
-            slot: 0,
-            start: 0,
-            len: t,
-            commit: Commit::All,
-        }];
+        let seqs: Vec<Seq> = (0..nseq)
+            .map(|k| Seq {
+                slot: k as i32,
+                start: k * t,
+                len: t,
+                commit: Commit::All,
+            })
+            .collect();
         let step = Step {
             rows: rows.view(),
             seqs: &seqs,
             plane_stride: None,
         };
+        let fill = |pool: &mut Box<dyn LayerPool>| -> gdn::Result<()> {
+            (0..nseq).try_for_each(|k| pool.write_slot(k, &st, &h))
+        };
         let iters = (budget / t).clamp(1, 50);
-        let layout = OutputLayout::for_rows(&shape, t, None)?;
+        let layout = OutputLayout::for_rows(&shape, nseq * t, None)?;
         let once = |backend: &Wgpu| -> gdn::Result<(Vec<f32>, Vec<f32>, f64)> {
-            let mut pool = backend.create_pool_with(&layer, 1, options)?;
-            pool.write_slot(0, &st, &h)?;
+            let mut pool = backend.create_pool_with(&layer, nseq, options)?;
+            fill(&mut pool)?;
             let mut out = TensorData::filled(layout.len(), 0.0, io);
             pool.step_varlen(&step, out.view_mut())?;
             let (mut s1, mut h1) = (vec![0.0; shape.state_len()], vec![0.0; shape.hist_len()]);
             pool.read_slot(0, &mut s1, &mut h1)?;
-            pool.write_slot(0, &st, &h)?;
+            fill(&mut pool)?;
             let us = pool.time_varlen(&step, io, iters)?.per_call.as_secs_f64() * 1e6;
             Ok((out.to_f32(), s1, us))
         };
@@ -146,7 +154,7 @@ fn run() -> gdn::Result<()> {
                 let e = gdn::relative_error(&yc, &ys.iter().map(|&x| x as f64).collect::<Vec<_>>());
                 errs = format!("  {e:.2e}");
                 if t == oracle_t {
-                    let mut states = vec![SeqState::from_f32(&st, &h)];
+                    let mut states = vec![SeqState::from_f32(&st, &h); nseq];
                     let want = oracle::step_varlen(&layer, &mut states, &step, options.state, io)?;
                     let ey = gdn::relative_error(&yc, &want);
                     let es = gdn::relative_error(&sc, &states[0].s);
@@ -160,8 +168,8 @@ fn run() -> gdn::Result<()> {
         }
         if kernels {
             for &(l, c) in &variants {
-                let mut pool = make(1, l, c)?.pool(&layer, 1, options)?;
-                pool.write_slot(0, &st, &h)?;
+                let mut pool = make(1, l, c)?.pool(&layer, nseq, options)?;
+                (0..nseq).try_for_each(|k| pool.write_slot(k, &st, &h))?;
                 let k = pool.time_chunked_kernels(&step, io, iters)?;
                 let mut row = format!("{t:>6} {:>9}", format!("{l}/{c}"));
                 for x in k {
