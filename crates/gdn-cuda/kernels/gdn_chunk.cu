@@ -11,7 +11,8 @@
 //                    delta_s^T; the committed state (and the history) at the commit point
 //   gdn_chunk_out    one block a (chunk, value head): the gated RMS norm of o, y, planes, group sums
 //
-// Macros (src/chunk.rs): GDN_D, GDN_HK, GDN_HV, GDN_SILU, GDN_GROUPED, GDN_PLANES, the element types
+// Macros (src/chunk.rs): GDN_D, GDN_HK, GDN_HV, GDN_SILU, GDN_GROUPED, GDN_PLANES, GDN_NT_OUT (threads of an out
+// block: ChunkSpec::out_threads), the element types
 // GDN_QKV_DT .. GDN_OUT_DT (0 f32, 1 bf16, 2 f16), GDN_STATE_DT (0 f32, 1 bf16), GDN_VMAJOR (state layout),
 // GDN_L (chunk length), GDN_CB (value columns a state block owns), GDN_TF32X1 (one TF32 product a step),
 // GDN_NARROW (1: also the narrow state kernel, 16 columns a block),
@@ -47,7 +48,7 @@
 #define N_OUT (HV * D)
 #define NT_PREP 256
 #define NT_STATE 256
-#define NT_OUT 512
+#define NT_OUT GDN_NT_OUT
 
 static_assert(D % 16 == 0, "d must be a multiple of 16");
 static_assert(D % GDN_CB == 0, "whole column blocks");
@@ -873,8 +874,8 @@ extern "C" __global__ void __launch_bounds__(NT_STATE, 3) gdn_chunk_state_narrow
 #endif
 
 // ---------------------------------------------------------------------------------------------------------
-// The gated RMS norm, y, planes and group sums of one chunk of one value head: a warp a token, 16 warps (at L 64
-// four tokens a warp one after another: with four warps, sixteen made one chunk's block take ~40 us).
+// The gated RMS norm, y, planes and group sums of one chunk of one value head: a warp a token, 16 warps up to d 256
+// (at L 64 four tokens a warp one after another: with four warps, sixteen made one chunk's block take ~40 us).
 extern "C" __global__ void __launch_bounds__(NT_OUT) gdn_chunk_out(
     const EZ::T* __restrict__ z, const float* __restrict__ gamma, EO::T* __restrict__ out, long long plane,
     const int* __restrict__ plan, int n_seqs, int cap_long, float eps, const float* __restrict__ scr,

@@ -184,6 +184,16 @@ impl ChunkSpec {
         self.prep_smem() <= MAX_SMEM && self.state_smem() <= MAX_SMEM
     }
 
+    /// Threads of a `gdn_chunk_out` block (`GDN_NT_OUT`): 16 warps, a token each in turn (with 4, one chunk's
+    /// block took ~40 us at L 64); 4 where 16 warps' rows of y (16 d floats) would pass 48 KB of static shared memory.
+    pub fn out_threads(&self) -> u32 {
+        if self.shape.d <= 256 {
+            512
+        } else {
+            128
+        }
+    }
+
     /// Scratch floats per row of a call.
     pub fn floats_per_row(&self) -> usize {
         let s = &self.shape;
@@ -199,7 +209,7 @@ impl ChunkSpec {
             "#define GDN_D {}\n#define GDN_HK {}\n#define GDN_HV {}\n#define GDN_SILU {}\n#define GDN_GROUPED {}\n\
              #define GDN_PLANES {}\n#define GDN_QKV_DT {}\n#define GDN_ALPHA_DT {}\n#define GDN_BETA_DT {}\n\
              #define GDN_Z_DT {}\n#define GDN_OUT_DT {}\n#define GDN_STATE_DT {}\n#define GDN_VMAJOR {}\n\
-             #define GDN_L {}\n#define GDN_CB {}\n#define GDN_TF32X1 {}\n#define GDN_NARROW {}\n",
+             #define GDN_L {}\n#define GDN_CB {}\n#define GDN_TF32X1 {}\n#define GDN_NARROW {}\n#define GDN_NT_OUT {}\n",
             s.d,
             s.h_k,
             s.h_v,
@@ -217,6 +227,7 @@ impl ChunkSpec {
             self.cb(),
             (self.products == ChunkProducts::Tf32) as u8,
             self.has_narrow() as u8,
+            self.out_threads(),
         )
     }
 
@@ -606,8 +617,7 @@ impl ChunkScratch {
                 cuda,
                 &fns.out,
                 (grid_ent, sh.h_v as u32),
-                // NT_OUT in gdn_chunk.cu
-                512,
+                spec.out_threads(),
                 0,
                 &mut p,
                 stream,

@@ -1,12 +1,14 @@
-//! Long windows (prefill) at the seed's shape, B windows of T tokens (`--seqs B`, 1 by default), commit all: the token-serial kernel beside the chunked form
-//! (per column block), per window length, through `LayerPool::time_varlen`; the chunked output checked against
-//! the token-serial one and (at `--oracle-t`) against the float64 oracle.
+//! Long windows (prefill) at the seed's shape, B windows of T tokens (`--seqs B`, 1 by default), commit all: the
+//! token-serial kernel beside the chunked form (per column block), per window length, through
+//! `LayerPool::time_varlen`; the chunked output checked against the token-serial one and (at `--oracle-t`) against
+//! the float64 oracle.
 //!
 //! `cargo run --release -p gdn-wgpu --example prefill [-- --t 16,32,64,128,256,512,4096] [--columns 8,16,32]
 //! [--len 16,32] [--crossover 16,24,32,48,64,96,128]
 //! [--io f32|bf16] [--state f32|bf16] [--oracle-t 512] [--budget 20000] [--kernels 1] [--seqs 1]` (tokens a timed round:
 //! iterations are budget / T, 1 to 50; `--kernels 1` adds each chunked kernel's share of every variant's time,
-//! `WgpuPool::time_chunked_kernels`). `GDN_WGPU_ADAPTER=nvidia` picks an adapter by name (read
+//! `WgpuPool::time_chunked_kernels`; `--seqs B` takes one B, and a timed round then holds B x budget tokens).
+//! `GDN_WGPU_ADAPTER=nvidia` picks an adapter by name (read
 //! here and passed in: the library reads no environment).
 
 use gdn::oracle::{self, SeqState};

@@ -29,8 +29,10 @@ impl Geom {
             DEFAULT_LEN
         };
         let ok = |bv: usize| {
+            // chunk_run's thread rows need NT a multiple of BV (a BV of 24 or 48 left rows of the state unwritten)
             bv >= 4
                 && bv.is_multiple_of(4)
+                && NT.is_multiple_of(bv)
                 && d.is_multiple_of(bv)
                 && (d * bv).is_multiple_of(NT)
                 && (l * bv).is_multiple_of(NT)
@@ -54,8 +56,8 @@ pub const NT: usize = 256;
 
 /// Windows of at least this many tokens (counted to the commit point where the window commits) run chunked by
 /// default on a GPU adapter: never (`usize::MAX`): on the H200 through NVIDIA's Vulkan driver (NOTES.md "Chunked
-/// windows") the chunked form ran slower than the token-serial kernel at every length from 32 to 1024 tokens and
-/// won only at 4096 (1.05x). `Wgpu::measure_crossover` measures the crossover on the adapter at hand.
+/// windows") the chunked form at the default geometry ran slower than the token-serial kernel at every length from
+/// 32 to 1024 tokens (0.37-0.93x), and at its best won 1.02-1.05x (T 512 at L 16, T 4096 at L 32). `Wgpu::measure_crossover` measures the crossover on the adapter at hand.
 pub const DEFAULT_CHUNK_FROM: usize = usize::MAX;
 
 /// The four entry points, in dispatch order.
@@ -316,6 +318,8 @@ mod tests {
         assert_eq!(Geom::new(16, 16, 8), Geom { l: 16, bv: 16 });
         assert_eq!(Geom::new(128, 64, 8), Geom { l: 32, bv: 8 });
         assert_eq!(Geom::new(48, 7, 32), Geom { l: 32, bv: 16 });
+        // 48 divides d 192 but not the 256 threads
+        assert_eq!(Geom::new(192, 32, 48), Geom { l: 32, bv: 16 });
         let one = scratch_floats(&sh, g, 100).unwrap();
         let r = plan(&sh, g, &[100, 100, 100], 2 * one + 10, 65535).unwrap();
         assert_eq!(r.len(), 2);
