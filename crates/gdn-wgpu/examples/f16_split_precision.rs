@@ -44,74 +44,52 @@ fn main() {
         let a: Vec<f32> = (0..m * k).map(|_| gen(&mut seed)).collect();
         let b: Vec<f32> = (0..k * n).map(|_| gen(&mut seed) * 30.0).collect();
         for scaled in [false, true] {
-            let ra: Vec<f64> = (0..m)
-                .map(|i| {
-                    if scaled {
-                        pow2_scale(
-                            (0..k)
-                                .map(|j| a[i * k + j].abs() as f64)
-                                .fold(0.0, f64::max),
-                        )
-                    } else {
-                        1.0
-                    }
-                })
-                .collect();
-            let cb: Vec<f64> = (0..n)
-                .map(|c| {
-                    if scaled {
-                        pow2_scale(
-                            (0..k)
-                                .map(|j| b[j * n + c].abs() as f64)
-                                .fold(0.0, f64::max),
-                        )
-                    } else {
-                        1.0
-                    }
-                })
-                .collect();
+            // a scale per row of a and per column of b (1 unscaled)
+            let scales = |outer: usize, at: &dyn Fn(usize, usize) -> f32| -> Vec<f64> {
+                (0..outer)
+                    .map(|o| {
+                        let max = (0..k).map(|j| at(o, j).abs() as f64).fold(0.0, f64::max);
+                        if scaled {
+                            pow2_scale(max)
+                        } else {
+                            1.0
+                        }
+                    })
+                    .collect()
+            };
+            let ra = scales(m, &|i, j| a[i * k + j]);
+            let cb = scales(n, &|c, j| b[j * n + c]);
             let (mut num, mut den, mut worst) = (0.0f64, 0.0f64, 0.0f64);
+            // the same product in plain f32 FMAs for reference
+            let mut n32 = 0.0f64;
             for i in 0..m {
                 for c in 0..n {
-                    let mut acc = 0.0f32;
+                    let (mut acc, mut acc32) = (0.0f32, 0.0f32);
                     let mut exact = 0.0f64;
                     let mut absum = 0.0f64;
                     for j in 0..k {
-                        let x = (a[i * k + j] as f64 * ra[i]) as f32;
-                        let y = (b[j * n + c] as f64 * cb[c]) as f32;
-                        let (xh, xl) = split(x);
-                        let (yh, yl) = split(y);
+                        let (av, bv) = (a[i * k + j], b[j * n + c]);
+                        let (xh, xl) = split((av as f64 * ra[i]) as f32);
+                        let (yh, yl) = split((bv as f64 * cb[c]) as f32);
                         acc += xh * yh;
                         acc += xh * yl;
                         acc += xl * yh;
-                        exact += a[i * k + j] as f64 * b[j * n + c] as f64;
-                        absum += (a[i * k + j] as f64 * b[j * n + c] as f64).abs();
+                        acc32 = av.mul_add(bv, acc32);
+                        exact += av as f64 * bv as f64;
+                        absum += (av as f64 * bv as f64).abs();
                     }
                     let got = acc as f64 / (ra[i] * cb[c]);
                     num += (got - exact).powi(2);
                     den += exact.powi(2);
                     worst = worst.max((got - exact).abs() / absum);
-                }
-            }
-            // the same product in plain f32 FMAs for reference
-            let (mut n32, mut d32) = (0.0f64, 0.0f64);
-            for i in 0..m {
-                for c in 0..n {
-                    let mut acc = 0.0f32;
-                    let mut exact = 0.0f64;
-                    for j in 0..k {
-                        acc = a[i * k + j].mul_add(b[j * n + c], acc);
-                        exact += a[i * k + j] as f64 * b[j * n + c] as f64;
-                    }
-                    n32 += (acc as f64 - exact).powi(2);
-                    d32 += exact.powi(2);
+                    n32 += (acc32 as f64 - exact).powi(2);
                 }
             }
             println!(
                 "{name:>24} scaled {scaled:5}: split-f16 rel L2 {:.2e} (worst |err| / sum|ab| {:.2e}); f32 FMAs {:.2e}",
                 (num / den).sqrt(),
                 worst,
-                (n32 / d32).sqrt()
+                (n32 / den).sqrt()
             );
         }
     }

@@ -130,19 +130,19 @@ fn run() -> gdn::Result<()> {
             seqs: &seqs,
             plane_stride: None,
         };
-        let fill = |pool: &mut Box<dyn LayerPool>| -> gdn::Result<()> {
+        let fill = |pool: &mut dyn LayerPool| -> gdn::Result<()> {
             (0..nseq).try_for_each(|k| pool.write_slot(k, &st, &h))
         };
         let iters = (budget / t).clamp(1, 50);
         let layout = OutputLayout::for_rows(&shape, nseq * t, None)?;
         let once = |backend: &Wgpu| -> gdn::Result<(Vec<f32>, Vec<f32>, f64)> {
             let mut pool = backend.create_pool_with(&layer, nseq, options)?;
-            fill(&mut pool)?;
+            fill(pool.as_mut())?;
             let mut out = TensorData::filled(layout.len(), 0.0, io);
             pool.step_varlen(&step, out.view_mut())?;
             let (mut s1, mut h1) = (vec![0.0; shape.state_len()], vec![0.0; shape.hist_len()]);
             pool.read_slot(0, &mut s1, &mut h1)?;
-            fill(&mut pool)?;
+            fill(pool.as_mut())?;
             let us = pool.time_varlen(&step, io, iters)?.per_call.as_secs_f64() * 1e6;
             Ok((out.to_f32(), s1, us))
         };
@@ -171,7 +171,7 @@ fn run() -> gdn::Result<()> {
         if kernels {
             for &(l, c) in &variants {
                 let mut pool = make(1, l, c)?.pool(&layer, nseq, options)?;
-                (0..nseq).try_for_each(|k| pool.write_slot(k, &st, &h))?;
+                fill(&mut pool)?;
                 let k = pool.time_chunked_kernels(&step, io, iters)?;
                 let mut row = format!("{t:>6} {:>9}", format!("{l}/{c}"));
                 for x in k {

@@ -19,9 +19,10 @@ pub struct Geom {
 }
 
 impl Geom {
-    /// The geometry for head dim d from the caller's preferences: L 16 or 32 (else 32; 64 was dropped: slowest at every length measured, and its `chunk_wy` needs 37.6 KB of workgroup memory); BV the preferred
-    /// count where it divides d and fills whole thread rows (L BV and d BV multiples of NT), else the first of 16,
-    /// 32, 8 that does.
+    /// The geometry for head dim d from the caller's preferences: L 16 or 32 (else 32; not 64, slowest wherever
+    /// measured, and its `chunk_wy` would need 37.6 KB of workgroup memory); BV the preferred count where it is a
+    /// multiple of 4 dividing d and NT and fills whole thread rows (L BV and d BV multiples of NT), else the first of
+    /// 16, 32, 8 that does.
     pub fn new(d: usize, len: usize, columns: usize) -> Geom {
         let l = if [16, 32].contains(&len) {
             len
@@ -57,7 +58,8 @@ pub const NT: usize = 256;
 /// Windows of at least this many tokens (counted to the commit point where the window commits) run chunked by
 /// default on a GPU adapter: never (`usize::MAX`): on the H200 through NVIDIA's Vulkan driver (NOTES.md "Chunked
 /// windows") the chunked form at the default geometry ran slower than the token-serial kernel at every length from
-/// 32 to 1024 tokens (0.37-0.93x), and at its best won 1.02-1.05x (T 512 at L 16, T 4096 at L 32). `Wgpu::measure_crossover` measures the crossover on the adapter at hand.
+/// 32 to 1024 tokens (0.37-0.93x), and at its best won 1.02-1.05x (T 512 at L 16, T 4096 at L 32).
+/// `Wgpu::measure_crossover` measures the crossover on the adapter at hand.
 pub const DEFAULT_CHUNK_FROM: usize = usize::MAX;
 
 /// The four entry points, in dispatch order.
