@@ -536,9 +536,17 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
                 if (is_q) {
                     base = prm.o_qh + ((tokb + r) * h_k + g) * D;
                 }
+                // LB scratch elements loaded before their FMAs: NVIDIA's Vulkan compiler left the loop's loads one
+                // at a time on the chain (a chunk took about one L2 round trip an FMA step)
                 var acc = vec4<f32>(0.0);
-                for (var i = 0u; i < D; i++) {
-                    acc = fma(vec4<f32>(cs[base + i]), sv[i * CG + c4], acc);
+                for (var i0 = 0u; i0 < D; i0 += LB) {
+                    var w: array<f32, LB>;
+                    //#for x LB
+                    w[$x] = cs[base + i0 + $x];
+                    //#endfor
+                    //#for x LB
+                    acc = fma(vec4<f32>(w[$x]), sv[(i0 + $x) * CG + c4], acc);
+                    //#endfor
                 }
                 if (is_q) {
                     qs[m] = acc;
@@ -559,11 +567,18 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
             if (e >= L * CG && e < 2u * L * CG && r < nl) {
                 var o = rgam[r] * qs[m];
                 // constant trip counts here and below (a guard inside): lavapipe limits each loop of an
-                // invocation to 65535 iterations in all, counted across re-entries, unless it is unrolled
-                for (var s = 0u; s < L; s++) {
-                    if (s <= r) {
-                        o = fma(vec4<f32>(cs[pbase + r * L + s]), dl[s * CG + c4], o);
+                // invocation to 65535 iterations in all, counted across re-entries, unless it is unrolled; the
+                // row's P entries loaded SB at a time (all inside the chunk's block), used up to the diagonal
+                for (var s0 = 0u; s0 < L; s0 += SB) {
+                    var pv: array<f32, SB>;
+                    //#for x SB
+                    pv[$x] = cs[pbase + r * L + s0 + $x];
+                    //#endfor
+                    //#for x SB
+                    if (s0 + $x <= r) {
+                        o = fma(vec4<f32>(pv[$x]), dl[(s0 + $x) * CG + c4], o);
                     }
+                    //#endfor
                 }
                 let ob = prm.o_o + ((tokb + r) * h_v + h) * D + cb * BV + 4u * c4;
                 let os = o * SCALE;
@@ -588,32 +603,47 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
                 }
             }
         }
-        for (var s = 0u; s < L; s++) {
-            if (s < nl) {
-                let dv = dl[s * CG + uc];
-                let ge = rend[s];
-                let kb = kb0 + s * h_k * D;
-                for (var m = 0u; m < UI; m++) {
-                    if (ui0 + m * (NT / CG) < D) {
-                        nsv[m] = fma(vec4<f32>(ge * cs[kb + m * (NT / CG)]), dv, nsv[m]);
-                    }
-                }
+        // the keys of SB rows loaded before their FMAs (rows past the chunk's length read its last row, unused)
+        for (var s0 = 0u; s0 < L; s0 += SB) {
+            var kv: array<f32, SB * UI>;
+            //#for x SB
+            //#for m UI
+            if (ui0 + $m * (NT / CG) < D) {
+                kv[$x * UI + $m] = cs[kb0 + min(s0 + $x, nl - 1u) * h_k * D + $m * (NT / CG)];
             }
+            //#endfor
+            //#endfor
+            //#for x SB
+            if (s0 + $x < nl) {
+                let dv = dl[(s0 + $x) * CG + uc];
+                let ge = rend[s0 + $x];
+                //#for m UI
+                nsv[$m] = fma(vec4<f32>(ge * kv[$x * UI + $m]), dv, nsv[$m]);
+                //#endfor
+            }
+            //#endfor
         }
         // the commit row's sums in a loop of their own: one loop with both (the second under a guard) was not
         // unrolled by lavapipe, whose loop limit then cut a 65536-token window short
         if (inner) {
-            for (var s = 0u; s < L; s++) {
-                if (s <= pe) {
-                    let dv = dl[s * CG + uc];
-                    let gc = rendc[s];
-                    let kb = kb0 + s * h_k * D;
-                    for (var m = 0u; m < UI; m++) {
-                        if (ui0 + m * (NT / CG) < D) {
-                            csv[m] = fma(vec4<f32>(gc * cs[kb + m * (NT / CG)]), dv, csv[m]);
-                        }
-                    }
+            for (var s0 = 0u; s0 < L; s0 += SB) {
+                var kv: array<f32, SB * UI>;
+                //#for x SB
+                //#for m UI
+                if (ui0 + $m * (NT / CG) < D) {
+                    kv[$x * UI + $m] = cs[kb0 + min(s0 + $x, pe) * h_k * D + $m * (NT / CG)];
                 }
+                //#endfor
+                //#endfor
+                //#for x SB
+                if (s0 + $x <= pe) {
+                    let dv = dl[(s0 + $x) * CG + uc];
+                    let gc = rendc[s0 + $x];
+                    //#for m UI
+                    csv[$m] = fma(vec4<f32>(gc * kv[$x * UI + $m]), dv, csv[$m]);
+                    //#endfor
+                }
+                //#endfor
             }
         }
         workgroupBarrier();

@@ -466,7 +466,9 @@ fn msl_hlsl_chunked_kernels() {
                             inputs: std::array::from_fn(|m| DTYPES[(k + m) % 3]),
                             ..KernelKey::plain(d)
                         };
-                        let src = key.chunk_source(len, columns);
+                        let src = key
+                            .chunk_source(len, columns)
+                            .expect("a chunk geometry exists for this d");
                         // a column count the backend lowers to one already covered gives the same text
                         if blocks.contains(&src) {
                             continue;
