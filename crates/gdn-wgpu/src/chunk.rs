@@ -99,7 +99,7 @@ pub fn kt(l: usize) -> usize {
 pub fn workgroup_bytes(d: usize, g: Geom) -> usize {
     let (l, bv) = (g.l, g.bv);
     let pre = tb(d, l) * (2 * d + 2 * d / 16);
-    let wy = 2 * l * l + 3 * l + 2 * l * kt(l);
+    let wy = 2 * l * l + 3 * l + 2 * l * (kt(l) + 1);
     let run = d * bv + l * bv + 3 * l;
     let out = tb(d, l) * (2 * d + d / 16);
     4 * pre.max(wy).max(run).max(out)
@@ -152,7 +152,7 @@ pub fn source(key: &KernelKey, g: Geom) -> String {
     ];
     // scratch loads issued LB (SB) at a time ahead of their FMAs in `chunk_run`; d is a multiple of 8 wherever a
     // geometry exists (a BV of 4 needs d % 64, 8 needs d % 32, the rest d % 16) and L is 16 or 32
-    let counts = [("LB", 8), ("SB", 8), ("UI", (d * bv / 4).div_ceil(NT))];
+    let counts = [("LB4", 2), ("SB", 8), ("UI", (d * bv / 4).div_ceil(NT))];
     header + &expand(&paste_includes(TEMPLATE), &flags, &counts)
 }
 

@@ -65,6 +65,9 @@ struct CParams {
 @group(0) @binding(5) var<storage, read> jobs: array<vec4<u32>>;
 @group(0) @binding(6) var<uniform> prm: CParams;
 @group(0) @binding(7) var<storage, read_write> cs: array<f32>;
+// the same scratch as vectors, chunk_run's only name for it (its W, q, U and readout rows start on multiples of
+// four floats); an entry point may use one name of a binding, not both
+@group(0) @binding(7) var<storage, read_write> cs4: array<vec4<f32>>;
 
 fn qk_head(h: u32) -> u32 {
     if (prm.grouped != 0u) {
@@ -227,9 +230,11 @@ fn chunk_pre(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
 var<workgroup> wam: array<f32, L * L>;
 // q_r . k_s, decayed in place, then copied to P in the scratch (the decays' read-modify-writes stay on chip)
 var<workgroup> wpq: array<f32, L * L>;
-// the chunk's k and q rows, KT columns at a time
-var<workgroup> wkt: array<f32, L * KT>;
-var<workgroup> wqt: array<f32, L * KT>;
+// the chunk's k and q rows, KT columns at a time, rows KT + 1 apart: the dots' lanes read rows s of one column,
+// and at a stride of KT (16 or 32 floats) those fell on one or two banks (16-way conflicts: most of chunk_wy's
+// time on NVIDIA)
+var<workgroup> wkt: array<f32, L * (KT + 1u)>;
+var<workgroup> wqt: array<f32, L * (KT + 1u)>;
 var<workgroup> wgs: array<f32, L>;
 var<workgroup> wbs: array<f32, L>;
 var<workgroup> wgam: array<f32, L>;
@@ -270,8 +275,8 @@ fn chunk_wy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
                 kv = cs[prm.o_kh + ((tokb + r) * h_k + g) * D + i];
                 qv = cs[prm.o_qh + ((tokb + r) * h_k + g) * D + i];
             }
-            wkt[e] = kv;
-            wqt[e] = qv;
+            wkt[r * (KT + 1u) + e % KT] = kv;
+            wqt[r * (KT + 1u) + e % KT] = qv;
         }
         workgroupBarrier();
         for (var m = 0u; m < EPT; m++) {
@@ -281,9 +286,9 @@ fn chunk_wy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
             if (idx < L * L && r < nl && s <= r) {
                 for (var i = 0u; i < KT; i++) {
                     if (i0 + i < D) {
-                        let kv = wkt[s * KT + i];
-                        kd[m] = fma(wkt[r * KT + i], kv, kd[m]);
-                        qd[m] = fma(wqt[r * KT + i], kv, qd[m]);
+                        let kv = wkt[s * (KT + 1u) + i];
+                        kd[m] = fma(wkt[r * (KT + 1u) + i], kv, kd[m]);
+                        qd[m] = fma(wqt[r * (KT + 1u) + i], kv, qd[m]);
                     }
                 }
             }
@@ -409,6 +414,11 @@ var<workgroup> rgam: array<f32, L>;
 var<workgroup> rend: array<f32, L>;
 var<workgroup> rendc: array<f32, L>;
 
+// scratch element e, for chunk_run (which reads the scratch through `cs4` only)
+fn csr(e: u32) -> f32 {
+    return cs4[e / 4u][e % 4u];
+}
+
 // element e = i BV + j of the column block
 fn sv_at(e: u32) -> f32 {
     return sv[e / 4u][e % 4u];
@@ -517,10 +527,10 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         let pe = commit_at - t0 - 1u;
         // gamma_r = g_0 ... g_r and the end decays of the chunk's end and of the commit row, from chunk_wy
         if (tid < nl) {
-            rgam[tid] = cs[pbase + L * L + tid];
-            rend[tid] = cs[pbase + L * L + L + tid];
+            rgam[tid] = csr(pbase + L * L + tid);
+            rend[tid] = csr(pbase + L * L + L + tid);
             if (has_commit && tid <= pe) {
-                rendc[tid] = cs[pbase + L * L + 2u * L + tid];
+                rendc[tid] = csr(pbase + L * L + 2u * L + tid);
             }
         }
         // delta = U - W S (items e < L CG) and q S (items L CG <= e < 2 L CG): row (e / CG) % L, column vector
@@ -540,19 +550,22 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
                 // at a time on the chain (a chunk took about one L2 round trip an FMA step)
                 var acc = vec4<f32>(0.0);
                 for (var i0 = 0u; i0 < D; i0 += LB) {
-                    var w: array<f32, LB>;
-                    //#for x LB
-                    w[$x] = cs[base + i0 + $x];
+                    var w: array<vec4<f32>, LB / 4u>;
+                    //#for x LB4
+                    w[$x] = cs4[(base + i0) / 4u + $x];
                     //#endfor
-                    //#for x LB
-                    acc = fma(vec4<f32>(w[$x]), sv[(i0 + $x) * CG + c4], acc);
+                    //#for x LB4
+                    acc = fma(vec4<f32>(w[$x].x), sv[(i0 + 4u * $x) * CG + c4], acc);
+                    acc = fma(vec4<f32>(w[$x].y), sv[(i0 + 4u * $x + 1u) * CG + c4], acc);
+                    acc = fma(vec4<f32>(w[$x].z), sv[(i0 + 4u * $x + 2u) * CG + c4], acc);
+                    acc = fma(vec4<f32>(w[$x].w), sv[(i0 + 4u * $x + 3u) * CG + c4], acc);
                     //#endfor
                 }
                 if (is_q) {
                     qs[m] = acc;
                 } else {
                     let ub = prm.o_u + ((tokb + r) * h_v + h) * D + cb * BV + 4u * c4;
-                    dl[r * CG + c4] = vec4<f32>(cs[ub], cs[ub + 1u], cs[ub + 2u], cs[ub + 3u]) - acc;
+                    dl[r * CG + c4] = cs4[ub / 4u] - acc;
                 }
             }
         }
@@ -572,7 +585,7 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
                 for (var s0 = 0u; s0 < L; s0 += SB) {
                     var pv: array<f32, SB>;
                     //#for x SB
-                    pv[$x] = cs[pbase + r * L + s0 + $x];
+                    pv[$x] = csr(pbase + r * L + s0 + $x);
                     //#endfor
                     //#for x SB
                     if (s0 + $x <= r) {
@@ -582,10 +595,7 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
                 }
                 let ob = prm.o_o + ((tokb + r) * h_v + h) * D + cb * BV + 4u * c4;
                 let os = o * SCALE;
-                cs[ob] = os.x;
-                cs[ob + 1u] = os.y;
-                cs[ob + 2u] = os.z;
-                cs[ob + 3u] = os.w;
+                cs4[ob / 4u] = os;
             }
         }
         // the state after the chunk (and after the commit row, where it lies inside the chunk):
@@ -609,7 +619,7 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
             //#for x SB
             //#for m UI
             if (ui0 + $m * (NT / CG) < D) {
-                kv[$x * UI + $m] = cs[kb0 + min(s0 + $x, nl - 1u) * h_k * D + $m * (NT / CG)];
+                kv[$x * UI + $m] = csr(kb0 + min(s0 + $x, nl - 1u) * h_k * D + $m * (NT / CG));
             }
             //#endfor
             //#endfor
@@ -631,7 +641,7 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
                 //#for x SB
                 //#for m UI
                 if (ui0 + $m * (NT / CG) < D) {
-                    kv[$x * UI + $m] = cs[kb0 + min(s0 + $x, pe) * h_k * D + $m * (NT / CG)];
+                    kv[$x * UI + $m] = csr(kb0 + min(s0 + $x, pe) * h_k * D + $m * (NT / CG));
                 }
                 //#endfor
                 //#endfor

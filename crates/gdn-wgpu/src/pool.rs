@@ -410,7 +410,10 @@ impl WgpuPool {
             _ => usize::MAX,
         };
         // with no geometry the chunked kernels are never built or dispatched (chunk_from above)
-        let geom = geom.unwrap_or(chunk::Geom { l: chunk::DEFAULT_LEN, bv: 16 });
+        let geom = geom.unwrap_or(chunk::Geom {
+            l: chunk::DEFAULT_LEN,
+            bv: 16,
+        });
         let cparams = gpu.scoped("allocating the pool", || {
             gpu.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("gdn chunk params"),
@@ -751,7 +754,8 @@ impl WgpuPool {
             .max()
             .unwrap_or(0);
         let mut grown = c.jobs.reserve(&gpu, words.len() as u64 * 4, keep)?;
-        grown |= c.cs.reserve(&gpu, floats as u64 * 4, keep)?;
+        // whole vectors: chunk_run reads the scratch as vec4 (a binding limit is a multiple of 16 bytes)
+        grown |= c.cs.reserve(&gpu, floats.div_ceil(4) as u64 * 16, keep)?;
         gpu.queue
             .write_buffer(c.jobs.get()?, 0, bytemuck::cast_slice(&words));
         Ok(grown)
