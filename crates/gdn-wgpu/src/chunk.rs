@@ -22,8 +22,8 @@ impl Geom {
     /// The geometry for head dim d from the caller's preferences: L 16 or 32 (else 32; not 64, slowest wherever
     /// measured, and its `chunk_wy` would need 37.6 KB of workgroup memory); BV the preferred count where it is a
     /// multiple of 4 dividing d and NT and fills whole thread rows (L BV and d BV multiples of NT), else the first of
-    /// 16, 32, 8 that does; `None` where none does (d 24, 40, ...: such pools run every window token by token).
-    pub fn new(d: usize, len: usize, columns: usize) -> Option<Geom> {
+    /// 16, 32, 8 that does (16 always does: d is a multiple of 16).
+    pub fn new(d: usize, len: usize, columns: usize) -> Geom {
         let l = if [16, 32].contains(&len) {
             len
         } else {
@@ -38,10 +38,11 @@ impl Geom {
                 && (d * bv).is_multiple_of(NT)
                 && (l * bv).is_multiple_of(NT)
         };
-        [columns, 16, 32, 8]
+        let bv = [columns, 16, 32, 8]
             .into_iter()
             .find(|&bv| ok(bv))
-            .map(|bv| Geom { l, bv })
+            .unwrap_or(16);
+        Geom { l, bv }
     }
 
     /// Floats of a chunk's block per value head: its decayed q.k products P [L][L], then gamma, the end decays
@@ -151,7 +152,7 @@ pub fn source(key: &KernelKey, g: Geom) -> String {
         ("OUT16", key.out != DType::F32),
     ];
     // scratch loads issued LB (SB) at a time ahead of their FMAs in `chunk_run`; d is a multiple of 8 wherever a
-    // geometry exists (a BV of 4 needs d % 64, 8 needs d % 32, the rest d % 16) and L is 16 or 32
+    // shape has (d is a multiple of 16) and L is 16 or 32
     let counts = [("LB4", 2), ("SB", 8), ("UI", (d * bv / 4).div_ceil(NT))];
     header + &expand(&paste_includes(TEMPLATE), &flags, &counts)
 }
@@ -160,8 +161,8 @@ impl KernelKey {
     /// The WGSL of the chunked kernels for this key's d, state, layout and dtypes, with the chunk length and
     /// column block the backend picks for `len` and `columns` ([`crate::Options::chunk_len`],
     /// [`crate::Options::chunk_columns`]); entry points [`CHUNK_ENTRIES`].
-    pub fn chunk_source(&self, len: usize, columns: usize) -> Option<String> {
-        Geom::new(self.d, len, columns).map(|g| source(self, g))
+    pub fn chunk_source(&self, len: usize, columns: usize) -> String {
+        source(self, Geom::new(self.d, len, columns))
     }
 }
 
@@ -294,7 +295,7 @@ mod tests {
                     inputs: [DType::Bf16, DType::F32, DType::F16, DType::F32],
                     ..KernelKey::plain(d)
                 };
-                let src = source(&key, Geom::new(d, 16, 8).unwrap());
+                let src = source(&key, Geom::new(d, 16, 8));
                 let module = naga::front::wgsl::parse_str(&src)
                     .unwrap_or_else(|e| panic!("d {d}: {}", e.emit_to_string(&src)));
                 naga::valid::Validator::new(
@@ -311,23 +312,21 @@ mod tests {
     fn d_128_fits_webgpu_default_workgroup_memory() {
         let web = wgpu::Limits::default();
         for l in [16, 32] {
-            assert!(check_limits(128, Geom::new(128, l, 16).unwrap(), &web).is_ok());
+            assert!(check_limits(128, Geom::new(128, l, 16), &web).is_ok());
         }
-        assert!(check_limits(128, Geom::new(128, 32, 32).unwrap(), &web).is_err());
+        assert!(check_limits(128, Geom::new(128, 32, 32), &web).is_err());
     }
 
     #[test]
     fn rounds_split_by_scratch_and_refuse_what_cannot_fit() {
         let sh = Shape::new(16, 1, 2).unwrap();
-        let g = Geom::new(16, 32, 16).unwrap();
+        let g = Geom::new(16, 32, 16);
         assert_eq!(g, Geom { l: 32, bv: 16 });
-        assert_eq!(Geom::new(16, 16, 8), Some(Geom { l: 16, bv: 16 }));
-        assert_eq!(Geom::new(128, 64, 8), Some(Geom { l: 32, bv: 8 }));
-        assert_eq!(Geom::new(48, 7, 32), Some(Geom { l: 32, bv: 16 }));
+        assert_eq!(Geom::new(16, 16, 8), Geom { l: 16, bv: 16 });
+        assert_eq!(Geom::new(128, 64, 8), Geom { l: 32, bv: 8 });
+        assert_eq!(Geom::new(48, 7, 32), Geom { l: 32, bv: 16 });
         // 48 divides d 192 but not the 256 threads
-        assert_eq!(Geom::new(192, 32, 48), Some(Geom { l: 32, bv: 16 }));
-        // no column count fits d 24 (8 divides it, but 24 x 8 is not a multiple of the 256 threads)
-        assert_eq!(Geom::new(24, 32, 16), None);
+        assert_eq!(Geom::new(192, 32, 48), Geom { l: 32, bv: 16 });
         let one = scratch_floats(&sh, g, 100).unwrap();
         let r = plan(&sh, g, &[100, 100, 100], 2 * one + 10, 65535).unwrap();
         assert_eq!(r.len(), 2);

@@ -405,15 +405,11 @@ impl WgpuPool {
         let rw = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
         // the chunked kernels where the adapter runs them (else every window runs token by token)
         let geom = chunk::Geom::new(sh.d, settings.chunk_len, settings.chunk_columns);
-        let chunk_from = match geom {
-            Some(g) if chunk::check_limits(sh.d, g, &gpu.limits).is_ok() => settings.chunk_from,
-            _ => usize::MAX,
+        let chunk_from = if chunk::check_limits(sh.d, geom, &gpu.limits).is_ok() {
+            settings.chunk_from
+        } else {
+            usize::MAX
         };
-        // with no geometry the chunked kernels are never built or dispatched (chunk_from above)
-        let geom = geom.unwrap_or(chunk::Geom {
-            l: chunk::DEFAULT_LEN,
-            bv: 16,
-        });
         let cparams = gpu.scoped("allocating the pool", || {
             gpu.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("gdn chunk params"),

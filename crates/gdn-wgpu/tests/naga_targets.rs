@@ -466,9 +466,7 @@ fn msl_hlsl_chunked_kernels() {
                             inputs: std::array::from_fn(|m| DTYPES[(k + m) % 3]),
                             ..KernelKey::plain(d)
                         };
-                        let src = key
-                            .chunk_source(len, columns)
-                            .expect("a chunk geometry exists for this d");
+                        let src = key.chunk_source(len, columns);
                         // a column count the backend lowers to one already covered gives the same text
                         if blocks.contains(&src) {
                             continue;
