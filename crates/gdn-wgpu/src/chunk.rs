@@ -151,9 +151,14 @@ pub fn source(key: &KernelKey, g: Geom) -> String {
         ("SBF16", key.state == DType::Bf16),
         ("OUT16", key.out != DType::F32),
     ];
-    // scratch loads issued LB (SB) at a time ahead of their FMAs in `chunk_run`; d is a multiple of 8 wherever a
-    // shape has (d is a multiple of 16) and L is 16 or 32
-    let counts = [("LB4", 2), ("SB", 8), ("UI", (d * bv / 4).div_ceil(NT))];
+    // loads issued ahead of their use: LB (SB) scratch values in `chunk_run` (d is a multiple of 16, L 16 or 32),
+    // a batch of TB tokens' inputs in `chunk_pre`
+    let counts = [
+        ("LB4", 2),
+        ("SB", 8),
+        ("UI", (d * bv / 4).div_ceil(NT)),
+        ("TB", tb(d, l)),
+    ];
     header + &expand(&paste_includes(TEMPLATE), &flags, &counts)
 }
 

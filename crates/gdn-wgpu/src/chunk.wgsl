@@ -118,8 +118,6 @@ fn chunk_pre(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
     var h1: array<f32, CP1>;
     var h2: array<f32, CP1>;
     var chan: array<u32, CP1>;
-    // the next token's raw input, loaded a token ahead of its use
-    var xn: array<f32, CP1>;
     for (var m = 0u; m < CP1; m++) {
         let cl = tid + m * NT;
         if (cl < nch) {
@@ -142,7 +140,6 @@ fn chunk_pre(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
                 h1[m] = ld_qkv((row0 + t0 - 2u) * cc + ch);
                 h2[m] = ld_qkv((row0 + t0 - 1u) * cc + ch);
             }
-            xn[m] = ld_qkv((row0 + t0) * cc + ch);
         }
     }
     if (!is_qk && tid < nl) {
@@ -158,16 +155,25 @@ fn chunk_pre(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
     // once, then the normalised values (three barriers a batch, not a token)
     for (var tb = 0u; tb < nl; tb += TB) {
         let nb = min(TB, nl - tb);
-        for (var u = 0u; u < nb; u++) {
-            let t = tb + u;
-            let row = row0 + t0 + t;
+        // the batch's raw inputs, every load in flight before the first is used (loaded one token ahead, each
+        // token waited on a round trip to memory)
+        var xb: array<f32, TB * CP1>;
+        for (var m = 0u; m < CP1; m++) {
+            if (tid + m * NT < nch) {
+                //#for u TB
+                if ($u < nb) {
+                    xb[$u * CP1 + m] = ld_qkv((row0 + t0 + tb + $u) * cc + chan[m]);
+                }
+                //#endfor
+            }
+        }
+        //#for u TB
+        if ($u < nb) {
+            let t = tb + $u;
             for (var m = 0u; m < CP1; m++) {
                 let cl = tid + m * NT;
                 if (cl < nch) {
-                    let x = xn[m];
-                    if (t + 1u < nl) {
-                        xn[m] = ld_qkv((row + 1u) * cc + chan[m]);
-                    }
+                    let x = xb[$u * CP1 + m];
                     let w = cw[m];
                     var s = fma(h0[m], w.x, 0.0);
                     s = fma(h1[m], w.y, s);
@@ -178,13 +184,14 @@ fn chunk_pre(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
                     h1[m] = h2[m];
                     h2[m] = x;
                     if (is_qk) {
-                        pv[u * (2u * D) + cl] = cv;
+                        pv[$u * (2u * D) + cl] = cv;
                     } else {
                         cs[prm.o_u + ((tokb + t) * h_v + h) * D + cl] = cv;
                     }
                 }
             }
         }
+        //#endfor
         if (is_qk) {
             workgroupBarrier();
             // 16-value partial sums of squares: token u's q partials, then its k partials
