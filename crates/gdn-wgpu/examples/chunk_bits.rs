@@ -1,4 +1,9 @@
-//! Temporary: dumps the chunked path's bits over many geometries for a cmp between builds.
+//! The chunked path's bits over many geometries, written to a file, so that two builds of a change meant to keep
+//! every sum (a reordered load, a padded array) can be compared with `cmp`: d 16, 48, 64 and 128, L 16 and 32, BV
+//! 8, 16 and 32, f32 and bf16 states in both layouts, three windows of one call committing all, inside a chunk and
+//! near the start; y with planes, then every slot's state and history (65 MB on lavapipe, about two minutes).
+//!
+//! `cargo run --release -p gdn-wgpu --example chunk_bits -- /tmp/before.bin` (then the change, `/tmp/after.bin`).
 use gdn::step::{RowsData, Seq, Step, TensorData};
 use gdn::synth::Synth;
 use gdn::{Backend, Commit, Config, DType, OutputLayout, PoolOptions, Shape, StateLayout};
@@ -34,11 +39,7 @@ fn main() {
                     (DType::F32, StateLayout::ValueMajor),
                     (DType::Bf16, StateLayout::KeyMajor),
                 ] {
-                    let opts = PoolOptions {
-                        state,
-                        layout,
-                        ..PoolOptions::default()
-                    };
+                    let opts = PoolOptions { state, layout };
                     let mut p = b.create_pool_with(&layer, 3, opts).unwrap();
                     let mut rng = Synth::new(7 + d as u64);
                     for i in 0..3 {
