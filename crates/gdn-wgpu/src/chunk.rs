@@ -111,7 +111,7 @@ pub fn workgroup_bytes(d: usize, g: Geom) -> usize {
 pub fn source(key: &KernelKey, g: Geom) -> String {
     let d = key.d;
     let (l, bv) = (g.l, g.bv);
-    let consts: [(&str, usize); 19] = [
+    let consts: [(&str, usize); 20] = [
         ("KT", kt(l)),
         ("EPT", (l * l).div_ceil(NT)),
         ("D", d),
@@ -131,6 +131,7 @@ pub fn source(key: &KernelKey, g: Geom) -> String {
         ("TB", tb(d, l)),
         ("LB", 8),
         ("SB", 8),
+        ("ZE", (tb(d, l) * d).div_ceil(NT)),
     ];
     let mut header = String::new();
     for (name, v) in consts {
@@ -152,12 +153,13 @@ pub fn source(key: &KernelKey, g: Geom) -> String {
         ("OUT16", key.out != DType::F32),
     ];
     // loads issued ahead of their use: LB (SB) scratch values in `chunk_run` (d is a multiple of 16, L 16 or 32),
-    // a batch of TB tokens' inputs in `chunk_pre`
+    // a batch of TB tokens' inputs in `chunk_pre`, a thread's ZE elements' inputs in `chunk_out`
     let counts = [
         ("LB4", 2),
         ("SB", 8),
         ("UI", (d * bv / 4).div_ceil(NT)),
         ("TB", tb(d, l)),
+        ("ZE", (tb(d, l) * d).div_ceil(NT)),
     ];
     header + &expand(&paste_includes(TEMPLATE), &flags, &counts)
 }

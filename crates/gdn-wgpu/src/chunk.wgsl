@@ -720,9 +720,20 @@ fn chunk_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
     // TB tokens at a time, every step over all of them at once (four barriers a batch)
     for (var tb = 0u; tb < nl; tb += TB) {
         let nb = min(TB, nl - tb);
-        for (var e = tid; e < nb * D; e += NT) {
-            eo[e] = cs[prm.o_o + ((tokb + tb + e / D) * prm.h_v + h) * D + e % D];
+        // every global value this thread's elements need, loaded up front: a load after one of the y stores
+        // below waits for it (the driver cannot tell the output from the inputs), one round trip an element
+        var zv: array<f32, ZE>;
+        var gv: array<f32, ZE>;
+        //#for k ZE
+        {
+            let e = tid + $k * NT;
+            if (e < nb * D) {
+                eo[e] = cs[prm.o_o + ((tokb + tb + e / D) * prm.h_v + h) * D + e % D];
+                zv[$k] = ld_z((job.y + t0 + tb + e / D) * n + h * D + e % D);
+                gv[$k] = lw[4u * prm.c + 2u * prm.h_v + e % D];
+            }
         }
+        //#endfor
         workgroupBarrier();
         for (var p = tid; p < nb * (D / 16u); p += NT) {
             let b = (p / (D / 16u)) * D + 16u * (p % (D / 16u));
@@ -734,7 +745,9 @@ fn chunk_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
             eparts[p] = acc;
         }
         workgroupBarrier();
-        for (var e = tid; e < nb * D; e += NT) {
+        //#for k ZE
+        if (tid + $k * NT < nb * D) {
+            let e = tid + $k * NT;
             let u = e / D;
             let j = e % D;
             let row = job.y + t0 + tb + u;
@@ -743,12 +756,12 @@ fn chunk_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
                 sso += eparts[u * (D / 16u) + p];
             }
             let rs = inverseSqrt(sso / f32(D) + prm.eps);
-            let zz = ld_z(row * n + h * D + j);
+            let zz = zv[$k];
             var act = sigmoid(zz);
             if (prm.silu != 0u) {
                 act = zz * act;
             }
-            let gam = lw[4u * prm.c + 2u * prm.h_v + j];
+            let gam = gv[$k];
             let y = ((rs * eo[e]) * gam) * act;
             ey[e] = y;
 //#if !OUT16
@@ -761,6 +774,7 @@ fn chunk_out(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
             }
 //#endif
         }
+        //#endfor
         workgroupBarrier();
 //#if OUT16
         for (var p = tid; p < nb * (D / 2u); p += NT) {
