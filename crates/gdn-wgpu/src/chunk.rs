@@ -160,6 +160,7 @@ pub fn source(key: &KernelKey, g: Geom) -> String {
         ("UI", (d * bv / 4).div_ceil(NT)),
         ("TB", tb(d, l)),
         ("ZE", (tb(d, l) * d).div_ceil(NT)),
+        ("L", l),
     ];
     header + &expand(&paste_includes(TEMPLATE), &flags, &counts)
 }

@@ -372,6 +372,17 @@ fn chunk_wy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
             if (is_w) {
                 base = prm.o_w;
             }
+            // the column's inputs, all loaded before the first block (a load after the block's stores below would
+            // wait for them: the driver cannot tell the rows apart), then solved in place
+            //#for r L
+            if ($r < nl) {
+                if (is_w) {
+                    xs[$r] = cs[prm.o_kh + ((tokb + $r) * h_k + g) * D + e];
+                } else {
+                    xs[$r] = cs[prm.o_u + ((tokb + $r) * h_v + h) * D + e];
+                }
+            }
+            //#endfor
             for (var tb = 0u; tb < L; tb += 8u) {
                 var acc: array<f32, 8>;
                 for (var i = 0u; i < 8u; i++) {
@@ -379,9 +390,9 @@ fn chunk_wy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
                     acc[i] = 0.0;
                     if (r < nl) {
                         if (is_w) {
-                            acc[i] = (wbs[r] * wgam[r]) * cs[prm.o_kh + ((tokb + r) * h_k + g) * D + e];
+                            acc[i] = (wbs[r] * wgam[r]) * xs[r];
                         } else {
-                            acc[i] = wbs[r] * cs[prm.o_u + ((tokb + r) * h_v + h) * D + e];
+                            acc[i] = wbs[r] * xs[r];
                         }
                     }
                 }
