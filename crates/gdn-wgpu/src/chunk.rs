@@ -20,7 +20,7 @@ pub struct Geom {
 
 impl Geom {
     /// The geometry for head dim d from the caller's preferences: L 16 or 32 (else 32; not 64, slowest wherever
-    /// measured, and its `chunk_wy` would need 37.6 KB of workgroup memory); BV the preferred count where it is a
+    /// measured, and its `chunk_wy` would need 38.1 KB of workgroup memory); BV the preferred count where it is a
     /// multiple of 4 dividing d and NT and fills whole thread rows (L BV and d BV multiples of NT), else the first of
     /// 16, 32, 8 that does (16 always does: d is a multiple of 16).
     pub fn new(d: usize, len: usize, columns: usize) -> Geom {
@@ -91,7 +91,7 @@ pub fn tb(d: usize, l: usize) -> usize {
     (2048 / (2 * d)).clamp(1, l)
 }
 
-/// Key columns `chunk_wy` stages at a time (k and q rows of the chunk: 1024 floats).
+/// Key columns `chunk_wy` stages at a time (k and q rows of the chunk: 1024 floats, in arrays of rows KT + 1 apart).
 pub fn kt(l: usize) -> usize {
     512 / l
 }
@@ -109,8 +109,14 @@ pub fn workgroup_bytes(d: usize, g: Geom) -> usize {
 /// The WGSL of the chunked kernels for a pipeline key (its d, state, layout and dtypes; subgroups and row blocks
 /// do not apply).
 pub fn source(key: &KernelKey, g: Geom) -> String {
+    // loads issued ahead of their use in `chunk_run`: W and q rows 4 LB4 floats at a time (d, a multiple of 16, is a
+    // multiple of it), P and key rows SB at a time (L is 16 or 32)
+    const LB4: usize = 4;
+    const SB: usize = 8;
     let d = key.d;
     let (l, bv) = (g.l, g.bv);
+    // a `chunk_out` thread's elements of a batch
+    let ze = (tb(d, l) * d).div_ceil(NT);
     let consts: [(&str, usize); 20] = [
         ("KT", kt(l)),
         ("EPT", (l * l).div_ceil(NT)),
@@ -129,9 +135,9 @@ pub fn source(key: &KernelKey, g: Geom) -> String {
         ("GW", key.group_width()),
         ("PB", g.pb()),
         ("TB", tb(d, l)),
-        ("LB", 8),
-        ("SB", 8),
-        ("ZE", (tb(d, l) * d).div_ceil(NT)),
+        ("LB", 4 * LB4),
+        ("SB", SB),
+        ("ZE", ze),
     ];
     let mut header = String::new();
     for (name, v) in consts {
@@ -152,14 +158,14 @@ pub fn source(key: &KernelKey, g: Geom) -> String {
         ("SBF16", key.state == DType::Bf16),
         ("OUT16", key.out != DType::F32),
     ];
-    // loads issued ahead of their use: LB (SB) scratch values in `chunk_run` (d is a multiple of 16, L 16 or 32),
-    // a batch of TB tokens' inputs in `chunk_pre`, a thread's ZE elements' inputs in `chunk_out`
+    // the unrolled blocks (`//#for NAME COUNT`): chunk_run's loads ahead (LB4, SB) and update rows (UI), chunk_pre's
+    // batch (TB), chunk_out's elements (ZE), chunk_wy's substitution inputs (L)
     let counts = [
-        ("LB4", 2),
-        ("SB", 8),
+        ("LB4", LB4),
+        ("SB", SB),
         ("UI", (d * bv / 4).div_ceil(NT)),
         ("TB", tb(d, l)),
-        ("ZE", (tb(d, l) * d).div_ceil(NT)),
+        ("ZE", ze),
         ("L", l),
     ];
     header + &expand(&paste_includes(TEMPLATE), &flags, &counts)

@@ -1,8 +1,9 @@
 // The chunked (WY / UT) form of the GDN window step, for long windows (NOTES.md "Chunked windows").
 //
-// A template like gdn_step.wgsl: `chunk.rs` prepends the constants (D, L, BV, NCB, NT, CG, IP1, UI, RSN, CP1, CP2, CPE, GW,
-// SCALE), the input loaders and the scalar helpers of gdn_step.wgsl (decay, sigmoid, the bf16 / f16 conversions),
-// and expands the same directives (SBF16, VMAJOR, OUT16). Four entry points, dispatched in this order by the pool,
+// A template like gdn_step.wgsl: `chunk.rs` prepends the constants (KT, EPT, D, L, BV, NCB, NT, CG, IP1, UI, RSN, CP1,
+// CP2, CPE, GW, PB, TB, LB, SB, ZE, SCALE), the input loaders and the scalar helpers of gdn_step.wgsl (decay, sigmoid,
+// the bf16 / f16 conversions), and expands the same directives (SBF16, VMAJOR, OUT16; `//#for` blocks over LB4, SB,
+// UI, TB, ZE and L). Four entry points, dispatched in this order by the pool,
 // each a pass over every chunk of every chunked window of the call:
 //   chunk_pre  (q/k head or value head, chunk): conv + SiLU with the history, the L2 norms of q and k, the gates
 //              and write strengths, into the scratch buffer `cs`;
@@ -601,13 +602,13 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
                 // invocation to 65535 iterations in all, counted across re-entries, unless it is unrolled; the
                 // row's P entries loaded SB at a time (all inside the chunk's block), used up to the diagonal
                 for (var s0 = 0u; s0 < L; s0 += SB) {
-                    var pv: array<f32, SB>;
+                    var prow: array<f32, SB>;
                     //#for x SB
-                    pv[$x] = csr(pbase + r * L + s0 + $x);
+                    prow[$x] = csr(pbase + r * L + s0 + $x);
                     //#endfor
                     //#for x SB
                     if (s0 + $x <= r) {
-                        o = fma(vec4<f32>(pv[$x]), dl[(s0 + $x) * CG + c4], o);
+                        o = fma(vec4<f32>(prow[$x]), dl[(s0 + $x) * CG + c4], o);
                     }
                     //#endfor
                 }

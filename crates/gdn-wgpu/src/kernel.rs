@@ -268,8 +268,8 @@ pub fn paste_includes(src: &str) -> String {
     out
 }
 
-/// Expands the template's directives. Flags not named are false; counts not named are an internal error, so
-/// they are checked by a unit test rather than at run time.
+/// Expands the template's directives. Flags not named are false; a count not named is an internal error: it
+/// leaves a line no WGSL parser accepts, so the templates' validity tests catch it.
 pub fn expand(src: &str, flags: &[(&str, bool)], counts: &[(&str, usize)]) -> String {
     let flag = |name: &str| -> bool {
         let (neg, name) = match name.strip_prefix('!') {
@@ -310,11 +310,15 @@ pub fn expand(src: &str, flags: &[(&str, bool)], counts: &[(&str, usize)]) -> St
             let mut it = rest.split_whitespace();
             let var = it.next().unwrap_or("i").to_string();
             let count_name = it.next().unwrap_or("");
-            let count = counts
-                .iter()
-                .find(|(n, _)| *n == count_name)
-                .map_or(0, |c| c.1);
-            for_stack.push((var, count, String::new()));
+            match counts.iter().find(|(n, _)| *n == count_name) {
+                Some(&(_, count)) => for_stack.push((var, count, String::new())),
+                None => {
+                    // a count the caller did not pass: a line no WGSL parser accepts, so the template's validity
+                    // tests fail instead of the block silently vanishing
+                    out.push_str(&format!("missing count {count_name} for //#for {var};\n"));
+                    for_stack.push((var, 0, String::new()));
+                }
+            }
             continue;
         }
         if t == "//#endfor" {
@@ -377,6 +381,10 @@ mod tests {
             "x\n//#define B\n//#if X\nb\n//#endif\n//#enddef\n//#include B\ny\n  //#include B\n";
         let out = expand(&paste_includes(src), &[("X", true)], &[]);
         assert_eq!(out, "x\nb\ny\nb\n");
+        // a count not passed leaves a line that fails to parse, not an empty block
+        let out = expand("//#for r N\n{ s[$r]; }\n//#endfor\n", &[], &[]);
+        assert_eq!(out, "missing count N for //#for r;\n");
+        assert!(naga::front::wgsl::parse_str(&out).is_err());
     }
 
     #[test]

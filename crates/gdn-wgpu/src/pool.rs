@@ -750,8 +750,8 @@ impl WgpuPool {
             .max()
             .unwrap_or(0);
         let mut grown = c.jobs.reserve(&gpu, words.len() as u64 * 4, keep)?;
-        // whole vectors: chunk_run reads the scratch as vec4 (a binding limit is a multiple of 16 bytes)
-        grown |= c.cs.reserve(&gpu, floats.div_ceil(4) as u64 * 16, keep)?;
+        // (reserve rounds to whole 16-byte vectors, which chunk_run's vec4 view of the scratch needs)
+        grown |= c.cs.reserve(&gpu, floats as u64 * 4, keep)?;
         gpu.queue
             .write_buffer(c.jobs.get()?, 0, bytemuck::cast_slice(&words));
         Ok(grown)
@@ -799,6 +799,8 @@ impl WgpuPool {
         }
         // the readouts over U (see `chunk::regions`)
         offs[4] = offs[2];
+        // chunk_run reads the q, k, U (o) and W regions as vec4 rows: they start on multiples of d (of 16)
+        debug_assert!(offs[..5].iter().all(|o| o % 4 == 0));
         let first_entry: usize = c.rounds[..r].iter().map(|x| x.chunks).sum();
         let (plane, io) = self.chunked_base;
         let p = CParams {
