@@ -430,8 +430,8 @@ var<workgroup> sv: array<vec4<f32>, D * CG>;
 // delta of the chunk's rows, [L][CG] vectors
 var<workgroup> dl: array<vec4<f32>, L * CG>;
 var<workgroup> rgam: array<f32, L>;
-var<workgroup> rend: array<f32, L>;
-var<workgroup> rendc: array<f32, L>;
+// the end decays g_{s+1} ... g_e of the chunk's last row e, then those of the commit row inside the chunk
+var<workgroup> rends: array<f32, 2 * L>;
 
 // scratch element e, for chunk_run (which reads the scratch through `cs4` only)
 fn csr(e: u32) -> f32 {
@@ -473,6 +473,38 @@ fn store_block(slot: u32, h: u32, cb: u32, tid: u32) {
 //#else
         state[at] = sv_at(e);
 //#endif
+    }
+}
+
+// acc[m] += (rends[dec0 + s] k_s[i_m]) delta_s over the chunk's rows s <= last, in order: the update's sums for the
+// state after row `last` (the chunk's end, dec0 0, or the commit row inside it, dec0 L). The keys of SB rows are loaded before their FMAs
+// (rows past `last` read row `last`, unused).
+fn add_rows(
+    acc: ptr<function, array<vec4<f32>, UI>>,
+    dec0: u32,
+    last: u32,
+    kb0: u32,
+    ui0: u32,
+    uc: u32,
+) {
+    for (var s0 = 0u; s0 < L; s0 += SB) {
+        var kv: array<f32, SB * UI>;
+        //#for x SB
+        //#for m UI
+        if (ui0 + $m * (NT / CG) < D) {
+            kv[$x * UI + $m] = csr(kb0 + min(s0 + $x, last) * prm.h_k * D + $m * (NT / CG));
+        }
+        //#endfor
+        //#endfor
+        //#for x SB
+        if (s0 + $x <= last) {
+            let dv = dl[(s0 + $x) * CG + uc];
+            let ge = rends[dec0 + s0 + $x];
+            //#for m UI
+            (*acc)[$m] = fma(vec4<f32>(ge * kv[$x * UI + $m]), dv, (*acc)[$m]);
+            //#endfor
+        }
+        //#endfor
     }
 }
 
@@ -547,9 +579,9 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         // gamma_r = g_0 ... g_r and the end decays of the chunk's end and of the commit row, from chunk_wy
         if (tid < nl) {
             rgam[tid] = csr(pbase + L * L + tid);
-            rend[tid] = csr(pbase + L * L + L + tid);
+            rends[tid] = csr(pbase + L * L + L + tid);
             if (has_commit && tid <= pe) {
-                rendc[tid] = csr(pbase + L * L + 2u * L + tid);
+                rends[L + tid] = csr(pbase + L * L + 2u * L + tid);
             }
         }
         // delta = U - W S (items e < L CG) and q S (items L CG <= e < 2 L CG): row (e / CG) % L, column vector
@@ -632,48 +664,11 @@ fn chunk_run(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
                 }
             }
         }
-        // the keys of SB rows loaded before their FMAs (rows past the chunk's length read its last row, unused)
-        for (var s0 = 0u; s0 < L; s0 += SB) {
-            var kv: array<f32, SB * UI>;
-            //#for x SB
-            //#for m UI
-            if (ui0 + $m * (NT / CG) < D) {
-                kv[$x * UI + $m] = csr(kb0 + min(s0 + $x, nl - 1u) * h_k * D + $m * (NT / CG));
-            }
-            //#endfor
-            //#endfor
-            //#for x SB
-            if (s0 + $x < nl) {
-                let dv = dl[(s0 + $x) * CG + uc];
-                let ge = rend[s0 + $x];
-                //#for m UI
-                nsv[$m] = fma(vec4<f32>(ge * kv[$x * UI + $m]), dv, nsv[$m]);
-                //#endfor
-            }
-            //#endfor
-        }
-        // the commit row's sums in a loop of their own: one loop with both (the second under a guard) was not
+        add_rows(&nsv, 0u, nl - 1u, kb0, ui0, uc);
+        // the commit row's sums in a call of their own: one loop with both (the second under a guard) was not
         // unrolled by lavapipe, whose loop limit then cut a 65536-token window short
         if (inner) {
-            for (var s0 = 0u; s0 < L; s0 += SB) {
-                var kv: array<f32, SB * UI>;
-                //#for x SB
-                //#for m UI
-                if (ui0 + $m * (NT / CG) < D) {
-                    kv[$x * UI + $m] = csr(kb0 + min(s0 + $x, pe) * h_k * D + $m * (NT / CG));
-                }
-                //#endfor
-                //#endfor
-                //#for x SB
-                if (s0 + $x <= pe) {
-                    let dv = dl[(s0 + $x) * CG + uc];
-                    let gc = rendc[s0 + $x];
-                    //#for m UI
-                    csv[$m] = fma(vec4<f32>(gc * kv[$x * UI + $m]), dv, csv[$m]);
-                    //#endfor
-                }
-                //#endfor
-            }
+            add_rows(&csv, L, pe, kb0, ui0, uc);
         }
         workgroupBarrier();
         if (inner) {
