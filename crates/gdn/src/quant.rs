@@ -811,6 +811,7 @@ mod avx512 {
     ///
     /// # Safety
     /// The CPU has AVX-512F; `scale` holds the row's groups (16 columns each), `w` its packed bytes.
+    #[inline]
     #[target_feature(enable = "avx512f")]
     pub unsafe fn words_and_scales<const U: usize>(
         w: &[u8],
