@@ -56,11 +56,10 @@ impl Geom {
 pub const NT: usize = 256;
 
 /// Windows of at least this many tokens (counted to the commit point where the window commits) run chunked by
-/// default on a GPU adapter: never (`usize::MAX`): on the H200 through NVIDIA's Vulkan driver (NOTES.md "Chunked
-/// windows") the chunked form at the default geometry ran slower than the token-serial kernel at every length from
-/// 32 to 1024 tokens (0.37-0.93x), and at its best won 1.02-1.05x (T 512 at L 16, T 4096 at L 32).
-/// `Wgpu::measure_crossover` measures the crossover on the adapter at hand.
-pub const DEFAULT_CHUNK_FROM: usize = usize::MAX;
+/// default on a GPU adapter: 128, the crossover measured on an H100 through NVIDIA's Vulkan driver (NOTES.md
+/// "Chunked windows", session 28: chunked / token-serial 1.11x at 128 tokens, 0.82x at 64, 1.67x at 4096, at the
+/// default geometry). `Wgpu::measure_crossover` measures the crossover on the adapter at hand.
+pub const DEFAULT_CHUNK_FROM: usize = 128;
 
 /// The four entry points, in dispatch order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

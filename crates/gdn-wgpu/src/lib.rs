@@ -8,7 +8,7 @@
 //! point from a job list, the head's state in registers for the whole window, the conv, norms, delta rule,
 //! readout, gated RMS norm, planes and group sums fused. Two reduction paths: subgroup operations where the
 //! adapter has them (any subgroup size), workgroup memory where it has none. Long windows (from
-//! [`Options::chunk_from`] tokens to their commit point; never by default on a GPU, where it measured slower)
+//! [`Options::chunk_from`] tokens to their commit point; 128 by default on a GPU, the crossover measured on an H100)
 //! run in the chunked WY / UT form instead (`chunk.wgsl`:
 //! four dispatches, the state in column blocks in workgroup memory; [`Wgpu::measure_crossover`] measures where it
 //! pays). The library reads no environment variables: everything is in [`Options`].
@@ -72,7 +72,7 @@ pub struct Options {
     /// by token. A window is counted to its commit point where it commits (all of it where it verifies), so a
     /// `commit first k` window runs on the path of the k-token window it must equal bitwise. `Some(usize::MAX)`:
     /// never chunked. `None` (the default): the crossover for the adapter's kind (NOTES.md): on a GPU
-    /// [`DEFAULT_CHUNK_FROM`] (never: the chunked form measured slower on the one GPU tried); on a CPU adapter
+    /// [`DEFAULT_CHUNK_FROM`] (128 tokens, measured on an H100); on a CPU adapter
     /// (lavapipe) [`CPU_CHUNK_FROM`].
     pub chunk_from: Option<usize>,
     /// State columns one workgroup of the chunked recurrence carries (8, 16 or 32; lowered or raised to one that
