@@ -57,8 +57,9 @@ pub const NT: usize = 256;
 
 /// Windows of at least this many tokens (counted to the commit point where the window commits) run chunked by
 /// default on a GPU adapter: 128, the crossover measured on an H100 through NVIDIA's Vulkan driver (NOTES.md
-/// "Chunked windows", session 28: chunked / token-serial 1.11x at 128 tokens, 0.82x at 64, 1.67x at 4096, at the
-/// default geometry). `Wgpu::measure_crossover` measures the crossover on the adapter at hand.
+/// "Chunked windows", session 28: chunked / token-serial 1.11x at 128 tokens, 0.82x at 64, at the default geometry,
+/// before `chunk_wy`'s substitution was unrolled, which took 1.67x at 4096 to 1.94x). `Wgpu::measure_crossover`
+/// measures the crossover on the adapter at hand.
 pub const DEFAULT_CHUNK_FROM: usize = 128;
 
 /// The four entry points, in dispatch order.
@@ -158,7 +159,7 @@ pub fn source(key: &KernelKey, g: Geom) -> String {
         ("OUT16", key.out != DType::F32),
     ];
     // the unrolled blocks (`//#for NAME COUNT`): chunk_run's loads ahead (LB4, SB) and update rows (UI), chunk_pre's
-    // batch (TB), chunk_out's elements (ZE), chunk_wy's substitution inputs (L)
+    // batch (TB), chunk_out's elements (ZE), chunk_wy's substitution inputs and rows (L) and its blocks of 8 rows (L8)
     let counts = [
         ("LB4", LB4),
         ("SB", SB),
@@ -166,6 +167,7 @@ pub fn source(key: &KernelKey, g: Geom) -> String {
         ("TB", tb(d, l)),
         ("ZE", ze),
         ("L", l),
+        ("L8", l / 8),
     ];
     header + &expand(&paste_includes(TEMPLATE), &flags, &counts)
 }

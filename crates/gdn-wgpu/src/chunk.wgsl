@@ -384,10 +384,13 @@ fn chunk_wy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
                 }
             }
             //#endfor
-            for (var tb = 0u; tb < L; tb += 8u) {
+            // the blocks and the rows before each unrolled, so that every index into xs is a constant (NVIDIA's
+            // Vulkan compiler kept xs in local memory where a loop's variable indexed it)
+            //#for b L8
+            {
                 var acc: array<f32, 8>;
                 for (var i = 0u; i < 8u; i++) {
-                    let r = tb + i;
+                    let r = $b * 8u + i;
                     acc[i] = 0.0;
                     if (r < nl) {
                         if (is_w) {
@@ -397,19 +400,19 @@ fn chunk_wy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
                         }
                     }
                 }
-                for (var s = 0u; s < L; s++) {
-                    if (s < tb) {
-                        let xv = xs[s];
-                        for (var i = 0u; i < 8u; i++) {
-                            acc[i] = fma(-wam[(tb + i) * L + s], xv, acc[i]);
-                        }
+                //#for s L
+                if ($s < $b * 8) {
+                    let xv = xs[$s];
+                    for (var i = 0u; i < 8u; i++) {
+                        acc[i] = fma(-wam[($b * 8u + i) * L + $s], xv, acc[i]);
                     }
                 }
+                //#endfor
                 for (var i = 0u; i < 8u; i++) {
-                    let r = tb + i;
+                    let r = $b * 8u + i;
                     for (var j = 0u; j < 8u; j++) {
                         if (j < i) {
-                            acc[i] = fma(-wam[r * L + tb + j], xs[tb + j], acc[i]);
+                            acc[i] = fma(-wam[r * L + $b * 8u + j], xs[$b * 8u + j], acc[i]);
                         }
                     }
                     xs[r] = acc[i];
@@ -418,6 +421,7 @@ fn chunk_wy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
                     }
                 }
             }
+            //#endfor
         }
     }
 }
