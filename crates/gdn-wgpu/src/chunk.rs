@@ -56,10 +56,9 @@ impl Geom {
 pub const NT: usize = 256;
 
 /// Windows of at least this many tokens (counted to the commit point where the window commits) run chunked by
-/// default on a GPU adapter: 128, the crossover measured on an H100 through NVIDIA's Vulkan driver (NOTES.md
-/// "Chunked windows", session 28: chunked / token-serial 1.11x at 128 tokens, 0.82x at 64, at the default geometry,
-/// before `chunk_wy`'s substitution was unrolled, which took 1.67x at 4096 to 1.94x). `Wgpu::measure_crossover`
-/// measures the crossover on the adapter at hand.
+/// default on a GPU adapter: 128, the crossover measured on an H100 through NVIDIA's Vulkan driver at the default
+/// geometry (NOTES.md "Chunked windows": chunked / token-serial 0.82x at 64 tokens, 1.11x at 128, 1.94x at 4096).
+/// `Wgpu::measure_crossover` measures the crossover on the adapter at hand.
 pub const DEFAULT_CHUNK_FROM: usize = 128;
 
 /// The four entry points, in dispatch order.

@@ -3,7 +3,7 @@
 // A template like gdn_step.wgsl: `chunk.rs` prepends the constants (KT, EPT, D, L, BV, NCB, NT, CG, IP1, UI, RSN, CP1,
 // CP2, CPE, GW, PB, TB, LB, SB, ZE, SCALE), the input loaders and the scalar helpers of gdn_step.wgsl (decay, sigmoid,
 // the bf16 / f16 conversions), and expands the same directives (SBF16, VMAJOR, OUT16; `//#for` blocks over LB4, SB,
-// UI, TB, ZE and L). Four entry points, dispatched in this order by the pool,
+// UI, TB, ZE, L and L8). Four entry points, dispatched in this order by the pool,
 // each a pass over every chunk of every chunked window of the call:
 //   chunk_pre  (q/k head or value head, chunk): conv + SiLU with the history, the L2 norms of q and k, the gates
 //              and write strengths, into the scratch buffer `cs`;
@@ -481,8 +481,8 @@ fn store_block(slot: u32, h: u32, cb: u32, tid: u32) {
 }
 
 // acc[m] += (rends[dec0 + s] k_s[i_m]) delta_s over the chunk's rows s <= last, in order: the update's sums for the
-// state after row `last` (the chunk's end, dec0 0, or the commit row inside it, dec0 L). The keys of SB rows are loaded before their FMAs
-// (rows past `last` read row `last`, unused).
+// state after row `last` (the chunk's end, dec0 0, or the commit row inside it, dec0 L). The keys of SB rows are
+// loaded before their FMAs (rows past `last` read row `last`, unused).
 fn add_rows(
     acc: ptr<function, array<vec4<f32>, UI>>,
     dec0: u32,
