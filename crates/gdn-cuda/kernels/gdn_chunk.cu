@@ -342,35 +342,40 @@ __device__ __forceinline__ void prod_step(float* c, const unsigned* ah, const un
 #define LP4 (L + 4)
 #define PREP_SMEM (2 * L * DP4 + 2 * L * LP4 + 3 * L)
 static_assert(L % 16 == 0 && L <= 64, "chunk length");
-// the conv + SiLU of channel e (0..3 D) of value head h over the chunk's n tokens, into dst[t * DP4] (times
-// scale[t] when given): every token's input in flight at once (8 at once on engine memory), the history in
-// registers
+// Channel e's conv + SiLU for the chunk's tokens ta .. ta + SPAN - 1 (those below n), into dst (row stride DP4),
+// each times scale[t] where given; every token's input in flight at once (8 at once on engine memory), the inputs
+// before token ta from the history at the window's start, else from the window's rows. Tokens at or past n are
+// computed from zeros and not stored (a store under a predicate, not a break, so the compiler may overlap the
+// tokens' work).
+template <int SPAN>
 __device__ __forceinline__ void conv_channel(const EQ::T* __restrict__ qkv, size_t qrs, const HistIn& hin,
-                                             const float* __restrict__ conv_w, int h, int e, int t0, int n,
+                                             const float* __restrict__ conv_w, int h, int e, int t0, int ta, int n,
                                              size_t rbase, float* dst, const float* scale) {
+    if (ta >= n) return;
     const int ch = channel(h, e);
     const float4 w = __ldg(reinterpret_cast<const float4*>(conv_w) + ch);
     float x0, x1, x2;
-    if (t0 == 0) {
+    if (t0 + ta == 0) {
         x0 = hin.at(ch, e, 0);
         x1 = hin.at(ch, e, 1);
         x2 = hin.at(ch, e, 2);
     } else {
-        x0 = EQ::ld(qkv[(rbase - 3) * qrs + ch]);
-        x1 = EQ::ld(qkv[(rbase - 2) * qrs + ch]);
-        x2 = EQ::ld(qkv[(rbase - 1) * qrs + ch]);
+        // t0 + ta >= 3: t0 is a multiple of L, ta of SPAN >= 8
+        x0 = EQ::ld(qkv[(rbase + ta - 3) * qrs + ch]);
+        x1 = EQ::ld(qkv[(rbase + ta - 2) * qrs + ch]);
+        x2 = EQ::ld(qkv[(rbase + ta - 1) * qrs + ch]);
     }
-    // a run-time row stride (engine memory) needs an address register a load: 8 loads in flight, not L (more spill)
-    constexpr int G = GDN_EXT ? 8 : L;
+    // a run-time row stride (engine memory) needs an address register a load: 8 loads in flight, not SPAN (more
+    // spill)
+    constexpr int G = GDN_EXT ? 8 : SPAN;
 #pragma unroll
-    for (int tb = 0; tb < L; tb += G) {
+    for (int tb = ta; tb < ta + SPAN; tb += G) {
         if (tb >= n) break;
         EQ::T raw[G];
 #pragma unroll
         for (int t = 0; t < G; ++t) raw[t] = tb + t < n ? qkv[(rbase + tb + t) * qrs + ch] : (EQ::T)0;
 #pragma unroll
         for (int t = 0; t < G; ++t) {
-            if (tb + t >= n) break;
             const float x = EQ::ld(raw[t]);
             float s = 0.0f;
             s = fmaf(x0, w.x, s);
@@ -378,7 +383,7 @@ __device__ __forceinline__ void conv_channel(const EQ::T* __restrict__ qkv, size
             s = fmaf(x2, w.z, s);
             s = fmaf(x, w.w, s);
             const float a = silu_w(s);
-            dst[(tb + t) * DP4] = scale ? scale[tb + t] * a : a;
+            if (tb + t < n) dst[(tb + t) * DP4] = scale ? scale[tb + t] * a : a;
             x0 = x1;
             x1 = x2;
             x2 = x;
@@ -429,7 +434,7 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
 
     // 1. conv + SiLU of q and k, a thread a channel (v waits for q's place, step 5)
     for (int e = tid; e < 2 * D; e += NT_PREP)
-        conv_channel(qkv, qrs, hin, conv_w, h, e, t0, n, rbase, (e < D ? qs : ks) + e % D, nullptr);
+        conv_channel<L>(qkv, qrs, hin, conv_w, h, e, t0, 0, n, rbase, (e < D ? qs : ks) + e % D, nullptr);
     if (tid < n) {
         const size_t r = rbase + tid;
         gs[tid] = softplus_decay(EA::ld(alpha[r * A_RS + h]) + dt[h], ssm_a[h]);
@@ -525,7 +530,11 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
         ks[t * DP4 + i] = (bs[t] * gam[t]) * kt;
     }
     __syncthreads();
-    for (int e = tid; e < D; e += NT_PREP) conv_channel(qkv, qrs, hin, conv_w, h, 2 * D + e, t0, n, rbase, qs + e, bs);
+    // v's D channels in two halves of the chunk's tokens, so that every thread has work (D = NT_PREP / 2 at d 128)
+    for (int p = tid; p < 2 * D; p += NT_PREP) {
+        const int e = p % D, ta = (p / D) * (L / 2);
+        conv_channel<L / 2>(qkv, qrs, hin, conv_w, h, 2 * D + e, t0, ta, n, rbase, qs + e, bs);
+    }
     __syncthreads();
 
     // 6. forward substitution, a thread a column of [W | U], in blocks of 8 rows, the solution replacing the
@@ -554,14 +563,17 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
             }
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
+                // rows at or past n are computed (from whatever their rows hold) and not stored: no break, so the
+                // block's A^T loads need not wait for the rows before them; no row below n reads them
                 const int t = tb + i;
-                if (t >= n) break;
                 float a = acc[i];
 #pragma unroll
                 for (int j = 0; j < i; ++j) a = fmaf(at[(tb + j) * LP4 + t], xr[j], a);
                 xr[i] = x[t * DP4] - a;
-                x[t * DP4] = xr[i];
-                dst[((rbase + t) * HV + h) * D] = xr[i];
+                if (t < n) {
+                    x[t * DP4] = xr[i];
+                    dst[((rbase + t) * HV + h) * D] = xr[i];
+                }
             }
         }
     }

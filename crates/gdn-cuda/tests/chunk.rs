@@ -107,9 +107,11 @@ fn chunked_kernels_compile() {
                 }
                 assert!(spec.supported(), "{spec:?}");
                 let c = spec.compiled().unwrap_or_else(|e| panic!("{e}"));
-                // the host loads the narrow state kernel exactly where the module has it
+                // the host loads the narrow state kernel exactly where the module has it (its name in the cubin's
+                // symbols: NVRTC's log, ptxas' report, lacked it on the H100 while other tests compiled in the process)
+                let narrow = b"gdn_chunk_state_narrow";
                 assert_eq!(
-                    c.log.contains("gdn_chunk_state_narrow"),
+                    c.cubin.windows(narrow.len()).any(|w| w == narrow),
                     spec.has_narrow(),
                     "{spec:?}"
                 );
