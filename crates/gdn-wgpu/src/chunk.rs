@@ -56,10 +56,11 @@ impl Geom {
 pub const NT: usize = 256;
 
 /// Windows of at least this many tokens (counted to the commit point where the window commits) run chunked by
-/// default on a GPU adapter: 128, the crossover measured on an H100 through NVIDIA's Vulkan driver at the default
-/// geometry (NOTES.md "Chunked windows": chunked / token-serial 0.82x at 64 tokens, 1.11x at 128, 1.94x at 4096).
+/// default on a GPU adapter: 64, the crossover measured on an H100 through NVIDIA's Vulkan driver at the default
+/// geometry (NOTES.md "Chunked windows": token-serial / chunked time 0.66x at 32 tokens, 1.00x at 64, 1.20x at 96,
+/// 1.35x at 128, 1.97x at 4096).
 /// `Wgpu::measure_crossover` measures the crossover on the adapter at hand.
-pub const DEFAULT_CHUNK_FROM: usize = 128;
+pub const DEFAULT_CHUNK_FROM: usize = 64;
 
 /// The four entry points, in dispatch order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -72,7 +72,7 @@ pub struct Options {
     /// by token. A window is counted to its commit point where it commits (all of it where it verifies), so a
     /// `commit first k` window runs on the path of the k-token window it must equal bitwise. `Some(usize::MAX)`:
     /// never chunked. `None` (the default): the crossover for the adapter's kind (NOTES.md): on a GPU
-    /// [`DEFAULT_CHUNK_FROM`] (128 tokens, measured on an H100); on a CPU adapter
+    /// [`DEFAULT_CHUNK_FROM`] (64 tokens, measured on an H100); on a CPU adapter
     /// (lavapipe) [`CPU_CHUNK_FROM`].
     pub chunk_from: Option<usize>,
     /// State columns one workgroup of the chunked recurrence carries (8, 16 or 32; lowered or raised to one that
