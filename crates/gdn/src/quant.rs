@@ -291,40 +291,26 @@ impl QuantWeights {
                 tmp.par_chunks_mut(CHUNK * r_n)
                     .enumerate()
                     .for_each(|(c, chunk)| {
-                        for (i, acc_row) in chunk.chunks_exact_mut(r_n).enumerate() {
+                        // rows in blocks (four for one token, two for two: twelve accumulators), so that each
+                        // vector of the token's digits is loaded once for the block; the chunk's tail row by row
+                        let rb = if r_n == 1 { 4 } else { 2 };
+                        let mut i = 0;
+                        for block in chunk.chunks_mut(rb * r_n) {
                             let o = c * CHUNK + i;
-                            // the next weight row fetched into L1 while this one is summed
-                            // the next row's words, scales and zero terms, fetched a slice a step of this one
-                            let next: [&[u8]; 3] = if o + 1 < hidden {
-                                let q = o + 1;
-                                [
-                                    bytes_of(q),
-                                    bytemuck::cast_slice(&self.scale[q * groups..(q + 1) * groups]),
-                                    bytemuck::cast_slice(&self.zs[q * groups..(q + 1) * groups]),
-                                ]
-                            } else {
-                                [&[], &[], &[]]
-                            };
-                            let scale = &self.scale[o * groups..(o + 1) * groups];
-                            let zs = &self.zs[o * groups..(o + 1) * groups];
-                            // SAFETY: the CPU has AVX-512F, VNNI and VBMI (checked above); `bytes_of(o)` is the row's
-                            // packed bytes, `scale` its groups' scales, `digits` and `factor` the layout of the
-                            // call's r_n tokens for this packing and n, as `row` asks; `dot` needs AVX-512F and
-                            // two slices of `groups` values.
+                            // SAFETY: the CPU has AVX-512F, VNNI and VBMI (checked above); `digits` and
+                            // `factor` are the layout of the call's r_n tokens
                             unsafe {
-                                vnni::row(
-                                    self.packing,
-                                    bytes_of(o),
-                                    scale,
-                                    &digits,
-                                    &factor,
-                                    next,
-                                    acc_row,
-                                );
-                                for (r, a) in acc_row.iter_mut().enumerate() {
-                                    *a -= avx512::dot(zs, &gsum[r * groups..(r + 1) * groups]);
+                                match block.len() / r_n {
+                                    4 => self.vnni_rows::<4>(o, &digits, &factor, gsum, block),
+                                    2 => self.vnni_rows::<2>(o, &digits, &factor, gsum, block),
+                                    _ => {
+                                        for (q, acc) in block.chunks_exact_mut(r_n).enumerate() {
+                                            self.vnni_rows::<1>(o + q, &digits, &factor, gsum, acc)
+                                        }
+                                    }
                                 }
                             }
+                            i += block.len() / r_n;
                         }
                     });
                 rows_to_out(&tmp, out, r_n);
@@ -406,6 +392,53 @@ impl QuantWeights {
                 }
             });
         rows_to_out(&tmp, out, r_n);
+    }
+    /// Rows o .. o + R of the integer kernel (`vnni::rows`) into `acc` (`[row][token]`), the zero points' share
+    /// subtracted, the next R rows' words, scales and zero terms prefetched a slice a step.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F, VNNI and VBMI; `digits` and `factor` are `vnni::layout`'s for `acc.len() / R` tokens.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn vnni_rows<const R: usize>(
+        &self,
+        o: usize,
+        digits: &[i32],
+        factor: &[f32],
+        gsum: &[f32],
+        acc: &mut [f32],
+    ) {
+        let (groups, wpr) = (self.cols / 16, self.cols / self.packing.fields());
+        let r_n = acc.len() / R;
+        let bytes_of = |q: usize| -> &[u8] {
+            match &self.words {
+                Words::U16(w) => bytemuck::cast_slice(&w[q * wpr..(q + 1) * wpr]),
+                Words::U32(w) => bytemuck::cast_slice(&w[q * wpr..(q + 1) * wpr]),
+            }
+        };
+        // the next block's rows are contiguous in each of the three arrays
+        let (q0, q1) = ((o + R).min(self.rows), (o + 2 * R).min(self.rows));
+        let next: [&[u8]; 3] = [
+            match &self.words {
+                Words::U16(w) => bytemuck::cast_slice(&w[q0 * wpr..q1 * wpr]),
+                Words::U32(w) => bytemuck::cast_slice(&w[q0 * wpr..q1 * wpr]),
+            },
+            bytemuck::cast_slice(&self.scale[q0 * groups..q1 * groups]),
+            bytemuck::cast_slice(&self.zs[q0 * groups..q1 * groups]),
+        ];
+        let w = std::array::from_fn(|k| bytes_of(o + k));
+        let scale = std::array::from_fn(|k| &self.scale[(o + k) * groups..(o + k + 1) * groups]);
+        // SAFETY: the CPU has AVX-512F, VNNI and VBMI (this function's contract); `w[k]` is row o + k's packed bytes,
+        // `scale[k]` its groups' scales, `digits` and `factor` the layout of the call's r_n tokens for this packing
+        // and n, as `rows` asks; `dot` needs AVX-512F and two slices of `groups` values.
+        unsafe {
+            vnni::rows::<R>(self.packing, w, scale, digits, factor, next, acc);
+            for (k, acc_row) in acc.chunks_exact_mut(r_n).enumerate() {
+                let zs = &self.zs[(o + k) * groups..(o + k + 1) * groups];
+                for (r, a) in acc_row.iter_mut().enumerate() {
+                    *a -= avx512::dot(zs, &gsum[r * groups..(r + 1) * groups]);
+                }
+            }
+        }
     }
 }
 
@@ -1049,59 +1082,66 @@ mod vnni {
         Some((digits, factor))
     }
 
-    /// Adds to `acc[t]` the row's `sum scale (field y)` over all its words, without the zero-point term, for
-    /// `acc.len()` (1 or 2) tokens.
+    /// Adds to `acc[r * nb + t]` row r's `sum scale (field y)` over all its words, without the zero-point term, for
+    /// `nb = acc.len() / R` (1 or 2) tokens and the `R` rows of `w` (each digit vector loaded once for all of them;
+    /// each row's sums in the order of a row alone, so `R` changes no bit).
     ///
     /// # Safety
-    /// The CPU has AVX-512F, VNNI and VBMI; `w` is the row's packed bytes (4 a word), `scale` its groups'
-    /// scales, `digits` and `factor` [`layout`]'s for `acc.len()` tokens, this packing and the row's n; `next`
-    /// slices to prefetch (the next row's), a share a step.
+    /// The CPU has AVX-512F, VNNI and VBMI; `w[r]` is row r's packed bytes (4 a word, the same count every row),
+    /// `scale[r]` its groups' scales, `digits` and `factor` [`layout`]'s for `nb` tokens, this packing and the
+    /// rows' n; `next` slices to prefetch (the next rows'), a share a step.
     #[target_feature(enable = "avx512f,avx512vnni,avx512vbmi")]
-    pub unsafe fn row(
+    pub unsafe fn rows<const R: usize>(
         p: Packing,
-        w: &[u8],
-        scale: &[f32],
+        w: [&[u8]; R],
+        scale: [&[f32]; R],
         digits: &[i32],
         factor: &[f32],
         next: [&[u8]; 3],
         acc: &mut [f32],
     ) {
-        // SAFETY: forwarded
+        // SAFETY: forwarded; one row alone takes 4 (one token) or 2 vectors a step, a block of rows one
         unsafe {
-            match (per_byte(p), acc.len()) {
-                (4, 1) => row_n::<4, 1, 4>(w, scale, digits, factor, next, acc),
-                (4, _) => row_n::<4, 2, 2>(w, scale, digits, factor, next, acc),
-                (_, 1) => row_n::<1, 1, 4>(w, scale, digits, factor, next, acc),
-                _ => row_n::<1, 2, 2>(w, scale, digits, factor, next, acc),
+            match (per_byte(p), acc.len() / R, R) {
+                (4, 1, 1) => rows_n::<4, 1, 4, R>(w, scale, digits, factor, next, acc),
+                (4, 1, _) => rows_n::<4, 1, 1, R>(w, scale, digits, factor, next, acc),
+                (4, _, 1) => rows_n::<4, 2, 2, R>(w, scale, digits, factor, next, acc),
+                (4, _, _) => rows_n::<4, 2, 1, R>(w, scale, digits, factor, next, acc),
+                (_, 1, 1) => rows_n::<1, 1, 4, R>(w, scale, digits, factor, next, acc),
+                (_, 1, _) => rows_n::<1, 1, 1, R>(w, scale, digits, factor, next, acc),
+                (_, _, 1) => rows_n::<1, 2, 2, R>(w, scale, digits, factor, next, acc),
+                _ => rows_n::<1, 2, 1, R>(w, scale, digits, factor, next, acc),
             }
         }
     }
 
-    /// `NB` tokens, `U` vectors of 16 words at a time, `E` fields a byte.
+    /// `NB` tokens, `U` vectors of 16 words at a time, `E` fields a byte, `R` rows.
     #[target_feature(enable = "avx512f,avx512vnni,avx512vbmi")]
-    unsafe fn row_n<const E: usize, const NB: usize, const U: usize>(
-        w: &[u8],
-        scale: &[f32],
+    unsafe fn rows_n<const E: usize, const NB: usize, const U: usize, const R: usize>(
+        w: [&[u8]; R],
+        scale: [&[f32]; R],
         digits: &[i32],
         factor: &[f32],
         next: [&[u8]; 3],
         acc: &mut [f32],
     ) {
-        let j_n = w.len() / 4;
+        let j_n = w[0].len() / 4;
         let steps = j_n.div_ceil(16 * U).max(1);
-        let groups = scale.len();
+        let groups = scale[0].len();
         let wd = factor.len() / NB;
         assert!(
-            acc.len() == NB
+            acc.len() == NB * R
                 && wd.is_multiple_of(64)
                 && wd >= j_n
                 && digits.len() >= NB * E * 3 * wd
                 && j_n * 4 * E == 16 * groups
+                && w.iter().all(|x| x.len() / 4 == j_n)
+                && scale.iter().all(|x| x.len() == groups)
         );
-        // SAFETY: words are read under a lane mask that keeps j < j_n (within `w`), scales under one that keeps
-        // groups < `groups`; digits and factors at [..][j0 + 16 u .. + 16] with j0 + 16 U <= wd (U divides 4, wd
-        // a multiple of 64), within the slices (checked above); prefetches at 64 l < a.len(), inside `next`'s
-        // slices; the intrinsics need AVX-512F, VNNI and VBMI, which the caller guarantees.
+        // SAFETY: words are read under a lane mask that keeps j < j_n (within each row's `w`), scales under one
+        // that keeps groups < `groups`; digits and factors at [..][j0 + 16 u .. + 16] with j0 + 16 U <= wd (U
+        // divides 4, wd a multiple of 64), within the slices (checked above); prefetches at 64 l < a.len(), inside
+        // `next`'s slices; the intrinsics need AVX-512F, VNNI and VBMI, which the caller guarantees.
         unsafe {
             let two_bits = _mm512_set1_epi32(0x0303_0303);
             // multishift controls: output byte i of a qword takes its bits 8 i + 2 e ..
@@ -1110,66 +1150,85 @@ mod vnni {
                     (8 * i + 2 * e) as u8
                 })))
             });
-            let mut total = [_mm512_setzero_ps(); NB];
-            // the next row's lines, a share of each slice a step (no division in the loop)
+            let mut total = [[_mm512_setzero_ps(); NB]; R];
+            // the next rows' lines, a share of each slice a step (no division in the loop)
             let shares = next.map(|a| {
                 let lines = a.len().div_ceil(64);
                 (a.as_ptr(), lines, lines.div_ceil(steps))
             });
             let mut j0 = 0;
             while j0 < j_n {
-                // this step's share of the next row's lines into L1 (a sliding prefetch, as the read ceiling's)
+                // this step's share of the next rows' lines into L1 (a sliding prefetch, as the read ceiling's)
                 let step = j0 / (16 * U);
                 for &(a, lines, per) in &shares {
                     for l in (step * per).min(lines)..((step + 1) * per).min(lines) {
                         _mm_prefetch::<_MM_HINT_T0>(a.add(64 * l).cast());
                     }
                 }
-                let (wv, sc) = super::avx512::words_and_scales::<U>(w, scale, j0, E == 4);
-                let mut a = [[[_mm512_setzero_si512(); 3]; U]; NB];
+                let mut wv = [[_mm512_setzero_si512(); U]; R];
+                let mut sc = [[_mm512_setzero_ps(); U]; R];
+                for r in 0..R {
+                    (wv[r], sc[r]) =
+                        super::avx512::words_and_scales::<U>(w[r], scale[r], j0, E == 4);
+                }
+                let mut a = [[[[_mm512_setzero_si512(); 3]; U]; NB]; R];
                 for (e, ctrl) in fields.iter().enumerate().take(E) {
                     for u in 0..U {
                         // field e of every byte: the byte's bits 2e.. moved down by a multishift (the shuffle
                         // port; a vector shift would take the port the dot products need), then masked
-                        let f = match (E, e) {
-                            (1, _) => wv[u],
-                            (_, 0) => _mm512_and_si512(wv[u], two_bits),
-                            _ => _mm512_and_si512(
-                                _mm512_multishift_epi64_epi8(*ctrl, wv[u]),
-                                two_bits,
-                            ),
-                        };
-                        for (t, at) in a.iter_mut().enumerate() {
-                            for (d, ad) in at[u].iter_mut().enumerate() {
+                        let mut f = [_mm512_setzero_si512(); R];
+                        for (fr, wr) in f.iter_mut().zip(&wv) {
+                            *fr = match (E, e) {
+                                (1, _) => wr[u],
+                                (_, 0) => _mm512_and_si512(wr[u], two_bits),
+                                _ => _mm512_and_si512(
+                                    _mm512_multishift_epi64_epi8(*ctrl, wr[u]),
+                                    two_bits,
+                                ),
+                            };
+                        }
+                        for t in 0..NB {
+                            for d in 0..3 {
                                 let dv = _mm512_loadu_si512(
                                     digits
                                         .as_ptr()
                                         .add(((t * E + e) * 3 + d) * wd + j0 + 16 * u)
                                         .cast(),
                                 );
-                                *ad = _mm512_dpbusd_epi32(*ad, f, dv);
+                                for (ar, fr) in a.iter_mut().zip(&f) {
+                                    ar[t][u][d] = _mm512_dpbusd_epi32(ar[t][u][d], *fr, dv);
+                                }
                             }
                         }
                     }
                 }
-                for (t, (tt, at)) in total.iter_mut().zip(&a).enumerate() {
-                    for u in 0..U {
-                        // (S_2 256 + S_1) 256 + S_0
-                        let s = _mm512_fmadd_ps(
-                            _mm512_cvtepi32_ps(at[u][2]),
-                            _mm512_set1_ps(256.0),
-                            _mm512_cvtepi32_ps(at[u][1]),
-                        );
-                        let s =
-                            _mm512_fmadd_ps(s, _mm512_set1_ps(256.0), _mm512_cvtepi32_ps(at[u][0]));
-                        let fv = _mm512_loadu_ps(factor.as_ptr().add(t * wd + j0 + 16 * u));
-                        *tt = _mm512_fmadd_ps(s, _mm512_mul_ps(fv, sc[u]), *tt);
+                for r in 0..R {
+                    for t in 0..NB {
+                        for u in 0..U {
+                            let at = &a[r][t][u];
+                            // (S_2 256 + S_1) 256 + S_0
+                            let s = _mm512_fmadd_ps(
+                                _mm512_cvtepi32_ps(at[2]),
+                                _mm512_set1_ps(256.0),
+                                _mm512_cvtepi32_ps(at[1]),
+                            );
+                            let s = _mm512_fmadd_ps(
+                                s,
+                                _mm512_set1_ps(256.0),
+                                _mm512_cvtepi32_ps(at[0]),
+                            );
+                            let fv = _mm512_loadu_ps(factor.as_ptr().add(t * wd + j0 + 16 * u));
+                            total[r][t] =
+                                _mm512_fmadd_ps(s, _mm512_mul_ps(fv, sc[r][u]), total[r][t]);
+                        }
                     }
                 }
                 j0 += 16 * U;
             }
-            for (t, tt) in total.iter().enumerate() {
-                acc[t] += _mm512_reduce_add_ps(*tt);
+            for (r, tr) in total.iter().enumerate() {
+                for (t, tt) in tr.iter().enumerate() {
+                    acc[r * NB + t] += _mm512_reduce_add_ps(*tt);
+                }
             }
         }
     }
@@ -1294,6 +1353,46 @@ mod tests {
                 &w.iter().map(|&v| v as f64).collect::<Vec<_>>(),
             );
             assert!(e_w < if p.bits() == 2 { 0.3 } else { 0.01 }, "{p:?}: {e_w}");
+        }
+    }
+
+    /// The integer kernel sums blocks of rows with one load of each digit vector; every row's bits must be those
+    /// of the row alone (the product's tail rows, past the blocks, run alone).
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn integer_row_blocks_change_no_bit() {
+        use std::arch::is_x86_feature_detected as has;
+        if !(has!("avx512f") && has!("avx512vnni") && has!("avx512vbmi")) {
+            eprintln!("skipped: this CPU has no AVX-512 VNNI and VBMI (the integer kernel's)");
+            return;
+        }
+        let (n, hidden) = (512, 71);
+        let mut rng = Synth::new(6);
+        let w = rng.uniform(hidden * n, -0.05, 0.05);
+        for rows in [1, 2] {
+            let y = rng.uniform(rows * n, -2.0, 2.0);
+            let (buf, lay) = planes_of(&y, rows, n);
+            for p in Packing::ALL {
+                let q = QuantWeights::quantize(&w, hidden, n, p).unwrap();
+                let mut got = vec![0.0f32; rows * hidden];
+                q.product_planes(&buf, &lay, &mut got).unwrap();
+                let (at_plane, at_gsum) = q.check_planes(buf.len(), &lay, got.len()).unwrap();
+                let plane = &buf[at_plane..at_plane + rows * n];
+                let gsum = &buf[at_gsum..at_gsum + rows * (n / 16)];
+                let (digits, factor) = vnni::layout(p, plane, n, rows).unwrap();
+                for o in 0..hidden {
+                    let mut acc = vec![0.0f32; rows];
+                    // SAFETY: the features were checked above; digits and factor are the layout of `rows` tokens
+                    unsafe { q.vnni_rows::<1>(o, &digits, &factor, gsum, &mut acc) };
+                    for (r, a) in acc.iter().enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            got[r * hidden + o].to_bits(),
+                            "{p:?} rows {rows} row {o}"
+                        );
+                    }
+                }
+            }
         }
     }
 
