@@ -458,12 +458,22 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
 
     // 4. k_t . k_s and q_t . k_s on tensor cores, a warp a 16 x 8 tile (t, s) at a time; then
     //    M[t][s] = D[t][s] (q_t . k_s) for s <= t, 0 past it, and A[t][s] = b_t (D[t][s] (k_t . k_s)) for s < t
-    //    A warp a row tile and every WPR-th column tile of it up to the diagonal, the row tile's operands split
-    //    once a step for all of them.
+    //    A warp a row tile and every wpr-th column tile of it up to the diagonal, the row tile's operands split
+    //    once a step for all of them. Row tile r has 2 r + 2 column tiles: at L 64 its warps are 1 / 2 / 2 / 3 (at
+    //    most 3 tiles a warp), else the same number a row tile. Which warp computes a tile changes no bit.
     {
-        constexpr int RT = L / 16, WPR = (NT_PREP / 32) / RT, SPW = (L / 8 + WPR - 1) / WPR;
+        constexpr int RT = L / 16;
+#if L == 64 && NT_PREP == 256
+        constexpr int SPW = 3;
+        const int rt = warp == 0 ? 0 : warp <= 4 ? (warp + 1) / 2 : 3;
+        const int wpr = rt == 0 ? 1 : rt == 3 ? 3 : 2;
+        const int sw = warp - (rt == 0 ? 0 : 2 * rt - 1);
+#else
+        constexpr int WPR = (NT_PREP / 32) / RT, SPW = (L / 8 + WPR - 1) / WPR;
         static_assert((NT_PREP / 32) % RT == 0, "whole warps a row tile");
-        const int r0 = (warp / WPR) * 16, sw = warp % WPR;
+        const int rt = warp / WPR, wpr = WPR, sw = warp % WPR;
+#endif
+        const int r0 = rt * 16;
         if (r0 < n) {
             float ck[SPW][4], cq[SPW][4];
 #pragma unroll
@@ -485,7 +495,7 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
                 split4(a_q1, hq1, lq1);
 #pragma unroll
                 for (int j = 0; j < SPW; ++j) {
-                    const int s0 = (sw + j * WPR) * 8;
+                    const int s0 = (sw + j * wpr) * 8;
                     if (s0 >= L || s0 > r0 + 15) continue;  // tiles above the diagonal are 0
                     const float4 kb = *reinterpret_cast<const float4*>(ks + (s0 + g8) * DP4 + k0 + 4 * q4);
                     const float b0[2] = {kb.x, kb.y}, b1[2] = {kb.z, kb.w};
@@ -497,7 +507,7 @@ extern "C" __global__ void __launch_bounds__(NT_PREP, 2) gdn_chunk_prep(
             }
 #pragma unroll
             for (int j = 0; j < SPW; ++j) {
-                const int s0 = (sw + j * WPR) * 8;
+                const int s0 = (sw + j * wpr) * 8;
                 if (s0 >= L || s0 > r0 + 15) continue;
 #pragma unroll
                 for (int x = 0; x < 4; ++x) {
