@@ -292,7 +292,8 @@ impl QuantWeights {
                     .enumerate()
                     .for_each(|(c, chunk)| {
                         // rows in blocks (four for one token, two for two: twelve accumulators), so that each
-                        // vector of the token's digits is loaded once for the block; the chunk's tail row by row
+                        // vector of the token's digits is loaded once for the block; the chunk's last rows in a
+                        // block of two where they are two, else one at a time
                         let rb = if r_n == 1 { 4 } else { 2 };
                         let mut i = 0;
                         for block in chunk.chunks_mut(rb * r_n) {
@@ -1366,10 +1367,11 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX-512 VNNI and VBMI (the integer kernel's)");
             return;
         }
-        let (n, hidden) = (512, 71);
+        // 71 rows: blocks of four, then three rows alone; 70: a last block of two. n 80: a row's words end inside
+        // a vector (masked loads)
         let mut rng = Synth::new(6);
-        let w = rng.uniform(hidden * n, -0.05, 0.05);
-        for rows in [1, 2] {
+        for (n, hidden, rows) in [(512, 71, 1), (512, 71, 2), (80, 70, 1), (80, 70, 2)] {
+            let w = rng.uniform(hidden * n, -0.05, 0.05);
             let y = rng.uniform(rows * n, -2.0, 2.0);
             let (buf, lay) = planes_of(&y, rows, n);
             for p in Packing::ALL {
