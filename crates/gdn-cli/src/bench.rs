@@ -498,6 +498,13 @@ fn host_time(round_ms: u64, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
     Ok(rounds[rounds.len() / 2])
 }
 
+/// The median of some values (None if there are none).
+fn median(v: impl Iterator<Item = f64>) -> Option<f64> {
+    let mut v: Vec<f64> = v.collect();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied()
+}
+
 /// Seconds per call of one tail case: each out_proj alone and each tail (step + out_proj).
 struct Tail {
     planes: f64,
@@ -512,6 +519,8 @@ struct Tail {
     empty: Option<f64>,
     copies: usize,
     planes_vs_shift: f64,
+    /// CPU only: the planes product's time and the read ceiling, measured in turn (five pairs).
+    turns: Vec<(f64, f64)>,
 }
 
 /// The tail on the CPU backend at `b` sequences of `t` tokens (host clock).
@@ -577,6 +586,16 @@ fn cpu_tail(
         &qs[qi % copies]
     };
     let planes = host_time(round_ms, &mut || nq().product_planes(&with, &lay, &mut out))?;
+    // the planes product and a read pass over the rotation's footprint in turn: each pair's ratio holds on a
+    // host whose speed moves from minute to minute (shared VMs), where the run's one read ceiling does not
+    let mut turns = Vec::new();
+    for _ in 0..5 {
+        let Some(read) = backend.read_ceiling_rotating(rotate_bytes, 1)? else {
+            break;
+        };
+        let t = host_time(round_ms, &mut || nq().product_planes(&with, &lay, &mut out))?;
+        turns.push((t, read));
+    }
     let shift = host_time(round_ms, &mut || nq().product_shift(&plain, rows, &mut out))?;
     let tail_planes = host_time(round_ms, &mut || {
         p.step_varlen(&planes_step, gdn::TensorMut::F32(&mut with))?;
@@ -607,6 +626,7 @@ fn cpu_tail(
         empty: None,
         copies,
         planes_vs_shift,
+        turns,
     })
 }
 
@@ -684,6 +704,7 @@ fn run_out_proj(
                             empty: Some(x.empty),
                             copies: x.copies,
                             planes_vs_shift: x.planes_vs_shift,
+                            turns: Vec::new(),
                         }
                     }
                     None => cpu_tail(backend, layer, &q, &bf, b, t, &mut rng, round_ms, rotate)?,
@@ -714,6 +735,7 @@ fn run_out_proj(
                     r.empty,
                     r.copies,
                     r.planes_vs_shift,
+                    median(r.turns.iter().map(|&(t, read)| t * read / q.bytes() as f64)),
                 ));
                 tails.push((
                     p,
@@ -732,16 +754,16 @@ fn run_out_proj(
         }
     }
     println!();
-    println!("out_proj alone, us per call (rows = B x T); floor = bytes to read / copy ceiling; read floor = bytes to read / read ceiling (\"-\" where the backend measures none)");
+    println!("out_proj alone, us per call (rows = B x T); floor = bytes to read / copy ceiling; read floor = bytes to read / read ceiling (\"-\" where the backend measures none); in turn = the median of five pairs of a planes product and a read ceiling measured one after the other");
     println!();
-    println!("| packing | rows | weight MB (fields + scales) | planes us | shift + group sums us | planes / shift | bf16 us ({:.1} MB) | floor us | planes / floor | read floor us | planes / read floor | bf16 / its read floor | fields-only floor us | empty kernel us | planes vs shift rel. diff |", bf.bytes() as f64 / 1e6);
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
-    for &(p, b, t, bytes, fields, planes, shift, bf16, empty, _copies, diff) in &products {
+    println!("| packing | rows | weight MB (fields + scales) | planes us | shift + group sums us | planes / shift | bf16 us ({:.1} MB) | floor us | planes / floor | read floor us | planes / read floor | planes / read floor, in turn | bf16 / its read floor | fields-only floor us | empty kernel us | planes vs shift rel. diff |", bf.bytes() as f64 / 1e6);
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for &(p, b, t, bytes, fields, planes, shift, bf16, empty, _copies, diff, turn) in &products {
         let floor = bytes as f64 / ceiling;
         let read = |x: Option<f64>| x.map_or("-".into(), |v| format!("{v:.2}"));
         let read_floor = read_ceiling.map(|r| bytes as f64 / r);
         println!(
-            "| {} | {} | {:.1} ({:.1} + {:.1}) | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | {:.2} | {} | {} | {} | {:.1} | {} | {:.1e} |",
+            "| {} | {} | {:.1} ({:.1} + {:.1}) | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | {:.2} | {} | {} | {} | {} | {:.1} | {} | {:.1e} |",
             p.name(),
             b * t,
             bytes as f64 / 1e6,
@@ -755,6 +777,7 @@ fn run_out_proj(
             planes / floor,
             read_floor.map_or("-".into(), |f| format!("{:.1}", f * 1e6)),
             read(read_floor.map(|f| planes / f)),
+            read(turn),
             read(read_ceiling.map(|r| bf16 / (bf.bytes() as f64 / r))),
             fields as f64 / ceiling * 1e6,
             empty.map_or("-".into(), |e| format!("{:.2}", e * 1e6)),
