@@ -264,12 +264,7 @@ impl QuantWeights {
         const CHUNK: usize = 64;
         let mut tmp = vec![0.0f32; hidden * r_n];
         #[cfg(target_arch = "x86_64")]
-        let bytes_of = |o: usize| -> &[u8] {
-            match &self.words {
-                Words::U16(w) => bytemuck::cast_slice(&w[o * wpr..(o + 1) * wpr]),
-                Words::U32(w) => bytemuck::cast_slice(&w[o * wpr..(o + 1) * wpr]),
-            }
-        };
+        let bytes_of = |o: usize| self.row_bytes(o..o + 1);
         // row q's words, scales and zero terms into L1
         #[cfg(target_arch = "x86_64")]
         let prefetch_row = |q: usize| {
@@ -394,6 +389,16 @@ impl QuantWeights {
             });
         rows_to_out(&tmp, out, r_n);
     }
+    /// The packed bytes of weight rows `rows` (contiguous, 4 a word in either word size).
+    #[cfg(target_arch = "x86_64")]
+    fn row_bytes(&self, rows: std::ops::Range<usize>) -> &[u8] {
+        let wpr = self.cols / self.packing.fields();
+        match &self.words {
+            Words::U16(w) => bytemuck::cast_slice(&w[rows.start * wpr..rows.end * wpr]),
+            Words::U32(w) => bytemuck::cast_slice(&w[rows.start * wpr..rows.end * wpr]),
+        }
+    }
+
     /// Rows o .. o + R of the integer kernel (`vnni::rows`) into `acc` (`[row][token]`), the zero points' share
     /// subtracted, the next R rows' words, scales and zero terms prefetched a slice a step.
     ///
@@ -408,25 +413,16 @@ impl QuantWeights {
         gsum: &[f32],
         acc: &mut [f32],
     ) {
-        let (groups, wpr) = (self.cols / 16, self.cols / self.packing.fields());
+        let groups = self.cols / 16;
         let r_n = acc.len() / R;
-        let bytes_of = |q: usize| -> &[u8] {
-            match &self.words {
-                Words::U16(w) => bytemuck::cast_slice(&w[q * wpr..(q + 1) * wpr]),
-                Words::U32(w) => bytemuck::cast_slice(&w[q * wpr..(q + 1) * wpr]),
-            }
-        };
         // the next block's rows are contiguous in each of the three arrays
         let (q0, q1) = ((o + R).min(self.rows), (o + 2 * R).min(self.rows));
         let next: [&[u8]; 3] = [
-            match &self.words {
-                Words::U16(w) => bytemuck::cast_slice(&w[q0 * wpr..q1 * wpr]),
-                Words::U32(w) => bytemuck::cast_slice(&w[q0 * wpr..q1 * wpr]),
-            },
+            self.row_bytes(q0..q1),
             bytemuck::cast_slice(&self.scale[q0 * groups..q1 * groups]),
             bytemuck::cast_slice(&self.zs[q0 * groups..q1 * groups]),
         ];
-        let w = std::array::from_fn(|k| bytes_of(o + k));
+        let w = std::array::from_fn(|k| self.row_bytes(o + k..o + k + 1));
         let scale = std::array::from_fn(|k| &self.scale[(o + k) * groups..(o + k + 1) * groups]);
         // SAFETY: the CPU has AVX-512F, VNNI and VBMI (this function's contract); `w[k]` is row o + k's packed bytes,
         // `scale[k]` its groups' scales, `digits` and `factor` the layout of the call's r_n tokens for this packing
